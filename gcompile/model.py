@@ -1,0 +1,149 @@
+"""The single-device GPT: the only model definition in gcompile.
+
+It is what torch.export captures, and it is the eager reference that every
+parallel layout is tested against. Nothing in it knows about ranks: tensor,
+pipeline and data parallelism are graph passes over its captured program.
+Names follow nanoGPT so that its checkpoints and ours line up.
+"""
+
+import math
+import zlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    block_size: int = 256
+    """Learned positions; the longest sequence the model accepts."""
+    vocab_size: int = 257
+    """256 byte values + end-of-document; padding for tp happens in the pass, not here."""
+    n_layer: int = 4
+    """Transformer blocks."""
+    n_head: int = 4
+    """Attention heads; tp must divide it."""
+    n_embd: int = 128
+    """Hidden size; n_head must divide it."""
+    dropout: float = 0.0
+    """0 by default: dropout makes runs depend on the layout's RNG streams."""
+    bias: bool = True
+    """Biases in Linear and LayerNorm, as GPT-2."""
+
+    @property
+    def ffn_hidden_size(self) -> int:
+        return 4 * self.n_embd
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+        self.n_head = config.n_head
+        self.dropout = config.dropout
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x (B, T, C)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        dropout_p = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, config.ffn_hidden_size, bias=config.bias)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(config.ffn_hidden_size, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        x = x + self.mlp(self.ln_2(x))
+        return x
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            wpe=nn.Embedding(config.block_size, config.n_embd),
+            drop=nn.Dropout(config.dropout),
+            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+            ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+        ))
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight  # tied, as GPT-2
+
+    def forward(self, idx, targets=None):
+        """Mean cross-entropy over all tokens when targets are given, else the logits."""
+        B, T = idx.size()
+        if T > self.config.block_size:
+            raise ValueError(f"sequence of {T} tokens is longer than block_size={self.config.block_size}")
+        pos = torch.arange(0, T, dtype=torch.long, device=idx.device)  # (T,)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
+        for block in self.transformer.h:
+            x = block(x)
+        x = self.transformer.ln_f(x)
+        logits = self.lm_head(x)  # (B, T, V)
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+def init_value(name: str, shape, config: GPTConfig, seed: int) -> torch.Tensor:
+    """The initial value of one parameter, a pure function of (seed, name).
+
+    Every rank can make exactly the full tensors it slices, in any order, without
+    building the whole model: that is what keeps all layouts on the same weights.
+    Values follow GPT-2: N(0, 0.02), residual projections scaled by 1/sqrt(2 n_layer).
+    """
+    if name.endswith("bias"):
+        return torch.zeros(shape)
+    if ".ln_" in name:
+        return torch.ones(shape)
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    std = 0.02 / math.sqrt(2 * config.n_layer) if name.endswith("c_proj.weight") else 0.02
+    return torch.randn(shape, generator=generator) * std
+
+
+def parameter_shapes(config: GPTConfig) -> dict[str, torch.Size]:
+    """Full parameter shapes by nanoGPT name, without allocating (the tied head is `transformer.wte.weight`)."""
+    with torch.device("meta"):
+        model = GPT(config)
+    return {name: p.shape for name, p in model.named_parameters()}
+
+
+def build_model(config: GPTConfig, seed: int, device="cpu", dtype=torch.float32) -> GPT:
+    """The eager single-device model on its initial weights."""
+    with torch.device("meta"):
+        model = GPT(config)
+    model.to_empty(device=device)
+    model.transformer.wte.weight = model.lm_head.weight  # to_empty unties
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(init_value(name, p.shape, config, seed))
+    return model.to(dtype)
