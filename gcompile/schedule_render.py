@@ -1,0 +1,90 @@
+"""Draw a schedule as an SVG timeline: ranks as rows, simulated time left to right.
+
+Each F or B is a box at the time the simulator runs it, coloured by
+microbatch (F light, B dark and hatched) and labelled `stage kind mb`
+(`2F3`); the grey row behind the boxes is the bubble. Hand-written SVG,
+no dependencies, so a schedule can be looked at anywhere a browser runs.
+"""
+
+import colorsys
+from xml.sax.saxutils import escape
+
+from gcompile.schedule import Kind, Schedule, SimResult, simulate
+
+BOX_WIDTH = 30
+"""Pixels for the shorter of f_time and b_time: room for a 4-character label."""
+ROW_HEIGHT, ROW_GAP = 30, 8
+LEFT, TOP, BOTTOM, RIGHT = 64, 52, 34, 16
+FONT = "ui-monospace, Menlo, Consolas, monospace"
+
+
+def render_svg(schedule: Schedule, path: str, f_time: float = 1.0, b_time: float = 2.0) -> None:
+    """Simulate `schedule` and write its timeline to `path`."""
+    result = simulate(schedule, f_time, b_time)
+    with open(path, "w") as f:
+        f.write(_svg(schedule, result, f_time, b_time))
+
+
+def _colour(mb: int, kind: Kind) -> tuple[str, str]:
+    """(fill, text) as hex, which every SVG reader takes; the golden-angle hue keeps neighbouring microbatches apart."""
+    hue = (mb * 0.381966) % 1.0
+    lightness, saturation, ink = (0.80, 0.70, "#1f2937") if kind == Kind.F else (0.38, 0.55, "#ffffff")
+    red, green, blue = colorsys.hls_to_rgb(hue, lightness, saturation)
+    return f"#{round(red * 255):02x}{round(green * 255):02x}{round(blue * 255):02x}", ink
+
+
+def _svg(schedule: Schedule, result: SimResult, f_time: float, b_time: float) -> str:
+    scale = BOX_WIDTH / min(f_time, b_time)  # pixels per unit of simulated time
+    width = LEFT + result.makespan * scale + RIGHT
+    height = TOP + schedule.pp * (ROW_HEIGHT + ROW_GAP) + BOTTOM
+    title = (f"{escape(schedule.name)}  pp={schedule.pp} vpp={schedule.vpp} m={schedule.num_microbatches}  "
+             f"makespan {result.makespan:g}  bubble {result.bubble_fraction:.1%}")
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height}" '
+        f'viewBox="0 0 {width:.0f} {height}" font-family="{FONT}">',
+        '<defs><pattern id="hatch" width="6" height="6" patternUnits="userSpaceOnUse" '
+        'patternTransform="rotate(45)"><line x1="0" y1="0" x2="0" y2="6" stroke="#ffffff" '
+        'stroke-opacity="0.3" stroke-width="2"/></pattern></defs>',
+        f'<rect width="{width:.0f}" height="{height}" fill="#ffffff"/>',
+        f'<text x="{LEFT}" y="20" font-size="14" font-weight="bold" fill="#111827">{title}</text>',
+        f'<text x="{LEFT}" y="38" font-size="11" fill="#6b7280">F={f_time:g} light, B={b_time:g} dark; '
+        f'label = stage, kind, microbatch; grey = idle</text>',
+    ]
+    for rank, spans in enumerate(result.spans):
+        y = TOP + rank * (ROW_HEIGHT + ROW_GAP)
+        parts.append(f'<text x="{LEFT - 8}" y="{y + ROW_HEIGHT / 2 + 4}" font-size="12" text-anchor="end" '
+                     f'fill="#374151">rank {rank}</text>')
+        parts.append(f'<rect x="{LEFT}" y="{y}" width="{result.makespan * scale:.1f}" height="{ROW_HEIGHT}" '
+                     f'fill="#e5e7eb" rx="2"/>')
+        for span in spans:
+            a = span.action
+            x, w = LEFT + span.start * scale, (span.end - span.start) * scale
+            fill, ink = _colour(a.mb, a.kind)
+            label = str(a)
+            size = min(11.0, (w - 4) / (0.62 * len(label)))
+            word = "forward" if a.kind == Kind.F else "backward"
+            parts.append(f'<g><title>stage {a.stage} {word} mb {a.mb}: t={span.start:g} to {span.end:g}</title>'
+                         f'<rect x="{x + 0.5:.1f}" y="{y + 0.5}" width="{w - 1:.1f}" height="{ROW_HEIGHT - 1}" '
+                         f'fill="{fill}" stroke="#374151" stroke-width="0.6" rx="2"/>')
+            if a.kind == Kind.B:
+                parts.append(f'<rect x="{x + 0.5:.1f}" y="{y + 0.5}" width="{w - 1:.1f}" '
+                             f'height="{ROW_HEIGHT - 1}" fill="url(#hatch)" rx="2"/>')
+            parts.append(f'<text x="{x + w / 2:.1f}" y="{y + ROW_HEIGHT / 2 + size / 3:.1f}" '
+                         f'font-size="{size:.1f}" text-anchor="middle" fill="{ink}">{label}</text></g>')
+    parts += _axis(result.makespan, scale, TOP + schedule.pp * (ROW_HEIGHT + ROW_GAP))
+    parts.append("</svg>")
+    return "\n".join(parts) + "\n"
+
+
+def _axis(makespan: float, scale: float, y: float) -> list[str]:
+    """Time ticks under the rows, about every 60 px."""
+    step = max(1, round(60 / scale))
+    parts = [f'<line x1="{LEFT}" y1="{y}" x2="{LEFT + makespan * scale:.1f}" y2="{y}" stroke="#9ca3af"/>']
+    t = 0
+    while t <= makespan:
+        x = LEFT + t * scale
+        parts.append(f'<line x1="{x:.1f}" y1="{y}" x2="{x:.1f}" y2="{y + 4}" stroke="#9ca3af"/>'
+                     f'<text x="{x:.1f}" y="{y + 16}" font-size="10" text-anchor="middle" '
+                     f'fill="#6b7280">{t:g}</text>')
+        t += step
+    return parts
