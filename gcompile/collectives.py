@@ -1,0 +1,33 @@
+"""The one place that names torch's functional collectives.
+
+Graphs refer to process groups by name; every rank registers its own groups
+under role names ("tp", "dp", "mp", ...; see gcompile.mesh), so the same graph
+text is right on every rank and compiles once. The ops are private torch API:
+a torch upgrade that moves them touches this file only.
+"""
+
+import torch
+
+_ops = torch.ops._c10d_functional
+
+
+def all_reduce(x: torch.Tensor, group: str, op: str = "sum") -> torch.Tensor:
+    return _ops.wait_tensor(_ops.all_reduce(x, op, group))
+
+
+def all_gather(x: torch.Tensor, group: str, group_size: int, dim: int = 0) -> torch.Tensor:
+    """Pieces of `x` from every rank of `group`, concatenated along `dim` in rank order."""
+    out = _ops.wait_tensor(_ops.all_gather_into_tensor(x.contiguous(), group_size, group))  # (n*d0, ...)
+    if dim == 0:
+        return out
+    return torch.cat(out.chunk(group_size, dim=0), dim=dim)
+
+
+def reduce_scatter(x: torch.Tensor, group: str, group_size: int, dim: int = 0, op: str = "sum") -> torch.Tensor:
+    """Sum over `group`, each rank keeping its 1/n slice along `dim`."""
+    if dim != 0:
+        x = torch.cat(x.chunk(group_size, dim=dim), dim=0)
+    return _ops.wait_tensor(_ops.reduce_scatter_tensor(x.contiguous(), op, group_size, group))
+
+
+COLLECTIVE_OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single")

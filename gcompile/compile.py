@@ -1,0 +1,72 @@
+"""Turn a rank's graphs into callables: Inductor-compiled, or the FX graphs as they are.
+
+Identical graphs (the same code over the same input shapes) are compiled once
+per process; across processes Inductor's on-disk cache makes a graph that any
+rank or earlier run compiled a cache hit. Group names in the graphs are role
+aliases ("tp", "dp", ...), so all ranks of a stage share the same graph text.
+"""
+
+import hashlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+from torch._dynamo.utils import counters
+
+from gcompile.rank_program import RankProgram
+from gcompile.runtime import StageFunctions
+
+
+@dataclass
+class CompileStats:
+    graphs: int = 0
+    """Graphs this rank runs."""
+    distinct: int = 0
+    """Distinct graphs among them (each compiled at most once)."""
+    seconds: float = 0.0
+    cache_hits: int = 0
+    """Inductor FX-graph cache hits (compiled by an earlier process or run)."""
+    cache_misses: int = 0
+
+    def __str__(self) -> str:
+        return (f"{self.graphs} graphs, {self.distinct} distinct, compiled in {self.seconds:.1f} s "
+                f"(inductor cache: {self.cache_hits} hits, {self.cache_misses} misses)")
+
+
+@dataclass
+class Compiler:
+    enabled: bool
+    compiled: dict[str, Callable] = field(default_factory=dict)
+    stats: CompileStats = field(default_factory=CompileStats)
+
+    def __call__(self, gm: fx.GraphModule) -> Callable:
+        self.stats.graphs += 1
+        if not self.enabled:
+            return gm
+        key = graph_key(gm)
+        if key not in self.compiled:
+            hits, misses = counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
+            start = time.perf_counter()
+            example = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")]
+            self.compiled[key] = torch._inductor.standalone_compile(
+                gm, example, dynamic_shapes="from_example_inputs", options={})
+            self.stats.seconds += time.perf_counter() - start
+            self.stats.cache_hits += counters["inductor"]["fxgraph_cache_hit"] - hits
+            self.stats.cache_misses += counters["inductor"]["fxgraph_cache_miss"] - misses
+            self.stats.distinct += 1
+        return self.compiled[key]
+
+
+def graph_key(gm: fx.GraphModule) -> str:
+    """Same key <=> same code over the same input shapes, dtypes and strides."""
+    inputs = [(tuple(v.shape), v.dtype, v.stride()) for v in
+              (n.meta["val"] for n in gm.graph.find_nodes(op="placeholder"))]
+    return hashlib.sha256((gm.code + repr(inputs)).encode()).hexdigest()
+
+
+def compile_rank_program(program: RankProgram, compiler: Compiler) -> tuple[dict[int, StageFunctions], Callable]:
+    functions = {s: StageFunctions(compiler(stage.forward), compiler(stage.backward))
+                 for s, stage in program.stages.items()}
+    return functions, compiler(program.optimizer)

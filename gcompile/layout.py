@@ -1,0 +1,101 @@
+"""How one full parameter maps to the piece a rank holds, and back.
+
+A parameter's layout is data: its full (single-device) shape plus the cuts a
+pass declared on it. Initial weights are made full and cut with `local_value`;
+checkpoints and tests put pieces back together with `full_value`. Nothing else
+in the code needs to know how a Megatron layer is split.
+"""
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+
+import torch
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Cut `dim` into equal pieces, one per rank of mesh `axis`."""
+
+    axis: str
+    """Mesh axis whose ranks each hold one piece: "tp"."""
+    dim: int
+    """Tensor dimension that is cut."""
+    blocks: int = 1
+    """The dim holds this many fused parts (Q, K, V = 3); each part is cut on its own."""
+    padded_size: int | None = None
+    """The dim is zero-padded to this size before cutting (vocab padding); None = no padding."""
+
+
+@dataclass(frozen=True)
+class Param:
+    """One parameter placeholder of a stage graph."""
+
+    name: str
+    """nanoGPT name of the full parameter: transformer.h.0.attn.c_attn.weight."""
+    full_shape: tuple[int, ...]
+    """Shape on a single device."""
+    shards: tuple[Shard, ...] = ()
+    """Cuts, applied in order; empty = replicated."""
+    tied_copy: bool = False
+    """A second copy of a tied parameter (the last stage's wte): its gradient is summed into
+    the first copy's, and it is left out of the gradient norm so the norm counts it once."""
+
+    def local_shape(self, axis_sizes: Mapping[str, int]) -> tuple[int, ...]:
+        shape = list(self.full_shape)
+        for s in self.shards:
+            shape[s.dim] = (s.padded_size or shape[s.dim]) // axis_sizes[s.axis]
+        return tuple(shape)
+
+    def sharded_over(self, axis: str) -> bool:
+        return any(s.axis == axis for s in self.shards)
+
+    def with_shard(self, shard: Shard) -> "Param":
+        return replace(self, shards=self.shards + (shard,))
+
+
+def local_value(full: torch.Tensor, param: Param, coords: Mapping[str, int],
+                axis_sizes: Mapping[str, int]) -> torch.Tensor:
+    """The piece of `full` that the rank at `coords` holds (a new contiguous tensor)."""
+    value = full
+    for s in param.shards:
+        value = _pad(value, s)
+        n = axis_sizes[s.axis]
+        blocks = value.unflatten(s.dim, (s.blocks, -1))  # (..., blocks, size/blocks, ...)
+        value = blocks.chunk(n, dim=s.dim + 1)[coords[s.axis]].flatten(s.dim, s.dim + 1)
+    return value.contiguous()
+
+
+def full_value(pieces: Sequence[torch.Tensor], param: Param, axis_sizes: Mapping[str, int]) -> torch.Tensor:
+    """Reassemble the full tensor from every rank's piece.
+
+    `pieces` are ordered over the cut axes like nested loops, the first shard's axis
+    outermost; for the usual single tp cut that is simply tp rank order.
+    """
+    shapes = [tuple(param.full_shape)]  # shape before each cut
+    for s in param.shards:
+        shape = list(shapes[-1])
+        shape[s.dim] = (s.padded_size or shape[s.dim]) // axis_sizes[s.axis]
+        shapes.append(tuple(shape))
+    return _assemble(list(pieces), param.shards, shapes, axis_sizes)
+
+
+def _pad(value: torch.Tensor, s: Shard) -> torch.Tensor:
+    if s.padded_size is None or s.padded_size == value.shape[s.dim]:
+        return value
+    pad_shape = list(value.shape)
+    pad_shape[s.dim] = s.padded_size - value.shape[s.dim]
+    return torch.cat([value, value.new_zeros(pad_shape)], dim=s.dim)
+
+
+def _assemble(pieces, shards, shapes, axis_sizes) -> torch.Tensor:
+    if not shards:
+        (value,) = pieces
+        return value
+    s = shards[0]
+    n = axis_sizes[s.axis]
+    per_rank = len(pieces) // n
+    parts = [_assemble(pieces[i * per_rank:(i + 1) * per_rank], shards[1:], shapes[1:], axis_sizes)
+             for i in range(n)]
+    blocks = [p.unflatten(s.dim, (s.blocks, -1)) for p in parts]  # (..., blocks, size/blocks/n, ...)
+    value = torch.cat(blocks, dim=s.dim + 1).flatten(s.dim, s.dim + 1)
+    return value.narrow(s.dim, 0, shapes[0][s.dim])  # drop the padding

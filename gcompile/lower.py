@@ -1,0 +1,89 @@
+"""Lower a stage's forward program into a forward graph and a backward graph.
+
+Autograd of the rewritten forward gives the backward, so the backward halves of
+the differentiable collectives a pass inserted land in the backward graph by
+construction. The joint graph comes from aot_autograd (traced on fake tensors:
+nothing runs, no collective fires); a partitioner cuts it in two:
+
+    forward(*params, *inputs)        -> (*outputs, *saved)
+    backward(*saved, *output_grads)  -> (*param_grads, *input_grads)
+
+`output_grads` has one entry per output ("loss" takes the loss scale); a gradient
+is None where its input is not differentiable (token ids). The partitioner is
+the activation-recompute knob: `default_partition` saves what backward needs,
+`min_cut_rematerialization_partition` recomputes cheap ops instead of saving them.
+"""
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
+
+from gcompile.layout import Param
+from gcompile.program import Stage
+
+
+@dataclass
+class LoweredStage:
+    index: int
+    forward: fx.GraphModule
+    backward: fx.GraphModule
+    params: list[Param]
+    inputs: list[str]
+    outputs: list[str]
+    num_saved: int
+    """Tensors forward saves for backward, per microbatch."""
+
+    def __str__(self) -> str:
+        from gcompile.program import format_graph
+        return (f"# stage {self.index} forward: (*params[{len(self.params)}], *{self.inputs}) -> "
+                f"(*{self.outputs}, *saved[{self.num_saved}])\n{format_graph(self.forward)}\n"
+                f"# stage {self.index} backward: (*saved[{self.num_saved}], *grad{self.outputs}) -> "
+                f"(*param_grads, *input_grads)\n{format_graph(self.backward)}")
+
+
+def lower_stage(stage: Stage, recompute: bool = False) -> LoweredStage:
+    placeholders = stage.placeholders()
+    vals = [n.meta["val"] for n in placeholders]
+    fake_mode = vals[0].fake_mode
+    with fake_mode:
+        args = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
+                .requires_grad_(v.dtype.is_floating_point) for v in vals]
+    with contextlib.ExitStack() as stack:
+        joint = aot_export_joint_with_descriptors(stack, stage.graph, tuple(args)).graph_module
+    _check_joint_convention(joint, len(args), len(stage.outputs), stage.index)
+
+    partition = min_cut_rematerialization_partition if recompute else default_partition
+    forward, backward = partition(joint, None, num_fwd_outputs=len(stage.outputs))
+    num_saved = len(forward.graph.output_node().args[0]) - len(stage.outputs)
+    for gm in (forward, backward):
+        for node in gm.graph.find_nodes(op="placeholder"):
+            if not isinstance(node.meta.get("val"), torch.Tensor):
+                raise NotImplementedError(f"stage {stage.index}: non-tensor graph input {node.name} "
+                                          f"(dynamic shapes are not supported)")
+    return LoweredStage(index=stage.index, forward=forward, backward=backward, params=list(stage.params),
+                        inputs=list(stage.inputs), outputs=list(stage.outputs), num_saved=num_saved)
+
+
+def _check_joint_convention(joint: fx.GraphModule, num_inputs: int, num_outputs: int, stage: int) -> None:
+    """The joint graph must take (*primals, *tangents) and return (*outputs, *grads) in order.
+
+    aot_autograd only guarantees this through descriptors; a graph with input
+    mutations or aliased outputs could differ, and we would rather stop than
+    silently misplace a gradient.
+    """
+    descs = [str(n.meta.get("desc")) for n in joint.graph.find_nodes(op="placeholder")]
+    expected = [f"PlainAOTInput(idx={i})" for i in range(num_inputs)]
+    expected += [f"TangentAOTInput(output=PlainAOTOutput(idx={i}))" for i in range(num_outputs)]
+    out_descs = [str(d) for d in joint.graph.output_node().meta.get("desc", [])]
+    expected_out = [f"PlainAOTOutput(idx={i})" for i in range(num_outputs)]
+    expected_out += [f"GradAOTOutput(grad_of=PlainAOTInput(idx={i}))" for i in range(num_inputs)]
+    grads_ok = all(d in (e, "None") for d, e in zip(out_descs[num_outputs:], expected_out[num_outputs:]))
+    if descs != expected or out_descs[:num_outputs] != expected_out[:num_outputs] or not grads_ok \
+            or len(out_descs) != len(expected_out):
+        raise NotImplementedError(
+            f"stage {stage}: aot_autograd produced an unexpected joint calling convention "
+            f"(inputs {descs}, outputs {out_descs}); outputs that alias inputs or mutate them are not supported")

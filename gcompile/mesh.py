@@ -1,0 +1,83 @@
+"""Rank <-> mesh coordinates, and the process groups graphs refer to by name.
+
+Megatron's order, tp fastest: rank = tp_rank + tp * (dp_rank + dp * pp_rank).
+Passes see only `Coords` (plain numbers); process groups exist only at run time.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Coords:
+    tp: int
+    pp: int
+    dp: int
+    tp_rank: int = 0
+    pp_rank: int = 0
+    dp_rank: int = 0
+
+    @classmethod
+    def from_rank(cls, rank: int, tp: int, pp: int, dp: int) -> "Coords":
+        return cls(tp, pp, dp, tp_rank=rank % tp, dp_rank=rank // tp % dp, pp_rank=rank // (tp * dp))
+
+    @property
+    def rank(self) -> int:
+        return self.tp_rank + self.tp * (self.dp_rank + self.dp * self.pp_rank)
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def axis_sizes(self) -> dict[str, int]:
+        return {"tp": self.tp, "pp": self.pp, "dp": self.dp}
+
+    @property
+    def axis_ranks(self) -> dict[str, int]:
+        return {"tp": self.tp_rank, "pp": self.pp_rank, "dp": self.dp_rank}
+
+    def __str__(self) -> str:
+        return f"(pp{self.pp_rank} dp{self.dp_rank} tp{self.tp_rank})"
+
+
+# Groups a graph may name, by the axes whose ranks they span.
+GROUP_AXES = {
+    "tp": ("tp",),
+    "dp": ("dp",),
+    "mp": ("pp", "tp"),  # model parallel: every parameter once (gradient norm)
+    "world": ("pp", "dp", "tp"),
+}
+
+
+def group_ranks(coords: Coords, axes: tuple[str, ...]) -> list[int]:
+    """Global ranks of the group spanning `axes` that contains the rank at `coords`."""
+    ranks = []
+    for pp in range(coords.pp) if "pp" in axes else [coords.pp_rank]:
+        for dp in range(coords.dp) if "dp" in axes else [coords.dp_rank]:
+            for tp in range(coords.tp) if "tp" in axes else [coords.tp_rank]:
+                ranks.append(Coords(coords.tp, coords.pp, coords.dp, tp, pp, dp).rank)
+    return ranks
+
+
+def init_groups(coords: Coords) -> dict[str, dist.ProcessGroup]:
+    """Create every group (all ranks take part in each creation) and register this rank's
+    under its role name, so `all_reduce(x, "tp")` in a graph means this rank's tp group."""
+    mesh = dist.device_mesh.init_device_mesh(
+        "cuda" if torch.cuda.is_available() else "cpu", (coords.pp, coords.dp, coords.tp),
+        mesh_dim_names=("pp", "dp", "tp"))
+    groups = {"tp": mesh["tp"].get_group(), "dp": mesh["dp"].get_group(),
+              "mp": mesh["pp", "tp"]._flatten("mp").get_group(), "world": dist.group.WORLD}
+    for name, group in groups.items():
+        if sorted(dist.get_process_group_ranks(group)) != group_ranks(coords, GROUP_AXES[name]):
+            raise AssertionError(f"group {name} of rank {coords.rank} has ranks "
+                                 f"{dist.get_process_group_ranks(group)}, expected {group_ranks(coords, GROUP_AXES[name])}")
+        torch._C._distributed_c10d._register_process_group(name, group)
+    return groups
+
+
+def group(name: str) -> dist.ProcessGroup:
+    """This rank's group registered under `name` by init_groups."""
+    return torch._C._distributed_c10d._resolve_process_group(name)

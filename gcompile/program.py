@@ -1,0 +1,127 @@
+"""The IR that passes rewrite: a forward program made of one or more stage graphs.
+
+Calling convention of a stage graph (an FX GraphModule of pre-autograd ATen ops):
+
+    forward(*params, *inputs) -> (*outputs,)
+
+`params` are the stage's parameter placeholders, described by `Stage.params`
+(full shape and the cuts a pass declared). `inputs` are named by role: "idx" and
+"targets" come from the microbatch, any other name is an activation received from
+the previous stage. `outputs` are "loss" on the last stage and activations for the
+next stage elsewhere. Placeholder `meta["val"]` (a fake tensor) is the truth for
+input shapes; `refresh_meta` re-derives every other node's shape after a rewrite.
+
+Before pipeline_split a program has one stage holding the whole model.
+"""
+
+import copy
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+from gcompile.layout import Param
+
+
+@dataclass
+class Stage:
+    index: int
+    """Global stage index; the rank that runs it follows from the schedule."""
+    graph: fx.GraphModule
+    """forward(*params, *inputs) -> (*outputs,)."""
+    params: list[Param]
+    """One entry per leading parameter placeholder, in placeholder order."""
+    inputs: list[str]
+    """Roles of the remaining placeholders: "idx", "targets" or an activation name."""
+    outputs: list[str]
+    """Roles of the outputs: "loss" or an activation name."""
+
+    def placeholders(self) -> list[fx.Node]:
+        return list(self.graph.graph.find_nodes(op="placeholder"))
+
+    def param_nodes(self) -> dict[str, fx.Node]:
+        """Parameter placeholder node by parameter name."""
+        return {p.name: n for p, n in zip(self.params, self.placeholders())}
+
+    def input_nodes(self) -> dict[str, fx.Node]:
+        return dict(zip(self.inputs, self.placeholders()[len(self.params):]))
+
+    def output_node(self) -> fx.Node:
+        return self.graph.graph.output_node()
+
+
+@dataclass
+class Program:
+    stages: list[Stage]
+    history: list[str] = field(default_factory=list)
+    """Names of the passes that produced this program, in order."""
+
+    def clone(self) -> "Program":
+        """A deep copy a pass may rewrite without touching its caller's program."""
+        return copy.deepcopy(self)
+
+    def __str__(self) -> str:
+        return "\n\n".join(format_stage(s) for s in self.stages)
+
+
+def refresh_meta(stage: Stage) -> None:
+    """Re-run shape propagation from the placeholders' fake values (after a rewrite)."""
+    vals = [n.meta["val"] for n in stage.placeholders()]
+    mode = next((v.fake_mode for v in vals if hasattr(v, "fake_mode")), None) or FakeTensorMode()
+    stage.graph.recompile()
+    with mode:
+        FakeTensorProp(stage.graph, mode).propagate_dont_convert_inputs(*vals)
+
+
+def format_stage(stage: Stage) -> str:
+    """A stage as a person reads it: parameter table, then the graph as code with shapes."""
+    lines = [f"# stage {stage.index}: inputs {stage.inputs} -> outputs {stage.outputs}", "# parameters:"]
+    for p, node in zip(stage.params, stage.placeholders()):
+        local = tuple(node.meta["val"].shape) if "val" in node.meta else "?"
+        cuts = ", ".join(f"{s.axis}:dim{s.dim}" + (f"x{s.blocks}blocks" if s.blocks > 1 else "")
+                         + (f" pad{s.padded_size}" if s.padded_size else "") for s in p.shards)
+        tied = " tied-copy" if p.tied_copy else ""
+        lines.append(f"#   {node.name:<48} {p.name:<40} full {tuple(p.full_shape)} local {local}"
+                     f" {cuts or 'replicated'}{tied}")
+    lines.append(format_graph(stage.graph))
+    return "\n".join(lines)
+
+
+def format_graph(gm: fx.GraphModule) -> str:
+    return gm.print_readable(print_output=False, include_stride=False, include_device=False)
+
+
+def op_counts(gm: fx.GraphModule) -> Counter:
+    """Calls by op name (`aten.mm`, `_c10d_functional.all_reduce`), for one-line pass diffs."""
+    counts = Counter()
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            counts[_op_name(node.target)] += 1
+    return counts
+
+
+def _op_name(target) -> str:
+    if isinstance(target, torch._ops.OpOverload):
+        return f"{target.namespace}.{target._opname}"
+    return getattr(target, "__name__", str(target))
+
+
+def diff_counts(before: Counter, after: Counter) -> str:
+    """`aten.mm: 24 -> 24 (+0)` lines for every op whose count changed."""
+    lines = []
+    for op in sorted(set(before) | set(after)):
+        if before[op] != after[op]:
+            lines.append(f"{op}: {before[op]} -> {after[op]} ({after[op] - before[op]:+d})")
+    return "\n".join(lines) or "(no op count changed)"
+
+
+def dump_text(directory: str, filename: str, text: str) -> str:
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, filename)
+    with open(path, "w") as f:
+        f.write(text)
+    return path

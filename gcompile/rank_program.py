@@ -1,0 +1,61 @@
+"""What one rank runs: its lowered stages, its optimizer graph, and its instruction list."""
+
+from dataclasses import dataclass
+
+import torch.fx as fx
+
+from gcompile.lower import LoweredStage
+from gcompile.mesh import Coords
+from gcompile.optimizer import FlatLayout
+from gcompile.program import format_graph
+from gcompile.schedule import Action, Kind, Schedule
+
+
+@dataclass
+class RankProgram:
+    coords: Coords
+    stages: dict[int, LoweredStage]
+    """This rank's stages by global stage index."""
+    layout: FlatLayout
+    """This rank's parameters in its flat buffers."""
+    optimizer: fx.GraphModule
+    """step(param, grad, exp_avg, exp_avg_sq, lr, step, offset) -> (grad_norm,)."""
+    shard_numel: int
+    """Elements of the optimizer state this rank owns (the whole buffer unless sharded)."""
+    schedule: Schedule
+
+    @property
+    def instructions(self) -> tuple[Action, ...]:
+        return self.schedule.actions[self.coords.pp_rank]
+
+    def format_instructions(self) -> str:
+        """`07 F stage=1 mb=3 in=act[s0,mb3] out=act[s1,mb3]`, one line per instruction."""
+        lines = [f"# rank {self.coords.rank} {self.coords}: {len(self.instructions)} instructions, "
+                 f"schedule {self.schedule.name} pp={self.schedule.pp} vpp={self.schedule.vpp} "
+                 f"m={self.schedule.num_microbatches}"]
+        last = self.schedule.pp * self.schedule.vpp - 1
+        for i, a in enumerate(self.instructions):
+            s, mb = a.stage, a.mb
+            if a.kind == Kind.F:
+                src = "batch" if s == 0 else f"act[s{s - 1},mb{mb}]"
+                dst = "loss" if s == last else f"act[s{s},mb{mb}]"
+                detail = f"in={src} out={dst}"
+            elif a.kind == Kind.B:
+                src = "loss_scale" if s == last else f"grad[s{s + 1},mb{mb}]"
+                dst = "param_grads" if s == 0 else f"param_grads,grad[s{s},mb{mb}]"
+                detail = f"in={src} out={dst}"
+            elif a.kind in (Kind.SEND_F, Kind.RECV_F):
+                peer = self.schedule.stage_rank(s + 1 if a.kind == Kind.SEND_F else s - 1)
+                detail = f"act[s{s if a.kind == Kind.SEND_F else s - 1},mb{mb}] {'to' if a.kind == Kind.SEND_F else 'from'} pp{peer}"
+            else:
+                peer = self.schedule.stage_rank(s - 1 if a.kind == Kind.SEND_B else s + 1)
+                detail = f"grad[s{s if a.kind == Kind.SEND_B else s + 1},mb{mb}] {'to' if a.kind == Kind.SEND_B else 'from'} pp{peer}"
+            lines.append(f"{i:02d} {a.kind.value} stage={s} mb={mb} {detail}")
+        lines.append(f"{len(self.instructions):02d} OPT_STEP params={self.layout.numel} shard={self.shard_numel}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        parts = [self.format_instructions()]
+        parts += [str(stage) for stage in self.stages.values()]
+        parts.append(f"# optimizer step\n{format_graph(self.optimizer)}")
+        return "\n\n".join(parts)
