@@ -1,0 +1,295 @@
+"""Run configuration: frozen dataclasses, TOML presets, CLI flags, one validation.
+
+Every field of every section is a TOML key (`[model] n_layer = 4`) and a CLI flag
+(`--n-layer 4`); flags override the preset named by `--config`. Training flags use
+Megatron-LM's spellings, and Megatron's model and parallel spellings are accepted
+as aliases (`--num-layers`, `--tensor-model-parallel-size`). Unknown keys and
+impossible combinations are `ConfigError`s that name every factor involved.
+"""
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import textwrap
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field, fields
+
+from gcompile.data import DataConfig
+from gcompile.model import GPTConfig
+
+
+class ConfigError(ValueError):
+    """A configuration a run cannot start with; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tp: int = 1
+    """Tensor-parallel size: weights sharded Megatron-style across this many ranks."""
+    pp: int = 1
+    """Pipeline-parallel size: the layers split into this many stages."""
+    dp: int = 1
+    """Data-parallel size: replicas that each see 1/dp of the global batch."""
+    sequence_parallel: bool = False
+    """Shard LayerNorm/residual regions along the sequence across the tp ranks."""
+    virtual_pipeline_size: int = 1
+    """Model chunks per pipeline rank (interleaved 1F1B); 1 = no interleaving."""
+    pipeline_schedule: str = "1f1b"
+    """Static pipeline schedule: gpipe, 1f1b or interleaved."""
+    use_distributed_optimizer: bool = False
+    """ZeRO-1: AdamW states and fp32 main weights sharded over dp."""
+    passes: tuple[str, ...] = ()
+    """User passes, `pkg.module:function`, run after the built-in rewrites."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    micro_batch_size: int = 8
+    """Samples per microbatch on one data-parallel rank."""
+    global_batch_size: int = 16
+    """Samples per optimizer step over all dp ranks; a multiple of micro_batch_size * dp."""
+    seq_length: int = 128
+    """Tokens per sample; at most the model's block_size."""
+    train_iters: int = 100
+    """Optimizer steps to run."""
+    lr: float = 1e-3
+    """Peak learning rate."""
+    min_lr: float = 1e-4
+    """Learning rate at the end of decay."""
+    lr_warmup_iters: int = 10
+    """Linear warmup from 0 to lr over this many steps."""
+    lr_decay_iters: int | None = None
+    """Steps over which lr decays to min_lr; None = train_iters."""
+    lr_decay_style: str = "cosine"
+    """cosine, linear or constant."""
+    clip_grad: float = 1.0
+    """Clip the global gradient norm to this; 0 disables clipping."""
+    weight_decay: float = 0.1
+    """Decoupled (AdamW) decay on matmul weights; none on biases, LayerNorm and embeddings."""
+    adam_beta1: float = 0.9
+    """AdamW first-moment decay."""
+    adam_beta2: float = 0.95
+    """AdamW second-moment decay."""
+    adam_eps: float = 1e-8
+    """AdamW denominator epsilon."""
+    seed: int = 1234
+    """Seeds initial weights and data order; the same seed gives the same run on every layout."""
+    eval_interval: int = 50
+    """Run validation every this many steps (and at the end); 0 disables it."""
+    eval_iters: int = 4
+    """Global batches per validation."""
+    compile: bool = False
+    """Compile every graph with Inductor; without it the same graphs run as FX code."""
+    recompute_activations: bool = False
+    """Recompute cheap activations in backward instead of saving them (min-cut partitioner)."""
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    log_interval: int = 1
+    """Print a console line every this many steps."""
+    run_dir: str = "runs/latest"
+    """metrics.jsonl and the default TensorBoard folder go here."""
+    tensorboard_dir: str | None = None
+    """TensorBoard event files; None = RUN_DIR/tensorboard."""
+    dump_graphs: str | None = None
+    """Write each rank's program after every step of the compiler to this folder."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    model: GPTConfig = field(default_factory=GPTConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    @property
+    def world_size(self) -> int:
+        return self.parallel.tp * self.parallel.pp * self.parallel.dp
+
+    @property
+    def num_microbatches(self) -> int:
+        """Microbatches per step on one dp rank (Megatron's get_num_microbatches)."""
+        return self.train.global_batch_size // (self.train.micro_batch_size * self.parallel.dp)
+
+
+SECTIONS = {f.name: f.type for f in fields(RunConfig)}
+
+MEGATRON_ALIASES = {
+    "num-layers": "n-layer",
+    "hidden-size": "n-embd",
+    "num-attention-heads": "n-head",
+    "max-position-embeddings": "block-size",
+    "tensor-model-parallel-size": "tp",
+    "pipeline-model-parallel-size": "pp",
+    "data-parallel-size": "dp",
+    "virtual-pipeline-model-parallel-size": "virtual-pipeline-size",
+}
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def field_docs(cls) -> dict[str, str]:
+    """The docstring under each field of a dataclass: the --help text of its flag."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body
+    docs = {}
+    for node, after in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
+            docs[node.target.id] = after.value.value
+    return docs
+
+
+def _field_index() -> dict[str, tuple[str, dataclasses.Field]]:
+    """Every config key by flag name -> (section, field); keys are unique across sections."""
+    index = {}
+    for section, cls in SECTIONS.items():
+        for f in fields(cls):
+            index[_flag(f.name)] = (section, f)
+    return index
+
+
+def _base_type(annotation):
+    """int | None -> int; tuple[str, ...] -> tuple."""
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        return next(a for a in typing.get_args(annotation) if a is not type(None))
+    return typing.get_origin(annotation) or annotation
+
+
+def _coerce(value, annotation, key: str):
+    """A TOML or CLI value as the field's type; strings from the CLI are parsed."""
+    kind = _base_type(annotation)
+    if value is None or (isinstance(value, str) and value.lower() == "none" and kind is not str):
+        return None
+    try:
+        if kind is bool:
+            if isinstance(value, str):
+                if value.lower() not in ("true", "false", "1", "0"):
+                    raise ValueError(value)
+                return value.lower() in ("true", "1")
+            return bool(value)
+        if kind is tuple:
+            return tuple(value.split(",") if isinstance(value, str) else value)
+        if kind is int and isinstance(value, float) and not value.is_integer():
+            raise ValueError(value)
+        return kind(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key}={value!r} is not a valid {kind.__name__}") from None
+
+
+def load_toml(path: str) -> dict[str, dict]:
+    """A preset as {section: {field: value}}; unknown sections or keys are errors."""
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"--config {path}: no such file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"--config {path}: not valid TOML ({e})") from None
+    overrides = {}
+    for section, values in raw.items():
+        if section not in SECTIONS or not isinstance(values, dict):
+            raise ConfigError(f"{path}: unknown section [{section}]; known: {', '.join(SECTIONS)}")
+        known = {f.name: f for f in fields(SECTIONS[section])}
+        for key, value in values.items():
+            if key not in known:
+                raise ConfigError(f"{path}: unknown key {key!r} in [{section}]; known: {', '.join(known)}")
+            overrides.setdefault(section, {})[key] = _coerce(value, known[key].type, f"[{section}] {key}")
+    return overrides
+
+
+def build_config(overrides: dict[str, dict]) -> RunConfig:
+    """RunConfig from {section: {field: value}} over the defaults, validated."""
+    sections = {name: cls(**overrides.get(name, {})) for name, cls in SECTIONS.items()}
+    config = RunConfig(**sections)
+    validate(config)
+    return config
+
+
+class _ArgumentParser(argparse.ArgumentParser):
+    def error(self, message):
+        raise ConfigError(message)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = _ArgumentParser(
+        prog="run_gpt.py",
+        description="Train a GPT: one single-device program compiled into one program per rank.",
+        argument_default=argparse.SUPPRESS,
+    )
+    p.add_argument("--config", help="TOML preset (configs/*.toml); flags override its keys")
+    p.add_argument("--dump-only", action="store_true",
+                   help="build and dump every rank's program without training (needs --dump-graphs)")
+    for flag, (section, f) in _field_index().items():
+        aliases = [f"--{a}" for a, target in MEGATRON_ALIASES.items() if target == flag]
+        help_text = f"[{section}] {field_docs(SECTIONS[section]).get(f.name, '')}"
+        if _base_type(f.type) is bool:
+            p.add_argument(f"--{flag}", *aliases, dest=f.name, nargs="?", const="true", metavar="BOOL",
+                           help=help_text)
+        else:
+            p.add_argument(f"--{flag}", *aliases, dest=f.name, metavar=f.name.upper(), help=help_text)
+    return p
+
+
+def parse_args(argv: list[str]) -> tuple[RunConfig, argparse.Namespace]:
+    """The run config from `--config` and flags, and the flags that are not config keys."""
+    args = parser().parse_args(argv)
+    overrides = load_toml(args.config) if "config" in args else {}
+    index = {f.name: (section, f) for section, f in _field_index().values()}
+    for name, value in vars(args).items():
+        if name in index:
+            section, f = index[name]
+            overrides.setdefault(section, {})[name] = _coerce(value, f.type, f"--{_flag(name)}")
+    extras = argparse.Namespace(dump_only=getattr(args, "dump_only", False))
+    return build_config(overrides), extras
+
+
+def validate(config: RunConfig) -> None:
+    """Every reason this config cannot run, all at once, each naming its factors."""
+    m, p, t = config.model, config.parallel, config.train
+    errors = []
+
+    def positive(section, obj, *names):
+        for name in names:
+            if getattr(obj, name) < 1:
+                errors.append(f"{_flag(name)}={getattr(obj, name)} must be at least 1")
+
+    positive("model", m, "n_layer", "n_head", "n_embd", "block_size", "vocab_size")
+    positive("parallel", p, "tp", "pp", "dp", "virtual_pipeline_size")
+    positive("train", t, "micro_batch_size", "global_batch_size", "seq_length", "train_iters")
+    if errors:
+        raise ConfigError("; ".join(errors))
+    if m.n_embd % m.n_head:
+        errors.append(f"n_embd={m.n_embd} is not divisible by n_head={m.n_head}")
+    if not 0.0 <= m.dropout < 1.0:
+        errors.append(f"dropout={m.dropout} must be in [0, 1)")
+    if t.seq_length > m.block_size:
+        errors.append(f"seq_length={t.seq_length} is longer than the model's block_size={m.block_size}; "
+                      f"raise --block-size or lower --seq-length")
+    per_step = t.micro_batch_size * p.dp
+    if t.global_batch_size % per_step:
+        errors.append(f"global_batch_size={t.global_batch_size} is not divisible by "
+                      f"micro_batch_size={t.micro_batch_size} * dp={p.dp} = {per_step}")
+    if t.lr_decay_style not in ("cosine", "linear", "constant"):
+        errors.append(f"lr_decay_style={t.lr_decay_style!r} must be cosine, linear or constant")
+    if t.min_lr > t.lr:
+        errors.append(f"min_lr={t.min_lr} is above lr={t.lr}")
+    if p.pipeline_schedule not in ("gpipe", "1f1b", "interleaved"):
+        errors.append(f"pipeline_schedule={p.pipeline_schedule!r} must be gpipe, 1f1b or interleaved")
+    for name, size in (("tp", p.tp), ("pp", p.pp), ("dp", p.dp)):
+        if size > 1:
+            errors.append(f"{name}={size}: {name} > 1 is not implemented yet; run with --{name} 1")
+    if p.sequence_parallel:
+        errors.append("sequence_parallel is not implemented yet")
+    if p.virtual_pipeline_size > 1:
+        errors.append("virtual_pipeline_size > 1 is not implemented yet")
+    if p.use_distributed_optimizer:
+        errors.append("use_distributed_optimizer is not implemented yet")
+    if errors:
+        raise ConfigError("; ".join(errors))

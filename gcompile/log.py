@@ -1,0 +1,82 @@
+"""Training logs in Megatron's words: console lines, TensorBoard tags, and metrics.jsonl."""
+
+import json
+import math
+import os
+import time
+
+from gcompile.model import GPTConfig
+
+
+def num_floating_point_operations(model: GPTConfig, batch_size: int, seq_length: int,
+                                  padded_vocab_size: int | None = None) -> float:
+    """Megatron-LM's FLOPs per training step (forward + backward), GPT without GQA or SwiGLU.
+
+    12 = 3 (forward, wgrad, dgrad) * 2 (two GEMMs per block part) * 2 (multiply-add).
+    """
+    h, layers, vocab = model.n_embd, model.n_layer, padded_vocab_size or model.vocab_size
+    return 12 * batch_size * seq_length * layers * h * h * (
+        (1 + 1 + seq_length / h)                # attention: QKV and projection, scores
+        + model.ffn_hidden_size / h             # MLP
+        + vocab / (2 * layers * h)              # logits
+    )
+
+
+class MetricsLog:
+    """Everything one step or validation reports, to every sink at once (one rank calls it)."""
+
+    def __init__(self, run_dir: str, tensorboard_dir: str | None, train_iters: int, world_size: int):
+        os.makedirs(run_dir, exist_ok=True)
+        self.jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+        self.train_iters = train_iters
+        self.world_size = world_size
+        from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only where logging happens
+        self.tensorboard = SummaryWriter(tensorboard_dir or os.path.join(run_dir, "tensorboard"))
+
+    def step(self, *, iteration: int, consumed_samples: int, elapsed_ms: float, tokens: int, flops: float,
+             lr: float, loss: float, grad_norm: float, batch_size: int, print_line: bool) -> None:
+        tokens_per_s = tokens / (elapsed_ms / 1e3)
+        tflops = flops / (elapsed_ms / 1e3) / self.world_size / 1e12
+        record = dict(iteration=iteration, consumed_samples=consumed_samples, lm_loss=loss, lr=lr,
+                      grad_norm=grad_norm, elapsed_ms=elapsed_ms, tokens_per_s=tokens_per_s,
+                      tflops_per_rank=tflops, batch_size=batch_size)
+        self._write(record)
+        tb = self.tensorboard
+        tb.add_scalar("learning-rate", lr, iteration)
+        tb.add_scalar("learning-rate vs samples", lr, consumed_samples)
+        tb.add_scalar("batch-size", batch_size, iteration)
+        tb.add_scalar("lm loss", loss, iteration)
+        tb.add_scalar("lm loss vs samples", loss, consumed_samples)
+        tb.add_scalar("grad-norm", grad_norm, iteration)
+        tb.add_scalar("grad-norm vs samples", grad_norm, consumed_samples)
+        tb.add_scalar("iteration-time", elapsed_ms / 1e3, iteration)
+        tb.add_scalar("throughput", tflops, iteration)
+        if print_line:
+            print(f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {iteration:8d}/{self.train_iters:8d} |"
+                  f" consumed samples: {consumed_samples:12d} |"
+                  f" elapsed time per iteration (ms): {elapsed_ms:.1f} |"
+                  f" tokens per second: {tokens_per_s:.1f} |"
+                  f" throughput per GPU (TFLOP/s/GPU): {tflops:.3f} |"
+                  f" learning rate: {lr:.6E} |"
+                  f" global batch size: {batch_size:5d} |"
+                  f" lm loss: {loss:.6E} |"
+                  f" grad norm: {grad_norm:.3f} |",
+                  flush=True)
+
+    def validation(self, *, iteration: int, consumed_samples: int, loss: float) -> None:
+        ppl = math.exp(min(20.0, loss))
+        self._write(dict(iteration=iteration, val_loss=loss, val_ppl=ppl))
+        self.tensorboard.add_scalar("lm loss validation", loss, iteration)
+        self.tensorboard.add_scalar("lm loss validation vs samples", loss, consumed_samples)
+        self.tensorboard.add_scalar("lm loss validation ppl", ppl, iteration)
+        self.tensorboard.add_scalar("lm loss validation ppl vs samples", ppl, consumed_samples)
+        line = f" validation loss at iteration {iteration} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} | "
+        print("-" * len(line), line, "-" * len(line), sep="\n", flush=True)
+
+    def _write(self, record: dict) -> None:
+        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.flush()
+
+    def close(self) -> None:
+        self.jsonl.close()
+        self.tensorboard.close()

@@ -1,0 +1,169 @@
+"""Walk one rank's instruction list; know nothing about GPT.
+
+Per iteration: for each instruction, call a stage's forward or backward
+callable, or move activations/gradients to and from the neighbouring pipeline
+ranks; then run the optimizer step. Forward outputs a stage keeps for its
+backward ("saved") are held per (stage, microbatch) until that backward runs;
+the runtime counts them so tests can hold the schedule to its promised bound.
+
+Communication: consecutive SEND/RECV instructions go out as one batched
+isend/irecv. A receive is waited for right before its tensor is used; sends
+are waited for at the end of the iteration, so a send never blocks a rank
+(the schedule simulator assumes exactly that).
+"""
+
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from gcompile.mesh import Coords
+from gcompile.rank_program import RankProgram
+from gcompile.schedule import Action, Kind
+from gcompile.state import TrainState
+
+
+@dataclass
+class StageFunctions:
+    forward: Callable
+    backward: Callable
+
+
+class Runtime:
+    def __init__(self, program: RankProgram, functions: dict[int, StageFunctions], optimizer_step: Callable,
+                 state: TrainState):
+        self.program = program
+        self.functions = functions
+        self.step_fn = optimizer_step
+        self.state = state
+        self.last_stage = program.schedule.pp * program.schedule.vpp - 1
+        params, grads = program.layout.views(state.params), program.layout.views(state.grads)
+        self.param_args = {s: [params[p.name] for p in st.params] for s, st in program.stages.items()}
+        self.grad_views = {s: [grads[p.name] for p in st.params] for s, st in program.stages.items()}
+        self.loss_scale = torch.full((), 1.0 / program.schedule.num_microbatches,
+                                     dtype=state.params.dtype, device=state.params.device)
+        self.peak_saved = defaultdict(int)
+        """Most (stage, microbatch) saved-activation sets alive at once, per stage, over all iterations."""
+
+    def train_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """One optimizer step over this rank's microbatches; (mean loss or None off the last stage, grad norm)."""
+        loss = self.forward_backward(microbatches)
+        return loss, self.optimizer_step()
+
+    def forward_backward(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
+        """Run the instruction list: gradients accumulate into the state's flat grad buffer."""
+        self._run(microbatches, self.program.instructions, training=True)
+        return torch.stack(self.losses).mean() if self.losses else None
+
+    def optimizer_step(self) -> torch.Tensor:
+        """AdamW on the accumulated gradients (then zeroed); returns the global gradient norm."""
+        s = self.state
+        (grad_norm,) = self.step_fn(s.params, s.grads, s.exp_avg, s.exp_avg_sq, s.lr, s.step, s.offset)
+        return grad_norm
+
+    def eval_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
+        """Mean loss of the forwards alone (the training instruction list without backward)."""
+        forward_only = [a for a in self.program.instructions if a.kind in (Kind.F, Kind.SEND_F, Kind.RECV_F)]
+        self._run(microbatches, forward_only, training=False)
+        return torch.stack(self.losses).mean() if self.losses else None
+
+    def _run(self, microbatches, instructions, training: bool):
+        self.batch = microbatches
+        self.saved, self.acts, self.grads_in, self.losses = {}, {}, {}, []
+        self.pending_recvs, self.sends = {}, []
+        comm = []
+        for action in instructions:
+            if action.kind in (Kind.F, Kind.B):
+                self._communicate(comm)
+                comm = []
+                self._forward(action, training) if action.kind == Kind.F else self._backward(action)
+            else:
+                comm.append(action)
+        self._communicate(comm)
+        for work in self.sends:
+            work.wait()
+
+    def _forward(self, a: Action, training: bool):
+        stage = self.program.stages[a.stage]
+        acts = iter(self._take(self.acts, (a.stage, a.mb)) if a.stage > 0 else [])
+        idx, targets = self.batch[a.mb]
+        inputs = [idx if role == "idx" else targets if role == "targets" else next(acts) for role in stage.inputs]
+        out = self.functions[a.stage].forward(*self.param_args[a.stage], *inputs)
+        outputs, saved = out[:len(stage.outputs)], out[len(stage.outputs):]
+        if training:
+            self.saved[(a.stage, a.mb)] = saved
+            live = sum(1 for s, _ in self.saved if s == a.stage)
+            self.peak_saved[a.stage] = max(self.peak_saved[a.stage], live)
+        if a.stage == self.last_stage:
+            self.losses.append(outputs[0].detach())
+        else:
+            self.acts[(a.stage + 1, a.mb)] = list(outputs)
+
+    def _backward(self, a: Action):
+        stage = self.program.stages[a.stage]
+        saved = self.saved.pop((a.stage, a.mb))
+        if a.stage == self.last_stage:
+            output_grads = [self.loss_scale]
+        else:
+            output_grads = self._take(self.grads_in, (a.stage, a.mb))
+        grads = self.functions[a.stage].backward(*saved, *output_grads)
+        n = len(stage.params)
+        param_grads = [(acc, g) for acc, g in zip(self.grad_views[a.stage], grads[:n]) if g is not None]
+        if param_grads:
+            torch._foreach_add_([acc for acc, _ in param_grads], [g for _, g in param_grads])
+        if a.stage > 0:
+            act_roles = [i for i, role in enumerate(stage.inputs) if role not in ("idx", "targets")]
+            self.grads_in[(a.stage - 1, a.mb)] = [grads[n + i] for i in act_roles]
+
+    def _take(self, store: dict, key) -> list[torch.Tensor]:
+        """A stage's inputs: produced locally, or received (waited for now)."""
+        if key in self.pending_recvs:
+            for work in self.pending_recvs.pop(key):
+                work.wait()
+        return store.pop(key)
+
+    def _communicate(self, actions: list[Action]):
+        if not actions:
+            return
+        ops, recv_keys = [], []
+        for a in actions:
+            if a.kind == Kind.SEND_F:
+                peer, tensors = self._peer(a.stage + 1), self.acts.pop((a.stage + 1, a.mb))
+            elif a.kind == Kind.SEND_B:
+                peer, tensors = self._peer(a.stage - 1), self.grads_in.pop((a.stage - 1, a.mb))
+            elif a.kind == Kind.RECV_F:
+                peer, tensors = self._peer(a.stage - 1), self._empty_like_inputs(a.stage)
+                self.acts[(a.stage, a.mb)] = tensors
+            else:  # RECV_B
+                peer, tensors = self._peer(a.stage + 1), self._empty_like_outputs(a.stage)
+                self.grads_in[(a.stage, a.mb)] = tensors
+            op = dist.isend if a.kind in (Kind.SEND_F, Kind.SEND_B) else dist.irecv
+            ops += [dist.P2POp(op, t.contiguous() if op is dist.isend else t, peer) for t in tensors]
+            recv_keys.append(((a.stage, a.mb), a.kind, len(tensors)))
+        works = dist.batch_isend_irecv(ops)
+        i = 0
+        for key, kind, count in recv_keys:
+            if kind in (Kind.RECV_F, Kind.RECV_B):
+                self.pending_recvs[key] = works[i:i + count]
+            else:
+                self.sends += works[i:i + count]
+            i += count
+
+    def _peer(self, stage: int) -> int:
+        c = self.program.coords
+        return Coords(c.tp, c.pp, c.dp, c.tp_rank, self.program.schedule.stage_rank(stage), c.dp_rank).rank
+
+    def _empty_like_inputs(self, stage: int) -> list[torch.Tensor]:
+        st = self.program.stages[stage]
+        nodes = list(st.forward.graph.find_nodes(op="placeholder"))[len(st.params):]
+        return [self._empty(n.meta["val"]) for role, n in zip(st.inputs, nodes) if role not in ("idx", "targets")]
+
+    def _empty_like_outputs(self, stage: int) -> list[torch.Tensor]:
+        st = self.program.stages[stage]
+        outs = st.forward.graph.output_node().args[0][:len(st.outputs)]
+        return [self._empty(n.meta["val"]) for n in outs]
+
+    def _empty(self, val) -> torch.Tensor:
+        return torch.empty(val.shape, dtype=val.dtype, device=self.state.params.device)

@@ -1,0 +1,122 @@
+"""The training loop: data, learning-rate schedule, steps, validation, logging.
+
+Each rank builds its own program, state and runtime, then every rank steps in
+lockstep; the loss lives on the last pipeline stage and is logged by the rank
+at (last pp stage, dp 0, tp 0).
+"""
+
+import math
+import time
+
+import torch
+import torch.distributed as dist
+
+from gcompile.compile import Compiler, compile_rank_program
+from gcompile.config import ConfigError, RunConfig, TrainConfig
+from gcompile.data import GPTDataset, build_datasets
+from gcompile.log import MetricsLog, num_floating_point_operations
+from gcompile.mesh import Coords, group
+from gcompile.pipeline import build_rank_program
+from gcompile.runtime import Runtime
+from gcompile.state import TrainState
+
+
+def lr_at(iteration: int, t: TrainConfig) -> float:
+    """Learning rate of step `iteration` (1-based): linear warmup, then decay to min_lr (Megatron's shapes)."""
+    if t.lr_warmup_iters > 0 and iteration <= t.lr_warmup_iters:
+        return t.lr * iteration / t.lr_warmup_iters
+    if t.lr_decay_style == "constant":
+        return t.lr
+    decay_iters = t.lr_decay_iters or t.train_iters
+    if iteration > decay_iters:
+        return t.min_lr
+    ratio = (iteration - t.lr_warmup_iters) / max(1, decay_iters - t.lr_warmup_iters)
+    coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0) if t.lr_decay_style == "cosine" else 1.0 - ratio
+    return t.min_lr + coeff * (t.lr - t.min_lr)
+
+
+def microbatches(dataset: GPTDataset, consumed_samples: int, config: RunConfig, coords: Coords, device):
+    """This dp rank's share of the global batch starting at `consumed_samples`, as (idx, targets) pairs."""
+    t = config.train
+    per_rank = t.global_batch_size // coords.dp
+    tokens = dataset.batch(consumed_samples + coords.dp_rank * per_rank, per_rank).to(device)  # (B, T+1)
+    return split_microbatches(tokens, t.micro_batch_size)
+
+
+def split_microbatches(tokens: torch.Tensor, micro_batch_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(B, T+1) samples -> [(idx, targets)] of (micro_batch_size, T) each, contiguous as the graphs expect."""
+    return [(mb[:, :-1].contiguous(), mb[:, 1:].contiguous()) for mb in tokens.split(micro_batch_size)]
+
+
+def is_logging_rank(coords: Coords) -> bool:
+    return coords.pp_rank == coords.pp - 1 and coords.dp_rank == 0 and coords.tp_rank == 0
+
+
+def train(config: RunConfig, coords: Coords, device: str = "cpu", log=print) -> list[dict]:
+    """Run the whole training; returns the logged records (on the logging rank; empty elsewhere)."""
+    t = config.train
+    train_data, valid_data = build_datasets(config.data, t.seq_length, t.seed)
+    _check_vocab(train_data, config)
+    logging = is_logging_rank(coords)
+    quiet = (lambda _: None) if coords.rank != 0 else log
+
+    program = build_rank_program(config, coords, device, dump_root=config.log.dump_graphs, log=quiet)
+    compiler = Compiler(enabled=t.compile)
+    functions, optimizer_step = compile_rank_program(program, compiler)
+    if t.compile:
+        quiet(f"compile rank {coords.rank}: {compiler.stats}")
+    state = TrainState.initial(program, config.model, t.seed, device)
+    runtime = Runtime(program, functions, optimizer_step, state)
+
+    metrics = MetricsLog(config.log.run_dir, config.log.tensorboard_dir, t.train_iters, coords.world_size) \
+        if logging else None
+    flops = num_floating_point_operations(config.model, t.global_batch_size, t.seq_length)
+    records = []
+    for iteration in range(1, t.train_iters + 1):
+        consumed = (iteration - 1) * t.global_batch_size
+        batch = microbatches(train_data, consumed, config, coords, device)
+        lr = lr_at(iteration, t)
+        state.lr.fill_(lr)
+        start = time.perf_counter()
+        loss, grad_norm = runtime.train_step(batch)
+        loss = _mean_over_dp(loss, coords)
+        elapsed_ms = (time.perf_counter() - start) * 1e3
+        if metrics:
+            record = dict(iteration=iteration, consumed_samples=consumed + t.global_batch_size,
+                          elapsed_ms=elapsed_ms, tokens=t.global_batch_size * t.seq_length, flops=flops, lr=lr,
+                          loss=loss.item(), grad_norm=grad_norm.item(), batch_size=t.global_batch_size)
+            metrics.step(**record, print_line=iteration % config.log.log_interval == 0)
+            records.append(record)
+        if t.eval_interval and (iteration % t.eval_interval == 0 or iteration == t.train_iters):
+            val_loss = evaluate(runtime, valid_data, config, coords, device)
+            if metrics:
+                metrics.validation(iteration=iteration, consumed_samples=consumed + t.global_batch_size,
+                                   loss=val_loss)
+                records.append(dict(iteration=iteration, val_loss=val_loss))
+    if metrics:
+        metrics.close()
+    return records
+
+
+def evaluate(runtime: Runtime, valid_data: GPTDataset, config: RunConfig, coords: Coords, device) -> float:
+    """Mean loss over the first eval_iters global batches of the validation split (the same ones each time)."""
+    losses = []
+    for i in range(config.train.eval_iters):
+        loss = runtime.eval_step(microbatches(valid_data, i * config.train.global_batch_size, config, coords, device))
+        losses.append(_mean_over_dp(loss, coords))
+    return torch.stack(losses).mean().item() if losses[0] is not None else float("nan")
+
+
+def _mean_over_dp(loss: torch.Tensor | None, coords: Coords) -> torch.Tensor | None:
+    if loss is None or coords.dp == 1:
+        return loss
+    loss = loss.clone()
+    dist.all_reduce(loss, group=group("dp"))
+    return loss / coords.dp
+
+
+def _check_vocab(dataset: GPTDataset, config: RunConfig) -> None:
+    largest = int(dataset.tokens.max())
+    if largest >= config.model.vocab_size:
+        raise ConfigError(f"the data holds token id {largest} but vocab_size={config.model.vocab_size}; "
+                          f"raise --vocab-size to at least {largest + 1} or use data from this tokenizer")
