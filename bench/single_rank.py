@@ -1,0 +1,123 @@
+"""One rank, one run: tokens/s of eager, torch.compile and gcompile on the same model and batch.
+
+    python bench/single_rank.py                 # 4 layers, 256 wide, T=256 (the issue's config)
+    python bench/single_rank.py --n-layer 2 --n-embd 64 --seq-length 64
+
+(a) eager module + torch.optim.AdamW
+(b) torch.compile(model) + torch.optim.AdamW (nanoGPT's way)
+(c) gcompile, graphs run uncompiled
+(d) gcompile --compile
+Each also reports achieved FLOP/s (Megatron's formula) as a fraction of this
+machine's fp32 matmul peak, measured in the same run.
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from gcompile.compile import Compiler, compile_rank_program
+from gcompile.config import build_config
+from gcompile.log import num_floating_point_operations
+from gcompile.mesh import Coords
+from gcompile.model import build_model
+from gcompile.pipeline import build_rank_program
+from gcompile.runtime import Runtime
+from gcompile.state import TrainState
+from gcompile.train import split_microbatches
+
+
+def matmul_peak(n: int = 2048, repeats: int = 10) -> float:
+    """Best fp32 FLOP/s of an n x n x n matmul on this machine."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    for _ in range(2):
+        a @ b
+    best = min(_timed(lambda: a @ b) for _ in range(repeats))
+    return 2 * n ** 3 / best
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def time_steps(step, tokens, warmup: int, iters: int) -> float:
+    """Median seconds per step after `warmup` untimed steps."""
+    for _ in range(warmup):
+        step(tokens)
+    return statistics.median(_timed(lambda: step(tokens)) for _ in range(iters))
+
+
+def torch_step_fn(config, compiled: bool):
+    t = config.train
+    model = build_model(config.model, t.seed)
+    decay = [p for n, p in model.named_parameters() if p.dim() == 2 and "wte" not in n and "wpe" not in n]
+    rest = [p for n, p in model.named_parameters() if not (p.dim() == 2 and "wte" not in n and "wpe" not in n)]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
+                                   {"params": rest, "weight_decay": 0.0}], lr=t.lr, betas=(t.adam_beta1, t.adam_beta2))
+    forward = torch.compile(model) if compiled else model
+
+    def step(tokens):
+        micro = split_microbatches(tokens, t.micro_batch_size)
+        for idx, targets in micro:
+            (forward(idx, targets) / len(micro)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), t.clip_grad)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return step
+
+
+def gcompile_step_fn(config, compiled: bool):
+    program = build_rank_program(config, Coords(1, 1, 1), log=lambda _: None)
+    functions, opt_step = compile_rank_program(program, Compiler(enabled=compiled))
+    state = TrainState.initial(program, config.model, config.train.seed, "cpu")
+    state.lr.fill_(config.train.lr)
+    runtime = Runtime(program, functions, opt_step, state)
+    return lambda tokens: runtime.train_step(split_microbatches(tokens, config.train.micro_batch_size))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--n-embd", type=int, default=256)
+    p.add_argument("--n-head", type=int, default=8)
+    p.add_argument("--seq-length", type=int, default=256)
+    p.add_argument("--micro-batch-size", type=int, default=8)
+    p.add_argument("--global-batch-size", type=int, default=8)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    args = p.parse_args()
+    config = build_config({
+        "model": dict(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, block_size=args.seq_length),
+        "train": dict(micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
+                      seq_length=args.seq_length),
+    })
+    t = config.train
+    tokens = torch.randint(0, config.model.vocab_size, (t.global_batch_size, t.seq_length + 1),
+                           generator=torch.Generator().manual_seed(0))
+    flops = num_floating_point_operations(config.model, t.global_batch_size, t.seq_length)
+    peak = matmul_peak()
+    print(f"config: {args.n_layer} layers, {args.n_embd} wide, {args.n_head} heads, T={t.seq_length}, "
+          f"{t.global_batch_size // t.micro_batch_size} x {t.micro_batch_size} samples/step, "
+          f"{torch.get_num_threads()} threads; fp32 matmul peak {peak / 1e9:.1f} GFLOP/s")
+    runs = {
+        "(a) eager + AdamW": lambda: torch_step_fn(config, compiled=False),
+        "(b) torch.compile + AdamW": lambda: torch_step_fn(config, compiled=True),
+        "(c) gcompile (FX graphs)": lambda: gcompile_step_fn(config, compiled=False),
+        "(d) gcompile --compile": lambda: gcompile_step_fn(config, compiled=True),
+    }
+    results = {}
+    for name, make in runs.items():
+        seconds = time_steps(make(), tokens, args.warmup, args.iters)
+        results[name] = seconds
+    baseline = results["(b) torch.compile + AdamW"]
+    print(f"{'':28s} {'tokens/s':>10s} {'vs (b)':>7s} {'GFLOP/s':>8s} {'of peak':>8s}")
+    for name, seconds in results.items():
+        print(f"{name:28s} {t.global_batch_size * t.seq_length / seconds:10.0f} {baseline / seconds:6.2f}x "
+              f"{flops / seconds / 1e9:8.1f} {flops / seconds / peak:7.0%}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""Bad input to run_gpt.py: one clear line on stderr, exit status 2, no traceback."""
+
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import run_gpt
+from gcompile.indexed_dataset import IndexedDatasetWriter
+
+
+@pytest.fixture
+def data_prefix(tmp_path):
+    prefix = str(tmp_path / "corpus")
+    with IndexedDatasetWriter(prefix) as writer:
+        for i in range(20):
+            writer.add_document(np.arange(i, i + 300, dtype=np.uint16) % 256)
+    return prefix
+
+
+def run_main(argv, capsys):
+    status = run_gpt.main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    return status, err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--no-such-flag", "1"], "unrecognized arguments: --no-such-flag"),
+    (["--n-head", "3", "--n-embd", "64"], "n_embd=64 is not divisible by n_head=3"),
+    (["--n-layer", "0"], "n-layer=0 must be at least 1"),
+    (["--seq-length", "512", "--block-size", "256"], "seq_length=512 is longer than the model's block_size=256"),
+    (["--global-batch-size", "10", "--micro-batch-size", "4"],
+     "global_batch_size=10 is not divisible by micro_batch_size=4 * dp=1 = 4"),
+    (["--lr-decay-style", "exponential"], "lr_decay_style='exponential' must be cosine, linear or constant"),
+    (["--lr", "fast"], "--lr='fast' is not a valid float"),
+    (["--data-path", "/nonexistent/corpus"], "/nonexistent/corpus"),
+])
+def test_bad_flags(argv, message, capsys):
+    status, err = run_main(argv, capsys)
+    assert status == 2
+    assert len(err) == 1 and message in err[0], err
+
+
+def test_unknown_config_key(tmp_path, capsys):
+    preset = tmp_path / "bad.toml"
+    preset.write_text("[model]\nn_layers = 4\n")
+    status, err = run_main(["--config", str(preset)], capsys)
+    assert status == 2 and len(err) == 1
+    assert "unknown key 'n_layers' in [model]" in err[0]
+
+
+def test_unknown_config_section(tmp_path, capsys):
+    preset = tmp_path / "bad.toml"
+    preset.write_text("[optimizer]\nlr = 1.0\n")
+    status, err = run_main(["--config", str(preset)], capsys)
+    assert status == 2 and "unknown section [optimizer]" in err[0]
+
+
+def test_empty_data(tmp_path, capsys):
+    prefix = str(tmp_path / "empty")
+    with IndexedDatasetWriter(prefix):
+        pass
+    status, err = run_main(["--data-path", prefix], capsys)
+    assert status == 2 and len(err) == 1, err
+
+
+def test_truncated_idx(data_prefix, capsys):
+    with open(data_prefix + ".idx", "r+b") as f:
+        f.truncate(30)
+    status, err = run_main(["--data-path", data_prefix], capsys)
+    assert status == 2 and len(err) == 1 and ".idx" in err[0], err
+
+
+def test_token_ids_beyond_vocab(tmp_path, capsys):
+    prefix = str(tmp_path / "wide")
+    with IndexedDatasetWriter(prefix) as writer:
+        writer.add_document(np.full(20000, 1000, dtype=np.uint16))
+    status, err = run_main(["--data-path", prefix, "--train-iters", "1"], capsys)
+    assert status == 2 and "token id 1000 but vocab_size=257" in err[0], err
+
+
+def test_parallel_sizes_not_yet_supported(capsys):
+    status, err = run_main(["--tp", "2"], capsys)
+    assert status == 2 and "tp=2" in err[0]
+
+
+def test_subprocess_has_no_traceback(tmp_path):
+    result = subprocess.run([sys.executable, "run_gpt.py", "--n-head", "3"], capture_output=True, text=True)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().startswith("run_gpt.py: error:")

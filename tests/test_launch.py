@@ -1,0 +1,36 @@
+"""The local launcher: a multi-rank world, Megatron rank order, and the named groups graphs use."""
+
+import json
+import os
+
+from gcompile.launch import spawn_local
+from gcompile.mesh import Coords, GROUP_AXES, group_ranks
+
+WORKER = os.path.join(os.path.dirname(__file__), "workers", "mesh_worker.py")
+
+
+def test_rank_order_is_megatron():
+    # rank = tp_rank + tp * (dp_rank + dp * pp_rank), written out for tp=2 dp=3 pp=2
+    expected = {(tp, dp, pp): tp + 2 * (dp + 3 * pp) for pp in range(2) for dp in range(3) for tp in range(2)}
+    for (tp, dp, pp), rank in expected.items():
+        c = Coords.from_rank(rank, tp=2, pp=2, dp=3)
+        assert (c.tp_rank, c.dp_rank, c.pp_rank, c.rank) == (tp, dp, pp, rank)
+
+
+def test_spawned_world_has_the_named_groups(tmp_path):
+    tp, pp, dp = 2, 2, 1
+    assert spawn_local(tp * pp * dp, [WORKER, str(tmp_path), str(tp), str(pp), str(dp)]) == 0
+    records = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(tp * pp * dp)]
+    for r in records:
+        assert r["rank"] == r["env_rank"]
+        coords = Coords.from_rank(r["rank"], tp, pp, dp)
+        assert (r["tp_rank"], r["dp_rank"], r["pp_rank"]) == (coords.tp_rank, coords.dp_rank, coords.pp_rank)
+        for name, axes in GROUP_AXES.items():
+            expected = float(sum(group_ranks(coords, axes)))
+            assert r["sums"][name] == [expected, expected], f"rank {r['rank']} group {name}"
+
+
+def test_failed_rank_is_reported(tmp_path, capsys):
+    # a worker that cannot join a world of the wrong size exits non-zero; the launcher says which rank
+    assert spawn_local(2, [WORKER, str(tmp_path), "1", "1", "1"]) != 0
+    assert "rank" in capsys.readouterr().err
