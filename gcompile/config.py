@@ -282,13 +282,17 @@ def validate(config: RunConfig) -> None:
         errors.append(f"min_lr={t.min_lr} is above lr={t.lr}")
     if p.pipeline_schedule not in ("gpipe", "1f1b", "interleaved"):
         errors.append(f"pipeline_schedule={p.pipeline_schedule!r} must be gpipe, 1f1b or interleaved")
-    for name, size in (("tp", p.tp), ("pp", p.pp), ("dp", p.dp)):
-        if size > 1:
-            errors.append(f"{name}={size}: {name} > 1 is not implemented yet; run with --{name} 1")
+    # Each parallel feature is refused here until its pass lands.
+    if p.tp > 1:
+        errors.append(f"tp={p.tp}: tensor parallelism is not implemented yet; run with --tp 1")
     if p.sequence_parallel:
         errors.append("sequence_parallel is not implemented yet")
+    if p.pp > 1:
+        errors.append(f"pp={p.pp}: pipeline parallelism is not implemented yet; run with --pp 1")
     if p.virtual_pipeline_size > 1:
         errors.append("virtual_pipeline_size > 1 is not implemented yet")
+    if p.dp > 1:
+        errors.append(f"dp={p.dp}: data parallelism is not implemented yet; run with --dp 1")
     if p.use_distributed_optimizer:
         errors.append("use_distributed_optimizer is not implemented yet")
     if errors:

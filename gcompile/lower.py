@@ -23,7 +23,7 @@ from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 
 from gcompile.layout import Param
-from gcompile.program import Stage
+from gcompile.program import Stage, activation_roles, format_graph
 
 
 @dataclass
@@ -36,9 +36,12 @@ class LoweredStage:
     outputs: list[str]
     num_saved: int
     """Tensors forward saves for backward, per microbatch."""
+    rank_constants: dict[str, int]
+
+    def activation_inputs(self) -> list[str]:
+        return activation_roles(self.inputs, self.rank_constants)
 
     def __str__(self) -> str:
-        from gcompile.program import format_graph
         return (f"# stage {self.index} forward: (*params[{len(self.params)}], *{self.inputs}) -> "
                 f"(*{self.outputs}, *saved[{self.num_saved}])\n{format_graph(self.forward)}\n"
                 f"# stage {self.index} backward: (*saved[{self.num_saved}], *grad{self.outputs}) -> "
@@ -65,7 +68,8 @@ def lower_stage(stage: Stage, recompute: bool = False) -> LoweredStage:
                 raise NotImplementedError(f"stage {stage.index}: non-tensor graph input {node.name} "
                                           f"(dynamic shapes are not supported)")
     return LoweredStage(index=stage.index, forward=forward, backward=backward, params=list(stage.params),
-                        inputs=list(stage.inputs), outputs=list(stage.outputs), num_saved=num_saved)
+                        inputs=list(stage.inputs), outputs=list(stage.outputs), num_saved=num_saved,
+                        rank_constants=dict(stage.rank_constants))
 
 
 def _check_joint_convention(joint: fx.GraphModule, num_inputs: int, num_outputs: int, stage: int) -> None:

@@ -43,7 +43,7 @@ class Coords:
         return f"(pp{self.pp_rank} dp{self.dp_rank} tp{self.tp_rank})"
 
 
-# Groups a graph may name, by the axes whose ranks they span.
+# Groups a graph may name, by the axes whose ranks they span; plus "embd" (embedding_group_ranks).
 GROUP_AXES = {
     "tp": ("tp",),
     "dp": ("dp",),
@@ -62,6 +62,12 @@ def group_ranks(coords: Coords, axes: tuple[str, ...]) -> list[int]:
     return ranks
 
 
+def embedding_group_ranks(coords: Coords) -> list[int]:
+    """The first and last pipeline rank at this rank's (dp, tp): each holds a copy of the tied embedding."""
+    return sorted({Coords(coords.tp, coords.pp, coords.dp, coords.tp_rank, pp, coords.dp_rank).rank
+                   for pp in (0, coords.pp - 1)})
+
+
 def init_groups(coords: Coords) -> dict[str, dist.ProcessGroup]:
     """Create every group (all ranks take part in each creation) and register this rank's
     under its role name, so `all_reduce(x, "tp")` in a graph means this rank's tp group."""
@@ -74,8 +80,21 @@ def init_groups(coords: Coords) -> dict[str, dist.ProcessGroup]:
         if sorted(dist.get_process_group_ranks(group)) != group_ranks(coords, GROUP_AXES[name]):
             raise AssertionError(f"group {name} of rank {coords.rank} has ranks "
                                  f"{dist.get_process_group_ranks(group)}, expected {group_ranks(coords, GROUP_AXES[name])}")
+    for dp_rank in range(coords.dp):  # every rank joins every creation, in the same order
+        for tp_rank in range(coords.tp):
+            ranks = embedding_group_ranks(Coords(coords.tp, coords.pp, coords.dp, tp_rank, 0, dp_rank))
+            created = dist.new_group(ranks)
+            if coords.rank in ranks:
+                groups["embd"] = created
+    for name, group in groups.items():
+        if name in _registered:
+            torch._C._distributed_c10d._unregister_process_group(name)
         torch._C._distributed_c10d._register_process_group(name, group)
+        _registered.add(name)
     return groups
+
+
+_registered: set[str] = set()
 
 
 def group(name: str) -> dist.ProcessGroup:

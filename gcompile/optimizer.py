@@ -80,6 +80,16 @@ def flat_layout(params: list[Param], shapes: list[tuple[int, ...]], tp: int, pad
 
 
 @dataclass(frozen=True)
+class GradReduction:
+    """Sum the gradient buffer's [start, end) over a process group before the norm and the update
+    (e.g. the two copies of a tied embedding on the first and last pipeline stage)."""
+
+    group: str
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
 class AdamWSettings:
     beta1: float
     beta2: float
@@ -90,7 +100,7 @@ class AdamWSettings:
 
 
 def build_optimizer_graph(layout: FlatLayout, settings: AdamWSettings, shard_numel: int,
-                          norm_group: str | None) -> fx.GraphModule:
+                          norm_group: str | None, reductions: tuple[GradReduction, ...] = ()) -> fx.GraphModule:
     """Trace the AdamW step for tensors of `shard_numel` elements (the whole buffer when unsharded).
 
     `norm_group` names the process group whose ranks together hold every gradient
@@ -101,6 +111,8 @@ def build_optimizer_graph(layout: FlatLayout, settings: AdamWSettings, shard_num
     def step_fn(param, grad_acc, exp_avg, exp_avg_sq, lr, step, offset):
         grad = grad_acc.clone()
         grad_acc.zero_()  # ready for the next step's accumulation
+        for r in reductions:
+            grad[r.start:r.end].copy_(collectives.all_reduce(grad[r.start:r.end], r.group))
         index = torch.arange(grad.numel(), device=grad.device) + offset  # buffer index of each element
         weight = torch.zeros_like(grad)
         decay = torch.zeros_like(grad)

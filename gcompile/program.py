@@ -6,8 +6,10 @@ Calling convention of a stage graph (an FX GraphModule of pre-autograd ATen ops)
 
 `params` are the stage's parameter placeholders, described by `Stage.params`
 (full shape and the cuts a pass declared). `inputs` are named by role: "idx" and
-"targets" come from the microbatch, any other name is an activation received from
-the previous stage. `outputs` are "loss" on the last stage and activations for the
+"targets" come from the microbatch; a name in `rank_constants` is a 0-d int64
+tensor holding a per-rank number (a vocab shard's start, say), passed as an input
+rather than baked in so that all ranks of a stage share one graph; any other name
+is an activation received from the previous stage. `outputs` are "loss" on the last stage and activations for the
 next stage elsewhere. Placeholder `meta["val"]` (a fake tensor) is the truth for
 input shapes; `refresh_meta` re-derives every other node's shape after a rewrite.
 
@@ -39,6 +41,11 @@ class Stage:
     """Roles of the remaining placeholders: "idx", "targets" or an activation name."""
     outputs: list[str]
     """Roles of the outputs: "loss" or an activation name."""
+    rank_constants: dict[str, int] = field(default_factory=dict)
+    """Input roles fed with a per-rank number (as a 0-d int64 tensor), by role."""
+
+    def activation_inputs(self) -> list[str]:
+        return activation_roles(self.inputs, self.rank_constants)
 
     def placeholders(self) -> list[fx.Node]:
         return list(self.graph.graph.find_nodes(op="placeholder"))
@@ -52,6 +59,11 @@ class Stage:
 
     def output_node(self) -> fx.Node:
         return self.graph.graph.output_node()
+
+
+def activation_roles(inputs: list[str], rank_constants: dict[str, int]) -> list[str]:
+    """The input roles received from the previous stage (not batch data, not rank constants)."""
+    return [r for r in inputs if r not in ("idx", "targets") and r not in rank_constants]
 
 
 @dataclass

@@ -42,6 +42,8 @@ class Runtime:
         params, grads = program.layout.views(state.params), program.layout.views(state.grads)
         self.param_args = {s: [params[p.name] for p in st.params] for s, st in program.stages.items()}
         self.grad_views = {s: [grads[p.name] for p in st.params] for s, st in program.stages.items()}
+        self.constants = {s: {role: torch.tensor(value, device=state.params.device)
+                              for role, value in st.rank_constants.items()} for s, st in program.stages.items()}
         self.loss_scale = torch.full((), 1.0 / program.schedule.num_microbatches,
                                      dtype=state.params.dtype, device=state.params.device)
         self.peak_saved = defaultdict(int)
@@ -88,8 +90,8 @@ class Runtime:
     def _forward(self, a: Action, training: bool):
         stage = self.program.stages[a.stage]
         acts = iter(self._take(self.acts, (a.stage, a.mb)) if a.stage > 0 else [])
-        idx, targets = self.batch[a.mb]
-        inputs = [idx if role == "idx" else targets if role == "targets" else next(acts) for role in stage.inputs]
+        fixed = dict(zip(("idx", "targets"), self.batch[a.mb]), **self.constants[a.stage])
+        inputs = [fixed[role] if role in fixed else next(acts) for role in stage.inputs]
         out = self.functions[a.stage].forward(*self.param_args[a.stage], *inputs)
         outputs, saved = out[:len(stage.outputs)], out[len(stage.outputs):]
         if training:
@@ -114,8 +116,8 @@ class Runtime:
         if param_grads:
             torch._foreach_add_([acc for acc, _ in param_grads], [g for _, g in param_grads])
         if a.stage > 0:
-            act_roles = [i for i, role in enumerate(stage.inputs) if role not in ("idx", "targets")]
-            self.grads_in[(a.stage - 1, a.mb)] = [grads[n + i] for i in act_roles]
+            acts = stage.activation_inputs()
+            self.grads_in[(a.stage - 1, a.mb)] = [grads[n + i] for i, role in enumerate(stage.inputs) if role in acts]
 
     def _take(self, store: dict, key) -> list[torch.Tensor]:
         """A stage's inputs: produced locally, or received (waited for now)."""
@@ -158,7 +160,8 @@ class Runtime:
     def _empty_like_inputs(self, stage: int) -> list[torch.Tensor]:
         st = self.program.stages[stage]
         nodes = list(st.forward.graph.find_nodes(op="placeholder"))[len(st.params):]
-        return [self._empty(n.meta["val"]) for role, n in zip(st.inputs, nodes) if role not in ("idx", "targets")]
+        acts = st.activation_inputs()
+        return [self._empty(n.meta["val"]) for role, n in zip(st.inputs, nodes) if role in acts]
 
     def _empty_like_outputs(self, stage: int) -> list[torch.Tensor]:
         st = self.program.stages[stage]

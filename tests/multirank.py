@@ -1,0 +1,71 @@
+"""Run layouts on real gloo ranks (one process each, a FileStore in tmp_path) and reassemble the results.
+
+Several cases of the same world size share one launch, so the cost of starting
+ranks is paid once per test.
+"""
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from gcompile.layout import full_value
+
+WORKER = os.path.join(os.path.dirname(__file__), "workers", "layout_worker.py")
+
+
+@dataclass
+class LayoutResult:
+    losses: list[float]
+    """Mean loss of the global batch per step (from the last pipeline stage)."""
+    grad_norms: list[float]
+    params: dict[str, torch.Tensor]
+    """Final parameters, reassembled to full single-device shapes."""
+    ranks: list[dict]
+    """What each rank reported (coords, peak_saved, compile_stats, ...), by rank."""
+
+
+def run_layouts(tmp_path, configs, batches, lrs, timeout: float = 900) -> list[LayoutResult]:
+    world = configs[0].world_size
+    assert all(c.world_size == world for c in configs), "one launch runs cases of one world size"
+    job = os.path.join(tmp_path, "job.pt")
+    torch.save(dict(configs=configs, batches=batches, lrs=lrs), job)
+    store = os.path.join(tmp_path, "store")
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
+        log = open(os.path.join(tmp_path, f"rank{rank}.log"), "w")
+        procs.append(subprocess.Popen([sys.executable, WORKER, job, store], env=env, stdout=log,
+                                      stderr=subprocess.STDOUT))
+    failed = []
+    for rank, proc in enumerate(procs):
+        try:
+            if proc.wait(timeout=timeout) != 0:
+                failed.append(rank)
+        except subprocess.TimeoutExpired:
+            failed.append(rank)
+    if failed:
+        for proc in procs:
+            proc.kill()
+        logs = "\n".join(f"--- rank {r} ---\n" + open(os.path.join(tmp_path, f"rank{r}.log")).read()[-3000:]
+                         for r in failed)
+        raise AssertionError(f"ranks {failed} failed:\n{logs}")
+    return [_collect(tmp_path, i, world) for i in range(len(configs))]
+
+
+def _collect(tmp_path, case: int, world: int) -> LayoutResult:
+    ranks = [torch.load(os.path.join(tmp_path, f"case{case}_rank{r}.pt"), weights_only=False) for r in range(world)]
+    last = next(r for r in ranks if r["losses"][0] is not None)
+    pieces, layout = {}, {}
+    for r in ranks:
+        c = r["coords"]
+        for param in r["params"]:
+            if param.tied_copy or c.dp_rank != 0:
+                continue
+            layout[param.name] = (param, c.axis_sizes)
+            pieces.setdefault(param.name, []).append((c.tp_rank, r["values"][param.name]))
+    params = {name: full_value([v for _, v in sorted(pieces[name], key=lambda x: x[0])], *layout[name])
+              for name in pieces}
+    return LayoutResult(losses=last["losses"], grad_norms=ranks[0]["grad_norms"], params=params, ranks=ranks)

@@ -1,0 +1,63 @@
+"""One rank of a multi-rank numerics test: train each case of a job and save what the test compares.
+
+Started by tests/multirank.py with RANK / WORLD_SIZE in the environment and a
+FileStore path; writes case{i}_rank{r}.pt with the losses and grad norms this rank
+saw and its local parameter pieces.
+"""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from gcompile.compile import Compiler, compile_rank_program
+from gcompile.mesh import Coords, init_groups
+from gcompile.pipeline import build_rank_program
+from gcompile.runtime import Runtime
+from gcompile.state import TrainState
+from gcompile.train import split_microbatches
+
+
+def run_case(config, batches, lrs, rank: int) -> dict:
+    p, t = config.parallel, config.train
+    coords = Coords.from_rank(rank, p.tp, p.pp, p.dp)
+    init_groups(coords)
+    program = build_rank_program(config, coords, log=lambda _: None)
+    compiler = Compiler(enabled=t.compile)
+    for turn in range(coords.world_size):  # one rank compiles at a time; the rest hit Inductor's cache
+        if turn == rank:
+            functions, step = compile_rank_program(program, compiler)
+        dist.barrier()
+    state = TrainState.initial(program, config.model, t.seed, "cpu")
+    runtime = Runtime(program, functions, step, state)
+    per_rank = t.global_batch_size // p.dp
+    losses, norms = [], []
+    for tokens, lr in zip(batches, lrs):
+        mine = tokens[coords.dp_rank * per_rank:(coords.dp_rank + 1) * per_rank]
+        state.lr.fill_(lr)
+        loss, grad_norm = runtime.train_step(split_microbatches(mine, t.micro_batch_size))
+        if loss is not None and p.dp > 1:
+            dist.all_reduce(loss, group=torch._C._distributed_c10d._resolve_process_group("dp"))
+            loss /= p.dp
+        losses.append(None if loss is None else loss.item())
+        norms.append(grad_norm.item())
+    params = {name: view.clone() for name, view in program.layout.views(state.params).items()}
+    return dict(coords=coords, losses=losses, grad_norms=norms, params=program.layout.params,
+                values=params, peak_saved=dict(runtime.peak_saved), compile_stats=compiler.stats)
+
+
+def main(job_path: str, store_path: str) -> None:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
+    job = torch.load(job_path, weights_only=False)
+    out_dir = os.path.dirname(job_path)
+    for i, config in enumerate(job["configs"]):
+        result = run_case(config, job["batches"], job["lrs"], rank)
+        torch.save(result, os.path.join(out_dir, f"case{i}_rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
