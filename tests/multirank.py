@@ -14,6 +14,7 @@ import torch
 from gcompile.layout import full_value
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "layout_worker.py")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this checkout, not another install
 
 
 @dataclass
@@ -35,7 +36,7 @@ def run_layouts(tmp_path, configs, batches, lrs, timeout: float = 900) -> list[L
     store = os.path.join(tmp_path, "store")
     procs = []
     for rank in range(world):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
         log = open(os.path.join(tmp_path, f"rank{rank}.log"), "w")
         procs.append(subprocess.Popen([sys.executable, WORKER, job, store], env=env, stdout=log,
                                       stderr=subprocess.STDOUT))

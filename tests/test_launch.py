@@ -17,7 +17,8 @@ def test_rank_order_is_megatron():
         assert (c.tp_rank, c.dp_rank, c.pp_rank, c.rank) == (tp, dp, pp, rank)
 
 
-def test_spawned_world_has_the_named_groups(tmp_path):
+def test_spawned_world_has_the_named_groups(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     tp, pp, dp = 2, 2, 1
     assert spawn_local(tp * pp * dp, [WORKER, str(tmp_path), str(tp), str(pp), str(dp)]) == 0
     records = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(tp * pp * dp)]
