@@ -84,7 +84,7 @@ class TrainConfig:
     compile: bool = False
     """Compile every graph with Inductor; without it the same graphs run as FX code."""
     recompute_activations: bool = False
-    """Recompute cheap activations in backward instead of saving them (min-cut partitioner)."""
+    """Recompute the forward in backward instead of saving activations (full recompute; saves memory)."""
 
 
 @dataclass(frozen=True)
