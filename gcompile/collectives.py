@@ -15,6 +15,25 @@ def all_reduce(x: torch.Tensor, group: str, op: str = "sum") -> torch.Tensor:
     return _ops.wait_tensor(_ops.all_reduce(x, op, group))
 
 
+def start_all_reduce(x: torch.Tensor, group: str, op: str = "sum") -> torch.Tensor:
+    """Issue an all-reduce and return at once; `wait` before reading the result (lets several overlap)."""
+    return _ops.all_reduce(x, op, group)
+
+
+def start_reduce_scatter(x: torch.Tensor, group: str, group_size: int, op: str = "sum") -> torch.Tensor:
+    """Sum `x` over `group`, this rank keeping its 1/n slice of dim 0; `wait` before reading."""
+    return _ops.reduce_scatter_tensor(x.contiguous(), op, group_size, group)
+
+
+def start_all_gather(x: torch.Tensor, group: str, group_size: int) -> torch.Tensor:
+    """Every rank's `x` concatenated along dim 0 in rank order; `wait` before reading."""
+    return _ops.all_gather_into_tensor(x.contiguous(), group_size, group)
+
+
+def wait(x: torch.Tensor) -> torch.Tensor:
+    return _ops.wait_tensor(x)
+
+
 def all_gather(x: torch.Tensor, group: str, group_size: int, dim: int = 0) -> torch.Tensor:
     """Pieces of `x` from every rank of `group`, concatenated along `dim` in rank order."""
     out = _ops.wait_tensor(_ops.all_gather_into_tensor(x.contiguous(), group_size, group))  # (n*d0, ...)

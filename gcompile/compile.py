@@ -69,4 +69,4 @@ def graph_key(gm: fx.GraphModule) -> str:
 def compile_rank_program(program: RankProgram, compiler: Compiler) -> tuple[dict[int, StageFunctions], Callable]:
     functions = {s: StageFunctions(compiler(stage.forward), compiler(stage.backward))
                  for s, stage in program.stages.items()}
-    return functions, compiler(program.optimizer)
+    return functions, compiler(program.optimizer.graph)

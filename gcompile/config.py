@@ -15,6 +15,8 @@ import textwrap
 import tomllib
 import types
 import typing
+
+import torch
 from dataclasses import dataclass, field, fields
 
 from gcompile.data import DataConfig
@@ -41,6 +43,10 @@ class ParallelConfig:
     """Static pipeline schedule: gpipe, 1f1b or interleaved."""
     use_distributed_optimizer: bool = False
     """ZeRO-1: AdamW states and fp32 main weights sharded over dp."""
+    ddp_bucket_size: int | None = None
+    """Elements per gradient-reduction bucket; None = Megatron's max(40M, 1M * dp)."""
+    overlap_grad_reduce: bool = False
+    """Start each bucket's dp reduction inside the last microbatch's backward, as soon as it is final."""
     passes: tuple[str, ...] = ()
     """User passes, `pkg.module:function`, run after the built-in rewrites."""
 
@@ -81,6 +87,18 @@ class TrainConfig:
     """Run validation every this many steps (and at the end); 0 disables it."""
     eval_iters: int = 4
     """Global batches per validation."""
+    bf16: bool = False
+    """bf16 weights and activations; fp32 main weights, gradient accumulation and reduction."""
+    fp16: bool = False
+    """fp16 weights and activations with dynamic loss scaling; fp32 main weights and gradients."""
+    initial_loss_scale: float = 2.0 ** 32
+    """fp16: the first loss scale."""
+    min_loss_scale: float = 1.0
+    """fp16: the scale never drops below this."""
+    loss_scale_window: int = 1000
+    """fp16: double the scale after this many steps without overflow."""
+    hysteresis: int = 2
+    """fp16: overflows tolerated before the scale is halved."""
     compile: bool = False
     """Compile every graph with Inductor; without it the same graphs run as FX code."""
     recompute_activations: bool = False
@@ -110,6 +128,14 @@ class RunConfig:
     @property
     def world_size(self) -> int:
         return self.parallel.tp * self.parallel.pp * self.parallel.dp
+
+    @property
+    def param_dtype(self) -> "torch.dtype":
+        return torch.bfloat16 if self.train.bf16 else torch.float16 if self.train.fp16 else torch.float32
+
+    @property
+    def bucket_size(self) -> int:
+        return self.parallel.ddp_bucket_size or max(40_000_000, 1_000_000 * self.parallel.dp)
 
     @property
     def num_microbatches(self) -> int:
@@ -278,6 +304,10 @@ def validate(config: RunConfig) -> None:
                       f"micro_batch_size={t.micro_batch_size} * dp={p.dp} = {per_step}")
     if t.lr_decay_style not in ("cosine", "linear", "constant"):
         errors.append(f"lr_decay_style={t.lr_decay_style!r} must be cosine, linear or constant")
+    if t.bf16 and t.fp16:
+        errors.append("bf16 and fp16 are both set; choose one")
+    if p.ddp_bucket_size is not None and p.ddp_bucket_size < 1:
+        errors.append(f"ddp_bucket_size={p.ddp_bucket_size} must be at least 1 element")
     if t.min_lr > t.lr:
         errors.append(f"min_lr={t.min_lr} is above lr={t.lr}")
     if p.pipeline_schedule not in ("gpipe", "1f1b", "interleaved"):
@@ -291,9 +321,7 @@ def validate(config: RunConfig) -> None:
         errors.append(f"pp={p.pp}: pipeline parallelism is not implemented yet; run with --pp 1")
     if p.virtual_pipeline_size > 1:
         errors.append("virtual_pipeline_size > 1 is not implemented yet")
-    if p.dp > 1:
-        errors.append(f"dp={p.dp}: data parallelism is not implemented yet; run with --dp 1")
-    if p.use_distributed_optimizer:
-        errors.append("use_distributed_optimizer is not implemented yet")
+    if p.overlap_grad_reduce:
+        errors.append("overlap_grad_reduce is not implemented yet")
     if errors:
         raise ConfigError("; ".join(errors))

@@ -34,12 +34,14 @@ class MetricsLog:
         self.tensorboard = SummaryWriter(tensorboard_dir or os.path.join(run_dir, "tensorboard"))
 
     def step(self, *, iteration: int, consumed_samples: int, elapsed_ms: float, tokens: int, flops: float,
-             lr: float, loss: float, grad_norm: float, batch_size: int, print_line: bool) -> None:
+             lr: float, loss: float, grad_norm: float, batch_size: int, loss_scale: float | None,
+             skipped_iterations: int, print_line: bool) -> None:
         tokens_per_s = tokens / (elapsed_ms / 1e3)
         tflops = flops / (elapsed_ms / 1e3) / self.world_size / 1e12
         record = dict(iteration=iteration, consumed_samples=consumed_samples, lm_loss=loss, lr=lr,
                       grad_norm=grad_norm, elapsed_ms=elapsed_ms, tokens_per_s=tokens_per_s,
-                      tflops_per_rank=tflops, batch_size=batch_size)
+                      tflops_per_rank=tflops, batch_size=batch_size, loss_scale=loss_scale,
+                      skipped_iterations=skipped_iterations)
         self._write(record)
         tb = self.tensorboard
         tb.add_scalar("learning-rate", lr, iteration)
@@ -51,6 +53,9 @@ class MetricsLog:
         tb.add_scalar("grad-norm vs samples", grad_norm, consumed_samples)
         tb.add_scalar("iteration-time", elapsed_ms / 1e3, iteration)
         tb.add_scalar("throughput", tflops, iteration)
+        if loss_scale is not None:
+            tb.add_scalar("loss-scale", loss_scale, iteration)
+            tb.add_scalar("loss-scale vs samples", loss_scale, consumed_samples)
         if print_line:
             print(f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {iteration:8d}/{self.train_iters:8d} |"
                   f" consumed samples: {consumed_samples:12d} |"
@@ -60,7 +65,9 @@ class MetricsLog:
                   f" learning rate: {lr:.6E} |"
                   f" global batch size: {batch_size:5d} |"
                   f" lm loss: {loss:.6E} |"
-                  f" grad norm: {grad_norm:.3f} |",
+                  + (f" loss scale: {loss_scale:.1f} |" if loss_scale is not None else "")
+                  + f" grad norm: {grad_norm:.3f} |"
+                  f" number of skipped iterations: {skipped_iterations:3d} |",
                   flush=True)
 
     def validation(self, *, iteration: int, consumed_samples: int, loss: float) -> None:

@@ -111,6 +111,7 @@ class GPT(nn.Module):
         logits = self.lm_head(x)  # (B, T, V)
         if targets is None:
             return logits
+        logits = logits.float()  # the loss in fp32 whatever the weights' dtype, as Megatron does
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
 
 

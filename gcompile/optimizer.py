@@ -1,21 +1,21 @@
-"""AdamW over flat buffers, traced into a graph of its own.
+"""The optimizer step as one graph: gradient reduction, global norm, clipping, AdamW, weight sync.
 
-A rank's parameters live in one flat buffer (the model's parameters are views
-into it), and so do their gradients and AdamW states. Decayed parameters come
-first, then the rest grouped by how they count in the gradient norm, so that
-every mask in the update is a comparison of the element index with a few
-region boundaries: the whole step is a handful of elementwise kernels and one
-reduction, whatever the number of parameters.
+    step(*inputs) -> (grad_norm, found_inf)     inputs named by OptimizerGraph.inputs
 
-    step(param, grad, exp_avg, exp_avg_sq, lr, step, offset) -> (grad_norm,)
-
-mutates its first five arguments in place (grad is zeroed for the next
-accumulation). `offset` is the buffer index of element 0 of the tensors passed
-in (the shard start under a sharded optimizer), so the masks stay right for any
-shard while the graph text stays the same on every rank.
+The graph reads the flat fp32 gradient accumulator (and zeroes it for the next
+step), sums tied-weight copies across stages, hands the gradient to a GradSync
+(how data parallelism reduces it: nothing, bucketed all-reduce, or bucketed
+reduce-scatter onto this rank's shard), computes the norm over every parameter
+once, clips, runs AdamW on the fp32 main weights, and writes the result back
+into the model's weights (through the GradSync: a copy, or an all-gather of the
+shards). With fp16 loss scaling it first unscales; a non-finite gradient on
+any rank makes every rank skip the step (found_inf = 1) and adjusts the scale,
+all on device. Everything is elementwise over flat buffers, steered by per-element
+flags (gcompile.flat), so it compiles to a few kernels whatever the model.
 """
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.fx as fx
@@ -23,60 +23,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from gcompile import collectives
-from gcompile.layout import Param
-
-
-@dataclass(frozen=True)
-class Region:
-    start: int
-    end: int
-    decay: bool
-    norm_weight: float
-    """Contribution of each element's squared gradient to the global norm: 1, 1/tp for
-    parameters every tp rank holds a copy of, 0 for the second copy of a tied weight."""
-
-
-@dataclass(frozen=True)
-class FlatLayout:
-    """Where each of a rank's parameters lives in its flat buffers."""
-
-    params: tuple[Param, ...]
-    shapes: tuple[tuple[int, ...], ...]
-    """Local (per-rank) shapes, in buffer order."""
-    offsets: tuple[int, ...]
-    numel: int
-    """Buffer length, padded to the requested multiple."""
-    regions: tuple[Region, ...]
-
-    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Each parameter as a view of `flat`, by name."""
-        return {p.name: flat[o:o + _numel(s)].view(s) for p, s, o in zip(self.params, self.shapes, self.offsets)}
-
-
-def decays(param: Param) -> bool:
-    """Weight decay on matmul weights only: not on biases, LayerNorm, or the embeddings."""
-    return len(param.full_shape) == 2 and "wte" not in param.name and "wpe" not in param.name
-
-
-def norm_weight(param: Param, tp: int) -> float:
-    if param.tied_copy:
-        return 0.0
-    return 1.0 if param.sharded_over("tp") else 1.0 / tp
-
-
-def flat_layout(params: list[Param], shapes: list[tuple[int, ...]], tp: int, pad_multiple: int = 1) -> FlatLayout:
-    keyed = sorted(zip(params, shapes), key=lambda ps: (not decays(ps[0]), -norm_weight(ps[0], tp)))
-    offsets, regions, start = [], [], 0
-    for param, shape in keyed:
-        key = (decays(param), norm_weight(param, tp))
-        if not regions or (regions[-1].decay, regions[-1].norm_weight) != key:
-            regions.append(Region(start, start, *key))
-        offsets.append(start)
-        start += _numel(shape)
-        regions[-1] = Region(regions[-1].start, start, *key)
-    numel = -(-start // pad_multiple) * pad_multiple
-    return FlatLayout(params=tuple(p for p, _ in keyed), shapes=tuple(s for _, s in keyed),
-                      offsets=tuple(offsets), numel=numel, regions=tuple(regions))
+from gcompile.flat import DECAY, NORM_NONE, NORM_REPLICATED, FlatLayout
 
 
 @dataclass(frozen=True)
@@ -89,6 +36,31 @@ class GradReduction:
     end: int
 
 
+class GradSync(Protocol):
+    """How a dp strategy moves gradients to the optimizer and weights back to the model."""
+
+    sharded: bool
+    """The optimizer updates only this rank's shard (its main weights and states are shard-sized)."""
+
+    def reduce(self, grad: torch.Tensor, layout: FlatLayout) -> torch.Tensor:
+        """The full flat gradient of this rank -> the dp-averaged gradient it updates (full or shard)."""
+
+    def gather(self, main: torch.Tensor, layout: FlatLayout) -> torch.Tensor:
+        """Updated main weights (full or shard) -> the full flat weights."""
+
+
+class LocalGrads:
+    """dp = 1: the gradient is already complete."""
+
+    sharded = False
+
+    def reduce(self, grad, layout):
+        return grad
+
+    def gather(self, main, layout):
+        return main
+
+
 @dataclass(frozen=True)
 class AdamWSettings:
     beta1: float
@@ -99,54 +71,113 @@ class AdamWSettings:
     """0 = no clipping."""
 
 
-def build_optimizer_graph(layout: FlatLayout, settings: AdamWSettings, shard_numel: int,
-                          norm_group: str | None, reductions: tuple[GradReduction, ...] = ()) -> fx.GraphModule:
-    """Trace the AdamW step for tensors of `shard_numel` elements (the whole buffer when unsharded).
+@dataclass(frozen=True)
+class LossScaling:
+    """fp16 dynamic loss scaling in Megatron's meaning (DynamicGradScaler)."""
 
-    `norm_group` names the process group whose ranks together hold every gradient
-    once (tp x pp, plus dp when sharded); None on a single rank.
-    """
-    regions, s = layout.regions, settings
+    initial: float
+    min_scale: float
+    window: int
+    """Steps without overflow after which the scale doubles."""
+    hysteresis: int
+    """Overflows tolerated (since the last growth) before the scale halves."""
 
-    def step_fn(param, grad_acc, exp_avg, exp_avg_sq, lr, step, offset):
-        grad = grad_acc.clone()
-        grad_acc.zero_()  # ready for the next step's accumulation
-        for r in reductions:
+
+@dataclass(frozen=True)
+class StepSettings:
+    adamw: AdamWSettings
+    tp: int
+    norm_group: str | None
+    """The group whose ranks together hold every gradient once (tp x pp, plus dp when sharded); None alone."""
+    reductions: tuple[GradReduction, ...] = ()
+    separate_main: bool = False
+    """fp32 main weights apart from the model's weights (low precision or sharded); else updated in place."""
+    param_dtype: torch.dtype = torch.float32
+    loss_scaling: LossScaling | None = None
+
+
+@dataclass
+class OptimizerGraph:
+    graph: fx.GraphModule
+    inputs: tuple[str, ...]
+    """TrainState field per graph input, in order."""
+
+
+def build_optimizer_graph(layout: FlatLayout, settings: StepSettings, grad_sync: GradSync) -> OptimizerGraph:
+    s, tp, norm_group, separate_main = settings.adamw, settings.tp, settings.norm_group, settings.separate_main
+    scaling = settings.loss_scaling
+    inputs = ("params", "grads") + (("main",) if separate_main else ()) + (
+        "exp_avg", "exp_avg_sq", "flags", "lr", "step") + (
+        ("loss_scale", "growth_tracker", "hysteresis_left") if scaling else ())
+
+    def step_fn(*args):
+        x = dict(zip(inputs, args))
+        grad = x["grads"].clone()
+        x["grads"].zero_()  # ready for the next step's accumulation
+        for r in settings.reductions:
             grad[r.start:r.end].copy_(collectives.all_reduce(grad[r.start:r.end], r.group))
-        index = torch.arange(grad.numel(), device=grad.device) + offset  # buffer index of each element
-        weight = torch.zeros_like(grad)
-        decay = torch.zeros_like(grad)
-        for r in regions:
-            inside = (index >= r.start) & (index < r.end)
-            weight = torch.where(inside, r.norm_weight, weight)
-            if r.decay:
-                decay = torch.where(inside, 1.0, decay)
+        grad = grad_sync.reduce(grad, layout)
+        found_inf = torch.zeros(())
+        if scaling:
+            grad = grad / x["loss_scale"]
+            found_inf = (~torch.isfinite(grad)).any().float()
+            if norm_group is not None:
+                found_inf = collectives.all_reduce(found_inf, norm_group, op="max")  # every rank skips together
+            grad = torch.where(found_inf > 0, 0.0, grad)
+            _update_loss_scale(x, found_inf, scaling)
+        flags = x["flags"]
+        weight = torch.where((flags & NORM_NONE) != 0, 0.0, torch.where((flags & NORM_REPLICATED) != 0, 1.0 / tp, 1.0))
         norm_sq = (grad * grad * weight).sum()
         if norm_group is not None:
             norm_sq = collectives.all_reduce(norm_sq, norm_group)
         grad_norm = norm_sq.sqrt()
         if s.clip_grad > 0:
             grad = grad * torch.clamp(s.clip_grad / (grad_norm + 1e-6), max=1.0)
-        step.add_(1)
-        param.mul_(1 - lr * s.weight_decay * decay)
-        exp_avg.lerp_(grad, 1 - s.beta1)
-        exp_avg_sq.mul_(s.beta2).addcmul_(grad, grad, value=1 - s.beta2)
+        main, lr, step = x.get("main", x["params"]), x["lr"], x["step"]
+        keep = 1.0 - found_inf  # 0 on a skipped step: nothing below moves
+        decay = ((flags & DECAY) != 0).to(main.dtype)
+        step.add_(keep)
+        main.mul_(1 - lr * s.weight_decay * decay * keep)
+        x["exp_avg"].lerp_(grad, (1 - s.beta1) * keep)
+        x["exp_avg_sq"].mul_(1 - (1 - s.beta2) * keep).addcmul_(grad, grad, value=1 - s.beta2)
         bias_correction1 = 1 - torch.pow(s.beta1, step)
         bias_correction2 = 1 - torch.pow(s.beta2, step)
-        denom = (exp_avg_sq.sqrt() / bias_correction2.sqrt()).add_(s.eps)
-        param.sub_(exp_avg / denom * (lr / bias_correction1))
-        return (grad_norm,)
+        denom = (x["exp_avg_sq"].sqrt() / bias_correction2.sqrt()).add_(s.eps)
+        update = x["exp_avg"] / denom * (lr / bias_correction1)
+        main.sub_(torch.where(found_inf > 0, 0.0, update) if scaling else update)
+        if separate_main:
+            x["params"].copy_(grad_sync.gather(main, layout))
+        return grad_norm, found_inf
 
-    with FakeTensorMode() as mode:
-        flat = [torch.empty(shard_numel) for _ in range(4)]
-        scalars = [torch.empty(()), torch.empty(()), torch.empty((), dtype=torch.long)]
-    graph = make_fx(step_fn, tracing_mode="fake")(*flat, *scalars)
-    del mode
-    return graph
+    state_numel = layout.shard_numel if grad_sync.sharded else layout.numel
+    with FakeTensorMode():
+        example = {
+            "params": torch.empty(layout.numel, dtype=settings.param_dtype),
+            "grads": torch.empty(layout.numel),
+            "main": torch.empty(state_numel),
+            "exp_avg": torch.empty(state_numel),
+            "exp_avg_sq": torch.empty(state_numel),
+            "flags": torch.empty(state_numel, dtype=torch.uint8),
+            "lr": torch.empty(()),
+            "step": torch.empty(()),
+            "loss_scale": torch.empty(()),
+            "growth_tracker": torch.empty(()),
+            "hysteresis_left": torch.empty(()),
+        }
+        graph = make_fx(step_fn, tracing_mode="fake")(*(example[n] for n in inputs))
+    return OptimizerGraph(graph=graph, inputs=inputs)
 
 
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+def _update_loss_scale(x: dict, found_inf: torch.Tensor, scaling: LossScaling) -> None:
+    """Megatron's DynamicGradScaler.update, on 0-d tensors (no host sync)."""
+    scale, growth, hysteresis = x["loss_scale"], x["growth_tracker"], x["hysteresis_left"]
+    overflow = found_inf > 0
+    hysteresis_after = torch.where(overflow, hysteresis - 1, hysteresis)
+    backoff = overflow & (hysteresis_after <= 0)
+    growth_after = torch.where(overflow, 0.0, growth + 1)
+    grow = growth_after >= scaling.window
+    new_scale = torch.where(backoff, torch.clamp(scale * 0.5, min=scaling.min_scale),
+                            torch.where(grow, scale * 2.0, scale))
+    hysteresis.copy_(torch.where(grow, float(scaling.hysteresis), hysteresis_after))
+    growth.copy_(torch.where(grow, 0.0, growth_after))
+    scale.copy_(new_scale)

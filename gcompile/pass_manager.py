@@ -81,6 +81,19 @@ def run_passes(program: Program, specs: list[str], ctx: PassContext, log: Callab
     return program
 
 
+def run_rank_passes(rank_program, specs: list[str], ctx: PassContext, log: Callable[[str], None] = print):
+    """Passes over a lowered RankProgram (same registry, same contract, one level down)."""
+    for spec in specs:
+        name, fn = resolve_pass(spec)
+        start = time.perf_counter()
+        try:
+            rank_program = fn(rank_program, ctx)
+        except Exception as e:
+            raise PassError(f"rank pass {name!r} failed: {type(e).__name__}: {e}") from e
+        log(f"rank pass {name} ({(time.perf_counter() - start) * 1e3:.0f} ms)")
+    return rank_program
+
+
 def _op_counts(program: Program) -> Counter:
     total = Counter()
     for stage in program.stages:

@@ -2,9 +2,11 @@
 
     capture          torch.export of the single-device GPT + loss
     passes           tensor_parallel, sequence_parallel, pipeline_split, user passes
-    lower            per stage: autograd -> forward graph + backward graph
-    optimizer        AdamW over the rank's flat buffers, as a graph
     schedule         the rank's static instruction list
+    lower            per stage: autograd -> forward graph + backward graph
+    layout           the rank's parameters in flat buffers and reduction buckets
+    optimizer        AdamW over the flat buffers, as a graph
+    rank passes      data_parallel or sharded_optimizer: how gradients cross dp
 
 Every step can be dumped (`--dump-graphs DIR` -> DIR/rank{r}/NN_step.txt).
 """
@@ -17,8 +19,9 @@ from gcompile.capture import capture
 from gcompile.config import RunConfig
 from gcompile.lower import lower_stage
 from gcompile.mesh import Coords
-from gcompile.optimizer import AdamWSettings, build_optimizer_graph, flat_layout
-from gcompile.pass_manager import PassContext, rank_dump_dir, run_passes
+from gcompile.flat import flat_layout
+from gcompile.optimizer import AdamWSettings, LocalGrads, LossScaling, StepSettings
+from gcompile.pass_manager import PassContext, rank_dump_dir, run_passes, run_rank_passes
 from gcompile.program import dump_text
 from gcompile.rank_program import RankProgram
 from gcompile.schedule import build_schedule
@@ -37,35 +40,45 @@ def pass_list(config: RunConfig) -> list[str]:
     return passes + list(p.passes)
 
 
-def build_rank_program(config: RunConfig, coords: Coords, device: str = "cpu", dtype: torch.dtype = torch.float32,
+def rank_pass_list(config: RunConfig) -> list[str]:
+    """Passes over the lowered rank program (gradient reduction and optimizer sharding)."""
+    p = config.parallel
+    if p.use_distributed_optimizer:
+        return ["sharded_optimizer"]
+    return ["data_parallel"] if p.dp > 1 else []
+
+
+def build_rank_program(config: RunConfig, coords: Coords, device: str = "cpu",
                        dump_root: str | None = None, log: Callable[[str], None] = print) -> RankProgram:
     t, p = config.train, config.parallel
     dump_dir = rank_dump_dir(dump_root, coords.rank)
+    ctx = PassContext(config, coords, dump_dir)
 
-    program = capture(config.model, t.micro_batch_size, t.seq_length, device, dtype)
-    program = run_passes(program, pass_list(config), PassContext(config, coords, dump_dir), log)
+    program = capture(config.model, t.micro_batch_size, t.seq_length, device, config.param_dtype)
+    program = run_passes(program, pass_list(config), ctx, log)
     schedule = build_schedule(p.pipeline_schedule, p.pp, p.virtual_pipeline_size, config.num_microbatches)
     stages = {s.index: lower_stage(s, t.recompute_activations) for s in program.stages}
     if sorted(stages) != sorted(schedule.local_stages(coords.pp_rank)):
         raise AssertionError(f"rank {coords.rank} holds stages {sorted(stages)} but its schedule runs "
                              f"{schedule.local_stages(coords.pp_rank)}")
 
-    params, shapes = {}, {}
-    for stage in program.stages:
-        for param, node in zip(stage.params, stage.placeholders()):
-            params.setdefault(param.name, param)
-            shapes.setdefault(param.name, tuple(node.meta["val"].shape))
-    layout = flat_layout(list(params.values()), [shapes[n] for n in params], tp=coords.tp)
-    settings = AdamWSettings(t.adam_beta1, t.adam_beta2, t.adam_eps, t.weight_decay, t.clip_grad)
-    norm_group = "mp" if coords.tp * coords.pp > 1 else None
-    optimizer = build_optimizer_graph(layout, settings, layout.numel, norm_group)
+    finishing_order = sorted(program.stages, key=lambda s: -s.index)  # later stages' backwards end first
+    layout = flat_layout([[(param, tuple(node.meta["val"].shape)) for param, node in
+                           zip(stage.params, stage.placeholders())] for stage in finishing_order],
+                         dp=coords.dp, bucket_size=config.bucket_size)
+    adamw = AdamWSettings(t.adam_beta1, t.adam_beta2, t.adam_eps, t.weight_decay, t.clip_grad)
+    scaling = LossScaling(t.initial_loss_scale, t.min_loss_scale, t.loss_scale_window, t.hysteresis) \
+        if t.fp16 else None
+    settings = StepSettings(adamw=adamw, tp=coords.tp, norm_group=None, loss_scaling=scaling,
+                            separate_main=config.param_dtype != torch.float32, param_dtype=config.param_dtype)
+    rank_program = RankProgram(coords=coords, stages=stages, layout=layout, step_settings=settings,
+                               grad_sync=None, optimizer=None, schedule=schedule).with_grad_sync(LocalGrads())
+    rank_program = run_rank_passes(rank_program, rank_pass_list(config), ctx, log)
 
-    rank_program = RankProgram(coords=coords, stages=stages, layout=layout, optimizer=optimizer,
-                               shard_numel=layout.numel, schedule=schedule)
     if dump_dir:
         number = len(program.history)
         for s, stage in stages.items():
             dump_text(dump_dir, f"{number:02d}_lower_stage{s}.txt", str(stage))
-        dump_text(dump_dir, f"{number + 1:02d}_optimizer.txt", str(rank_program.optimizer.code))
+        dump_text(dump_dir, f"{number + 1:02d}_optimizer.txt", str(rank_program.optimizer.graph.code))
         dump_text(dump_dir, "schedule.txt", rank_program.format_instructions())
     return rank_program

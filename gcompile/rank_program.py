@@ -1,32 +1,43 @@
 """What one rank runs: its lowered stages, its optimizer graph, and its instruction list."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-import torch.fx as fx
-
+from gcompile.flat import FlatLayout
 from gcompile.lower import LoweredStage
 from gcompile.mesh import Coords
-from gcompile.optimizer import FlatLayout
+from gcompile.optimizer import GradSync, OptimizerGraph, StepSettings, build_optimizer_graph
 from gcompile.program import format_graph
 from gcompile.schedule import Action, Kind, Schedule
 
 
-@dataclass
+@dataclass(frozen=True)
 class RankProgram:
     coords: Coords
     stages: dict[int, LoweredStage]
     """This rank's stages by global stage index."""
     layout: FlatLayout
     """This rank's parameters in its flat buffers."""
-    optimizer: fx.GraphModule
-    """step(param, grad, exp_avg, exp_avg_sq, lr, step, offset) -> (grad_norm,)."""
-    shard_numel: int
-    """Elements of the optimizer state this rank owns (the whole buffer unless sharded)."""
+    step_settings: StepSettings
+    grad_sync: GradSync
+    """How data parallelism reduces gradients and syncs weights (set by the dp passes)."""
+    optimizer: OptimizerGraph
     schedule: Schedule
 
     @property
     def instructions(self) -> tuple[Action, ...]:
         return self.schedule.actions[self.coords.pp_rank]
+
+    def with_grad_sync(self, grad_sync: GradSync) -> "RankProgram":
+        """The same program with another dp strategy, its optimizer graph rebuilt to match."""
+        c = self.coords
+        if grad_sync.sharded:
+            norm_group = "world" if c.world_size > 1 else None
+        else:
+            norm_group = "mp" if c.tp * c.pp > 1 else None
+        settings = replace(self.step_settings, norm_group=norm_group,
+                           separate_main=self.step_settings.separate_main or grad_sync.sharded)
+        return replace(self, step_settings=settings, grad_sync=grad_sync,
+                       optimizer=build_optimizer_graph(self.layout, settings, grad_sync))
 
     def format_instructions(self) -> str:
         """`07 F stage=1 mb=3 in=act[s0,mb3] out=act[s1,mb3]`, one line per instruction."""
@@ -51,11 +62,13 @@ class RankProgram:
                 peer = self.schedule.stage_rank(s - 1 if a.kind == Kind.SEND_B else s + 1)
                 detail = f"grad[s{s if a.kind == Kind.SEND_B else s + 1},mb{mb}] {'to' if a.kind == Kind.SEND_B else 'from'} pp{peer}"
             lines.append(f"{i:02d} {a.kind.value} stage={s} mb={mb} {detail}")
-        lines.append(f"{len(self.instructions):02d} OPT_STEP params={self.layout.numel} shard={self.shard_numel}")
+        sync = type(self.grad_sync).__name__
+        lines.append(f"{len(self.instructions):02d} OPT_STEP params={self.layout.numel} "
+                     f"buckets={len(self.layout.buckets)} grad_sync={sync}")
         return "\n".join(lines)
 
     def __str__(self) -> str:
         parts = [self.format_instructions()]
         parts += [str(stage) for stage in self.stages.values()]
-        parts.append(f"# optimizer step\n{format_graph(self.optimizer)}")
+        parts.append(f"# optimizer step{self.optimizer.inputs}\n{format_graph(self.optimizer.graph)}")
         return "\n\n".join(parts)

@@ -26,6 +26,16 @@ from gcompile.state import TrainState
 
 
 @dataclass
+class StepResult:
+    loss: torch.Tensor | None
+    """Mean loss over this rank's microbatches; None off the last pipeline stage."""
+    grad_norm: torch.Tensor
+    """Global gradient norm before clipping (unscaled)."""
+    skipped: torch.Tensor
+    """1 if a non-finite gradient made every rank skip the update (fp16), else 0."""
+
+
+@dataclass
 class StageFunctions:
     forward: Callable
     backward: Callable
@@ -37,6 +47,7 @@ class Runtime:
         self.program = program
         self.functions = functions
         self.step_fn = optimizer_step
+        self.optimizer_args = state.optimizer_args(program.optimizer.inputs)
         self.state = state
         self.last_stage = program.schedule.pp * program.schedule.vpp - 1
         params, grads = program.layout.views(state.params), program.layout.views(state.grads)
@@ -44,26 +55,29 @@ class Runtime:
         self.grad_views = {s: [grads[p.name] for p in st.params] for s, st in program.stages.items()}
         self.constants = {s: {role: torch.tensor(value, device=state.params.device)
                               for role, value in st.rank_constants.items()} for s, st in program.stages.items()}
-        self.loss_scale = torch.full((), 1.0 / program.schedule.num_microbatches,
-                                     dtype=state.params.dtype, device=state.params.device)
+        self.loss_grad = torch.full((), 1.0 / program.schedule.num_microbatches, dtype=torch.float32,
+                                    device=state.params.device)
+        """The gradient of the step's loss (the mean over microbatches, times the fp16 loss scale)
+        w.r.t. one microbatch's fp32 loss."""
         self.peak_saved = defaultdict(int)
         """Most (stage, microbatch) saved-activation sets alive at once, per stage, over all iterations."""
 
-    def train_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """One optimizer step over this rank's microbatches; (mean loss or None off the last stage, grad norm)."""
+    def train_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
+        """One optimizer step over this rank's microbatches."""
         loss = self.forward_backward(microbatches)
-        return loss, self.optimizer_step()
+        grad_norm, skipped = self.optimizer_step()
+        return StepResult(loss, grad_norm, skipped)
 
     def forward_backward(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
         """Run the instruction list: gradients accumulate into the state's flat grad buffer."""
+        if self.state.loss_scale is not None:
+            torch.div(self.state.loss_scale, self.program.schedule.num_microbatches, out=self.loss_grad)
         self._run(microbatches, self.program.instructions, training=True)
         return torch.stack(self.losses).mean() if self.losses else None
 
-    def optimizer_step(self) -> torch.Tensor:
-        """AdamW on the accumulated gradients (then zeroed); returns the global gradient norm."""
-        s = self.state
-        (grad_norm,) = self.step_fn(s.params, s.grads, s.exp_avg, s.exp_avg_sq, s.lr, s.step, s.offset)
-        return grad_norm
+    def optimizer_step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """AdamW on the accumulated gradients (then zeroed); (global grad norm, 1 if the step was skipped)."""
+        return self.step_fn(*self.optimizer_args)
 
     def eval_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
         """Mean loss of the forwards alone (the training instruction list without backward)."""
@@ -107,7 +121,7 @@ class Runtime:
         stage = self.program.stages[a.stage]
         saved = self.saved.pop((a.stage, a.mb))
         if a.stage == self.last_stage:
-            output_grads = [self.loss_scale]
+            output_grads = [self.loss_grad]
         else:
             output_grads = self._take(self.grads_in, (a.stage, a.mb))
         grads = self.functions[a.stage].backward(*saved, *output_grads)

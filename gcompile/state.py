@@ -17,35 +17,60 @@ from gcompile.rank_program import RankProgram
 @dataclass
 class TrainState:
     params: torch.Tensor
-    """Flat model parameters; the graphs see views of it."""
+    """Flat model weights (model dtype); the graphs see views of it."""
     grads: torch.Tensor
     """Flat fp32 gradient accumulator over microbatches; zeroed by the optimizer step."""
+    main: torch.Tensor | None
+    """fp32 main weights (this rank's shard when sharded), when apart from `params`."""
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
+    flags: torch.Tensor
+    """Per-element optimizer flags of what this rank updates (gcompile.flat)."""
     step: torch.Tensor
     """Optimizer steps taken (0-d float32)."""
     lr: torch.Tensor
     """Learning rate of the current step (0-d float32)."""
-    offset: torch.Tensor
-    """Buffer index where this rank's optimizer shard starts (0-d int64)."""
+    loss_scale: torch.Tensor | None = None
+    """fp16: the dynamic loss scale (0-d); None otherwise."""
+    growth_tracker: torch.Tensor | None = None
+    """fp16: steps since the last overflow or growth."""
+    hysteresis_left: torch.Tensor | None = None
+    """fp16: overflows still tolerated before the scale halves."""
 
     @classmethod
-    def initial(cls, program: RankProgram, model: GPTConfig, seed: int, device, dtype=torch.float32) -> "TrainState":
+    def initial(cls, program: RankProgram, model: GPTConfig, seed: int, device) -> "TrainState":
         """Initial weights: each full parameter made from the seed, then cut to this rank's piece."""
-        layout, coords = program.layout, program.coords
-        params = torch.zeros(layout.numel, device=device, dtype=dtype)
+        layout, coords, settings = program.layout, program.coords, program.step_settings
+        params = torch.zeros(layout.numel, device=device, dtype=settings.param_dtype)
         views = layout.views(params)
         with torch.no_grad():
             for param in layout.params:
                 full = init_value(param.name, param.full_shape, model, seed)
                 views[param.name].copy_(local_value(full, param, coords.axis_ranks, coords.axis_sizes))
-        shard = program.shard_numel
+        flags = layout.flags(coords.tp).to(device)
+        main = None
+        if program.grad_sync.sharded:
+            flags = layout.shard_of(flags, coords.dp_rank)
+            main = layout.shard_of(params, coords.dp_rank).float()
+        elif settings.separate_main:
+            main = params.float()
+        numel = flags.numel()
+        scaling = settings.loss_scaling
+        scalars = {} if scaling is None else dict(
+            loss_scale=torch.tensor(scaling.initial, device=device),
+            growth_tracker=torch.tensor(0.0, device=device),
+            hysteresis_left=torch.tensor(float(scaling.hysteresis), device=device))
         return cls(
             params=params,
             grads=torch.zeros(layout.numel, device=device, dtype=torch.float32),
-            exp_avg=torch.zeros(shard, device=device, dtype=torch.float32),
-            exp_avg_sq=torch.zeros(shard, device=device, dtype=torch.float32),
+            main=main,
+            exp_avg=torch.zeros(numel, device=device, dtype=torch.float32),
+            exp_avg_sq=torch.zeros(numel, device=device, dtype=torch.float32),
+            flags=flags,
             step=torch.zeros((), device=device, dtype=torch.float32),
             lr=torch.zeros((), device=device, dtype=torch.float32),
-            offset=torch.zeros((), device=device, dtype=torch.long),
+            **scalars,
         )
+
+    def optimizer_args(self, names: tuple[str, ...]) -> list[torch.Tensor]:
+        return [getattr(self, name) for name in names]

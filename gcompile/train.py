@@ -71,20 +71,23 @@ def train(config: RunConfig, coords: Coords, device: str = "cpu", log=print) -> 
     metrics = MetricsLog(config.log.run_dir, config.log.tensorboard_dir, t.train_iters, coords.world_size) \
         if logging else None
     flops = num_floating_point_operations(config.model, t.global_batch_size, t.seq_length)
-    records = []
+    records, skipped = [], 0
     for iteration in range(1, t.train_iters + 1):
         consumed = (iteration - 1) * t.global_batch_size
         batch = microbatches(train_data, consumed, config, coords, device)
         lr = lr_at(iteration, t)
         state.lr.fill_(lr)
         start = time.perf_counter()
-        loss, grad_norm = runtime.train_step(batch)
-        loss = _mean_over_dp(loss, coords)
+        result = runtime.train_step(batch)
+        loss = _mean_over_dp(result.loss, coords)
+        skipped += int(result.skipped.item())
         elapsed_ms = (time.perf_counter() - start) * 1e3
         if metrics:
             record = dict(iteration=iteration, consumed_samples=consumed + t.global_batch_size,
                           elapsed_ms=elapsed_ms, tokens=t.global_batch_size * t.seq_length, flops=flops, lr=lr,
-                          loss=loss.item(), grad_norm=grad_norm.item(), batch_size=t.global_batch_size)
+                          loss=loss.item(), grad_norm=result.grad_norm.item(), batch_size=t.global_batch_size,
+                          loss_scale=None if state.loss_scale is None else state.loss_scale.item(),
+                          skipped_iterations=skipped)
             metrics.step(**record, print_line=iteration % config.log.log_interval == 0)
             records.append(record)
         if t.eval_interval and (iteration % t.eval_interval == 0 or iteration == t.train_iters):

@@ -28,11 +28,14 @@ class LayoutResult:
     """What each rank reported (coords, peak_saved, compile_stats, ...), by rank."""
 
 
-def run_layouts(tmp_path, configs, batches, lrs, timeout: float = 900) -> list[LayoutResult]:
+def run_layouts(tmp_path, configs, batches, lrs, timeout: float = 900, inject_inf=None) -> list[LayoutResult]:
+    """Train each config on the given global batches and learning rates, one launch for all.
+
+    `inject_inf` {step: rank} puts an inf into that rank's gradient before that step's update."""
     world = configs[0].world_size
     assert all(c.world_size == world for c in configs), "one launch runs cases of one world size"
     job = os.path.join(tmp_path, "job.pt")
-    torch.save(dict(configs=configs, batches=batches, lrs=lrs), job)
+    torch.save(dict(configs=configs, batches=batches, lrs=lrs, inject_inf=inject_inf or {}), job)
     store = os.path.join(tmp_path, "store")
     procs = []
     for rank in range(world):

@@ -35,7 +35,9 @@ class ReferenceStep:
     grads: dict[str, torch.Tensor]
     """Gradients of the mean loss, before clipping."""
     params: dict[str, torch.Tensor]
-    """Parameters after the optimizer step."""
+    """Parameters after the optimizer step (the fp32 main weights)."""
+    model_params: dict[str, torch.Tensor]
+    """The model's weights after the step (in the model's dtype)."""
 
 
 def random_batches(config: RunConfig, steps: int, seed: int = 0) -> list[torch.Tensor]:
@@ -46,31 +48,43 @@ def random_batches(config: RunConfig, steps: int, seed: int = 0) -> list[torch.T
             for _ in range(steps)]
 
 
-def reference_run(config: RunConfig, batches: list[torch.Tensor], lrs: list[float]) -> list[ReferenceStep]:
+def reference_run(config: RunConfig, batches: list[torch.Tensor], lrs: list[float],
+                  dtype: torch.dtype = torch.float32) -> list[ReferenceStep]:
+    """Eager training; with a low-precision `dtype`, Megatron's recipe: weights and activations in
+    `dtype`, fp32 main weights updated by AdamW from fp32 copies of the gradients."""
     t = config.train
-    model = build_model(config.model, t.seed).train(config.model.dropout > 0)
-    decay = [p for n, p in model.named_parameters() if n.endswith(DECAYED)]
-    no_decay = [p for n, p in model.named_parameters() if not n.endswith(DECAYED)]
+    model = build_model(config.model, t.seed).train(config.model.dropout > 0).to(dtype)
+    named = dict(model.named_parameters())
+    main = {n: torch.nn.Parameter(p.detach().float().clone()) if dtype != torch.float32 else p
+            for n, p in named.items()}
+    decay = [p for n, p in main.items() if n.endswith(DECAYED)]
+    no_decay = [p for n, p in main.items() if not n.endswith(DECAYED)]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
                                    {"params": no_decay, "weight_decay": 0.0}],
                                   lr=lrs[0], betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, foreach=False)
     steps = []
     for tokens, lr in zip(batches, lrs):
-        optimizer.zero_grad()
+        model.zero_grad()
         micro = tokens.split(t.micro_batch_size)
         losses = []
         for mb in micro:
             loss = model(mb[:, :-1].contiguous(), mb[:, 1:].contiguous())
             (loss / len(micro)).backward()
             losses.append(loss.detach())
-        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        for n, p in named.items():
+            main[n].grad = p.grad.float()
+        grads = {n: p.grad.clone() for n, p in main.items()}
         max_norm = t.clip_grad if t.clip_grad > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        grad_norm = torch.nn.utils.clip_grad_norm_(main.values(), max_norm)
         for group in optimizer.param_groups:
             group["lr"] = lr
         optimizer.step()
+        with torch.no_grad():
+            for n, p in named.items():
+                p.copy_(main[n])
         steps.append(ReferenceStep(loss=torch.stack(losses).mean().item(), grad_norm=grad_norm.item(), grads=grads,
-                                   params={n: p.detach().clone() for n, p in model.named_parameters()}))
+                                   params={n: p.detach().clone() for n, p in main.items()},
+                                   model_params={n: p.detach().clone() for n, p in named.items()}))
     return steps
 
 

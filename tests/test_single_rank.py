@@ -42,7 +42,7 @@ def run_gcompile(config, batches, lrs, compile: bool):
         state.lr.fill_(lr)
         loss = runtime.forward_backward(micro)
         grads = {n: v.clone() for n, v in program.layout.views(state.grads).items()}
-        grad_norm = runtime.optimizer_step()
+        grad_norm, _ = runtime.optimizer_step()
         params = {n: v.clone() for n, v in program.layout.views(state.params).items()}
         results.append((loss.item(), grad_norm.item(), grads, params))
     return results

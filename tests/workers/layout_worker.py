@@ -12,14 +12,15 @@ import torch
 import torch.distributed as dist
 
 from gcompile.compile import Compiler, compile_rank_program
-from gcompile.mesh import Coords, init_groups
+from gcompile.mesh import Coords, group, init_groups
 from gcompile.pipeline import build_rank_program
 from gcompile.runtime import Runtime
 from gcompile.state import TrainState
 from gcompile.train import split_microbatches
 
 
-def run_case(config, batches, lrs, rank: int) -> dict:
+def run_case(config, batches, lrs, rank: int, inject_inf: dict) -> dict:
+    """`inject_inf` {step: rank}: that rank's gradient gets an inf before that step's optimizer update."""
     p, t = config.parallel, config.train
     coords = Coords.from_rank(rank, p.tp, p.pp, p.dp)
     init_groups(coords)
@@ -32,18 +33,27 @@ def run_case(config, batches, lrs, rank: int) -> dict:
     state = TrainState.initial(program, config.model, t.seed, "cpu")
     runtime = Runtime(program, functions, step, state)
     per_rank = t.global_batch_size // p.dp
-    losses, norms = [], []
-    for tokens, lr in zip(batches, lrs):
+    losses, norms, skipped, scales, digests = [], [], [], [], []
+    for i, (tokens, lr) in enumerate(zip(batches, lrs)):
         mine = tokens[coords.dp_rank * per_rank:(coords.dp_rank + 1) * per_rank]
         state.lr.fill_(lr)
-        loss, grad_norm = runtime.train_step(split_microbatches(mine, t.micro_batch_size))
+        loss = runtime.forward_backward(split_microbatches(mine, t.micro_batch_size))
+        if inject_inf.get(i) == rank:
+            state.grads[0] = float("inf")
+        grad_norm, skip = runtime.optimizer_step()
         if loss is not None and p.dp > 1:
-            dist.all_reduce(loss, group=torch._C._distributed_c10d._resolve_process_group("dp"))
+            dist.all_reduce(loss, group=group("dp"))
             loss /= p.dp
         losses.append(None if loss is None else loss.item())
         norms.append(grad_norm.item())
+        skipped.append(int(skip.item()))
+        digests.append([float(t.double().sum()) for t in (state.params, state.exp_avg, state.exp_avg_sq, state.step)])
+        scales.append(None if state.loss_scale is None else state.loss_scale.item())
     params = {name: view.clone() for name, view in program.layout.views(state.params).items()}
-    return dict(coords=coords, losses=losses, grad_norms=norms, params=program.layout.params,
+    return dict(coords=coords, losses=losses, grad_norms=norms, skipped=skipped, loss_scales=scales, digests=digests,
+                optimizer_bytes=sum(b.numel() * b.element_size() for b in
+                                    (state.main, state.exp_avg, state.exp_avg_sq) if b is not None),
+                params=program.layout.params,
                 values=params, peak_saved=dict(runtime.peak_saved), compile_stats=compiler.stats)
 
 
@@ -54,7 +64,7 @@ def main(job_path: str, store_path: str) -> None:
     job = torch.load(job_path, weights_only=False)
     out_dir = os.path.dirname(job_path)
     for i, config in enumerate(job["configs"]):
-        result = run_case(config, job["batches"], job["lrs"], rank)
+        result = run_case(config, job["batches"], job["lrs"], rank, job.get("inject_inf", {}))
         torch.save(result, os.path.join(out_dir, f"case{i}_rank{rank}.pt"))
     dist.destroy_process_group()
 

@@ -1,0 +1,125 @@
+"""Where a rank's parameters live in its flat buffers, how they are bucketed, and what each dp rank owns.
+
+The model's parameters are views of one flat buffer, and so are their fp32
+gradients. Parameters are laid out in the order backward finishes them (later
+stages first, and within a stage the reverse of forward order), so that a
+bucket, a contiguous range, is complete early and its reduction can start
+while backward goes on. Each bucket's size is a multiple of dp: under the
+sharded optimizer, dp rank i owns the i-th 1/dp of every bucket, and its
+optimizer shard is those pieces end to end.
+
+Per element, `flags` says how the optimizer treats it (bit 0: weight decay;
+bits 1-2: how its squared gradient counts in the global norm), so the update
+is elementwise with no knowledge of parameter boundaries.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from gcompile.layout import Param
+
+ALIGN = 16
+"""Elements; every parameter and shard piece starts aligned (Inductor assumes aligned inputs)."""
+
+DECAY = 1
+NORM_REPLICATED = 2
+"""Counted with weight 1/tp: every tp rank holds the same copy."""
+NORM_NONE = 4
+"""Not counted: a tied copy whose twin is counted elsewhere, or padding."""
+
+
+@dataclass(frozen=True)
+class Bucket:
+    start: int
+    end: int
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    params: tuple[Param, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    """Local (per-rank) shapes, in buffer order."""
+    offsets: tuple[int, ...]
+    buckets: tuple[Bucket, ...]
+    numel: int
+    """Buffer length, padding included (the end of the last bucket)."""
+    dp: int
+
+    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Each parameter as a view of `flat`, by name."""
+        return {p.name: flat[o:o + _numel(s)].view(s) for p, s, o in zip(self.params, self.shapes, self.offsets)}
+
+    @property
+    def shard_numel(self) -> int:
+        return self.numel // self.dp
+
+    def shard_pieces(self, dp_rank: int) -> list[Bucket]:
+        """The ranges of the flat buffer dp rank `dp_rank` owns, one per bucket, in shard order."""
+        return [Bucket(b.start + dp_rank * b.numel // self.dp, b.start + (dp_rank + 1) * b.numel // self.dp)
+                for b in self.buckets]
+
+    def shard_of(self, flat: torch.Tensor, dp_rank: int) -> torch.Tensor:
+        """This dp rank's pieces of a flat-buffer-sized tensor, end to end (a copy)."""
+        return torch.cat([flat[p.start:p.end] for p in self.shard_pieces(dp_rank)])
+
+    def flags(self, tp: int) -> torch.Tensor:
+        """Per-element optimizer flags for the whole buffer (uint8)."""
+        flags = torch.full((self.numel,), NORM_NONE, dtype=torch.uint8)
+        for param, shape, offset in zip(self.params, self.shapes, self.offsets):
+            value = (DECAY if decays(param) else 0)
+            if param.tied_copy:
+                value |= NORM_NONE
+            elif tp > 1 and not param.sharded_over("tp"):
+                value |= NORM_REPLICATED
+            flags[offset:offset + _numel(shape)] = value
+        return flags
+
+
+def decays(param: Param) -> bool:
+    """Weight decay on matmul weights only: not on biases, LayerNorm, or the embeddings."""
+    return len(param.full_shape) == 2 and "wte" not in param.name and "wpe" not in param.name
+
+
+def flat_layout(stage_params: list[list[tuple[Param, tuple[int, ...]]]], dp: int, bucket_size: int) -> FlatLayout:
+    """Lay out the (param, local shape) lists of a rank's stages, given in the order their backwards finish.
+
+    A parameter that appears in several local stages (a tied weight with pp=1 and
+    vpp>1) gets one entry: its gradient contributions add up in one place.
+    """
+    params, shapes, offsets, buckets = [], [], [], []
+    seen, end, bucket_start = set(), 0, 0
+    quantum = ALIGN * dp  # bucket sizes are multiples of this, so every shard piece stays aligned
+    for stage in stage_params:
+        for param, shape in reversed(stage):
+            if param.name in seen:
+                continue
+            seen.add(param.name)
+            params.append(param)
+            shapes.append(tuple(shape))
+            offsets.append(end)
+            end = _round_up(end + _numel(shape), ALIGN)
+            if end - bucket_start >= bucket_size:
+                end = _round_up(end, quantum)
+                buckets.append(Bucket(bucket_start, end))
+                bucket_start = end
+    if end > bucket_start or not buckets:
+        end = _round_up(max(end, bucket_start + 1), quantum)
+        buckets.append(Bucket(bucket_start, end))
+    return FlatLayout(params=tuple(params), shapes=tuple(shapes), offsets=tuple(offsets), buckets=tuple(buckets),
+                      numel=end, dp=dp)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
