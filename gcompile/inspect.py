@@ -1,0 +1,121 @@
+"""Read a `--dump-graphs` folder: list ranks, show one rank's files, diff two ranks or two passes.
+
+    python -m gcompile.inspect DIR                       # every rank: coordinates, files, collectives
+    python -m gcompile.inspect DIR show 3                # rank 3's files
+    python -m gcompile.inspect DIR show 3 schedule       # a file of rank 3 (any unique part of its name)
+    python -m gcompile.inspect DIR diff 0 5 lower_stage  # the same file of two ranks, as a unified diff
+    python -m gcompile.inspect DIR passes 0 capture tensor_parallel   # one rank, before -> after a pass
+"""
+
+import argparse
+import difflib
+import os
+import re
+import sys
+
+
+class InspectError(ValueError):
+    pass
+
+
+def rank_dirs(root: str) -> dict[int, str]:
+    if not os.path.isdir(root):
+        raise InspectError(f"{root}: no such folder (write one with run_gpt.py --dump-graphs {root})")
+    ranks = {int(m[1]): os.path.join(root, name) for name in os.listdir(root)
+             if (m := re.fullmatch(r"rank(\d+)", name))}
+    if not ranks:
+        raise InspectError(f"{root}: no rank folders in it; is it a --dump-graphs folder?")
+    return dict(sorted(ranks.items()))
+
+
+def find_file(rank_dir: str, part: str) -> str:
+    """The one file of a rank whose name contains `part` (a pass name, 'schedule', 'summary', ...)."""
+    names = sorted(os.listdir(rank_dir))
+    matches = [n for n in names if part in n]
+    if len(matches) != 1:
+        raise InspectError(f"{part!r} matches {matches or 'nothing'} in {rank_dir}; files: {', '.join(names)}")
+    return os.path.join(rank_dir, matches[0])
+
+
+def _read(path: str) -> list[str]:
+    with open(path) as f:
+        return f.read().splitlines(keepends=True)
+
+
+def list_ranks(root: str) -> str:
+    lines = []
+    for rank, folder in rank_dirs(root).items():
+        files = sorted(os.listdir(folder))
+        header = ""
+        if "schedule.txt" in files:
+            header = _read(os.path.join(folder, "schedule.txt"))[0].strip().lstrip("# ")
+        collectives = ""
+        if "summary.txt" in files:
+            collectives = next((line.strip() for line in _read(os.path.join(folder, "summary.txt"))
+                                if line.lower().startswith("collectives")), "")
+        lines.append(f"rank {rank:4d}  {header}  {collectives}".rstrip())
+        lines.append(f"           files: {' '.join(files)}")
+    return "\n".join(lines)
+
+
+def show(root: str, rank: int, part: str | None) -> str:
+    folder = _rank(root, rank)
+    if part is None:
+        return "\n".join(sorted(os.listdir(folder)))
+    return "".join(_read(find_file(folder, part)))
+
+
+def diff_ranks(root: str, rank_a: int, rank_b: int, part: str) -> str:
+    a, b = find_file(_rank(root, rank_a), part), find_file(_rank(root, rank_b), part)
+    return "".join(difflib.unified_diff(_read(a), _read(b), f"rank{rank_a}/{os.path.basename(a)}",
+                                        f"rank{rank_b}/{os.path.basename(b)}")) or "(identical)\n"
+
+
+def diff_passes(root: str, rank: int, before: str, after: str) -> str:
+    folder = _rank(root, rank)
+    a, b = find_file(folder, before), find_file(folder, after)
+    return "".join(difflib.unified_diff(_read(a), _read(b), os.path.basename(a), os.path.basename(b))) \
+        or "(identical)\n"
+
+
+def _rank(root: str, rank: int) -> str:
+    ranks = rank_dirs(root)
+    if rank not in ranks:
+        raise InspectError(f"no rank {rank} in {root}; ranks: {min(ranks)}..{max(ranks)}")
+    return ranks[rank]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m gcompile.inspect", description=__doc__.splitlines()[0])
+    p.add_argument("dir")
+    sub = p.add_subparsers(dest="command")
+    s = sub.add_parser("show", help="a rank's files, or one of them")
+    s.add_argument("rank", type=int)
+    s.add_argument("file", nargs="?")
+    d = sub.add_parser("diff", help="the same file of two ranks")
+    d.add_argument("rank_a", type=int)
+    d.add_argument("rank_b", type=int)
+    d.add_argument("file")
+    q = sub.add_parser("passes", help="two files (passes) of one rank")
+    q.add_argument("rank", type=int)
+    q.add_argument("before")
+    q.add_argument("after")
+    args = p.parse_args(argv)
+    try:
+        if args.command == "show":
+            out = show(args.dir, args.rank, args.file)
+        elif args.command == "diff":
+            out = diff_ranks(args.dir, args.rank_a, args.rank_b, args.file)
+        elif args.command == "passes":
+            out = diff_passes(args.dir, args.rank, args.before, args.after)
+        else:
+            out = list_ranks(args.dir)
+    except InspectError as e:
+        print(f"gcompile.inspect: error: {e}", file=sys.stderr)
+        return 2
+    sys.stdout.write(out if out.endswith("\n") else out + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
