@@ -82,8 +82,8 @@ def test_token_ids_beyond_vocab(tmp_path, capsys):
 
 
 def test_parallel_sizes_not_yet_supported(capsys):
-    status, err = run_main(["--tp", "2"], capsys)
-    assert status == 2 and "tp=2" in err[0]
+    status, err = run_main(["--dp", "2"], capsys)
+    assert status == 2 and "dp=2" in err[0]
 
 
 def test_subprocess_has_no_traceback(tmp_path):
