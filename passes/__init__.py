@@ -1,3 +1,3 @@
 """Built-in graph passes; importing the package registers them by name (see gcompile.pass_manager)."""
 
-from passes import tensor_parallel  # noqa: F401
+from passes import sequence_parallel, tensor_parallel  # noqa: F401
