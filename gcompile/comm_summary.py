@@ -78,4 +78,4 @@ def format_summary(program: RankProgram) -> str:
     full = sum(math.prod(p.full_shape) for p in layout.params)
     lines.append(f"# parameters: {local:,} elements here of {full:,} full; {len(sharded)} of "
                  f"{len(layout.params)} sharded (their cuts: 00_capture.txt and later dumps)")
-    return "\n".join(lines)
+    return "\n".join(lines) + "\n"

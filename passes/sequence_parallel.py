@@ -46,6 +46,9 @@ TOKEN_WISE = (aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor
 
 @register_pass(NAME)
 def sequence_parallel_pass(program: Program, ctx: PassContext) -> Program:
+    if "tensor_parallel" not in program.history:
+        raise ValueError(f"{NAME} rewrites what tensor_parallel made; run that pass first "
+                         f"(passes so far: {', '.join(program.history)})")
     program = program.clone()
     for stage in program.stages:
         _shard_sequence(stage, ctx)
