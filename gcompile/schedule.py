@@ -24,6 +24,7 @@ checks the result with `simulate`, which also predicts the bubble.
 """
 
 import re
+from collections import defaultdict
 from dataclasses import dataclass, replace
 from enum import Enum
 
@@ -68,6 +69,11 @@ def parse_action(text: str) -> Action:
     return Action(int(match[1]), Kind(match[2]), int(match[3]))
 
 
+def stage_rank(stage: int, pp: int) -> int:
+    """The pipeline rank that runs `stage` (Megatron's interleaving)."""
+    return stage % pp
+
+
 @dataclass(frozen=True)
 class Schedule:
     name: str
@@ -85,7 +91,7 @@ class Schedule:
         return self.pp * self.vpp
 
     def stage_rank(self, stage: int) -> int:
-        return stage % self.pp
+        return stage_rank(stage, self.pp)
 
     def local_stages(self, pp_rank: int) -> list[int]:
         return [chunk * self.pp + pp_rank for chunk in range(self.vpp)]
@@ -154,7 +160,7 @@ def _megatron_order(pp: int, vpp: int, m: int, rank: int, warmup: int) -> tuple[
     return tuple(order)
 
 
-def _check_sizes(name: str, pp: int, vpp: int, m: int) -> None:
+def check_sizes(name: str, pp: int, vpp: int, m: int) -> None:
     """All argument validation for the generators, every factor printed."""
     if name not in SCHEDULES:
         raise ScheduleError(f"unknown schedule {name!r}: expected one of {', '.join(SCHEDULES)}")
@@ -173,7 +179,7 @@ def _check_sizes(name: str, pp: int, vpp: int, m: int) -> None:
 
 
 def _compute_schedule(name: str, pp: int, vpp: int, m: int) -> Schedule:
-    _check_sizes(name, pp, vpp, m)
+    check_sizes(name, pp, vpp, m)
     actions = tuple(_megatron_order(pp, vpp, m, rank, warmup_forwards(name, pp, vpp, m, rank))
                     for rank in range(pp))
     return Schedule(name, pp, vpp, m, actions)
@@ -347,6 +353,25 @@ def _check_actions(schedule: Schedule) -> None:
         if a.kind in (Kind.RECV_F, Kind.RECV_B) and partner(a) not in rank_of:
             raise ScheduleError(f"rank {rank}: {a} waits for {partner(a)}, which rank "
                                 f"{schedule.stage_rank(partner(a).stage)} never sends")
+    _check_channel_order(schedule)
+
+
+def _check_channel_order(schedule: Schedule) -> None:
+    """Messages between two ranks are matched in the order each end posts them (gloo and NCCL
+    alike), so the k-th receive from a rank must be the partner of that rank's k-th send to it."""
+    sent, received = defaultdict(list), defaultdict(list)
+    for rank, actions in enumerate(schedule.actions):
+        for a in actions:
+            if a.kind in (Kind.SEND_F, Kind.SEND_B):
+                sent[(rank, schedule.stage_rank(partner(a).stage))].append(a)
+            elif a.kind in (Kind.RECV_F, Kind.RECV_B):
+                received[(schedule.stage_rank(partner(a).stage), rank)].append(a)
+    for (source, rank), receives in received.items():
+        for k, (recv, send) in enumerate(zip(receives, sent[(source, rank)])):
+            if partner(recv) != send:
+                raise ScheduleError(f"rank {rank}: {recv} is its receive number {k} from rank {source}, but "
+                                    f"rank {source}'s send number {k} to it is {send}; messages between two "
+                                    f"ranks arrive in the order they were sent")
 
 
 class _Simulation:

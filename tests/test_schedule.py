@@ -215,8 +215,8 @@ def test_deadlock_both_ranks_receive_first():
 
 
 def test_deadlock_after_progress_prints_the_grid():
-    # rank 0 waits for microbatch 1's gradient before sending microbatch 1's activation
-    schedule = from_strings("gpipe", 2, 1, 2, ["0F0 0SEND_F0 0RECV_B1 0B1 0F1 0SEND_F1 0RECV_B0 0B0",
+    # rank 0 waits for microbatch 0's gradient before sending microbatch 1's activation, which rank 1 needs first
+    schedule = from_strings("gpipe", 2, 1, 2, ["0F0 0SEND_F0 0RECV_B0 0B0 0F1 0SEND_F1 0RECV_B1 0B1",
                                                "1RECV_F0 1F0 1RECV_F1 1F1 1B0 1SEND_B0 1B1 1SEND_B1"])
     with pytest.raises(ScheduleError) as error:
         simulate(schedule)
@@ -227,8 +227,17 @@ def test_deadlock_after_progress_prints_the_grid():
         ["1", "|", "0SEND_F0", "|"],
         ["2", "|", "|", "1RECV_F0"],
         ["3", "|", "|", "1F0"],
-        ["stuck", "|", "0RECV_B1", "|", "1RECV_F1", "<--", "ERROR", "HERE"],
+        ["stuck", "|", "0RECV_B0", "|", "1RECV_F1", "<--", "ERROR", "HERE"],
     ]
+
+
+def test_messages_out_of_channel_order():
+    # both microbatches' activations are received, but in the other order than rank 0 sent them
+    schedule = from_strings("gpipe", 2, 1, 2, ["0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1",
+                                               "1RECV_F1 1RECV_F0 1F0 1F1 1B0 1SEND_B0 1B1 1SEND_B1"])
+    with pytest.raises(ScheduleError, match="rank 1: 1RECV_F1 is its receive number 0 from rank 0, but rank 0's "
+                                            "send number 0 to it is 0SEND_F0"):
+        simulate(schedule)
 
 
 def test_duplicate_and_missing_compute():
