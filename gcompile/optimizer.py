@@ -89,6 +89,14 @@ class GradReduction:
     end: int
 
 
+def tied_reductions(layout: FlatLayout) -> tuple[GradReduction, ...]:
+    """One reduction per parameter this rank holds a copy of, in name order so that the ranks of
+    a group issue theirs alike (their buffers order parameters differently)."""
+    tied = sorted((p.name, GradReduction(p.tied_group, o, o + _numel(s)))
+                  for p, s, o in zip(layout.params, layout.shapes, layout.offsets) if p.tied_group)
+    return tuple(r for _, r in tied)
+
+
 @dataclass(frozen=True)
 class AdamWSettings:
     beta1: float

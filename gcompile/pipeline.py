@@ -17,11 +17,11 @@ from gcompile.capture import capture
 from gcompile.config import RunConfig
 from gcompile.lower import lower_stage
 from gcompile.mesh import Coords
-from gcompile.optimizer import AdamWSettings, build_optimizer_graph, flat_layout
+from gcompile.optimizer import AdamWSettings, build_optimizer_graph, flat_layout, tied_reductions
 from gcompile.pass_manager import PassContext, rank_dump_dir, run_passes
 from gcompile.program import dump_text
 from gcompile.rank_program import RankProgram
-from gcompile.schedule import build_schedule
+from gcompile.schedule import build_schedule, simulate
 
 
 def pass_list(config: RunConfig) -> list[str]:
@@ -45,20 +45,25 @@ def build_rank_program(config: RunConfig, coords: Coords, device: str = "cpu", d
     program = capture(config.model, t.micro_batch_size, t.seq_length, device, dtype)
     program = run_passes(program, pass_list(config), PassContext(config, coords, dump_dir), log)
     schedule = build_schedule(p.pipeline_schedule, p.pp, p.virtual_pipeline_size, config.num_microbatches)
+    if schedule.num_stages > 1:
+        log(f"schedule {schedule.name} pp={p.pp} vpp={p.virtual_pipeline_size} m={schedule.num_microbatches}: "
+            f"predicted bubble {simulate(schedule).bubble_fraction:.1%} (forward 1, backward 2)")
     stages = {s.index: lower_stage(s, t.recompute_activations) for s in program.stages}
     if sorted(stages) != sorted(schedule.local_stages(coords.pp_rank)):
         raise AssertionError(f"rank {coords.rank} holds stages {sorted(stages)} but its schedule runs "
                              f"{schedule.local_stages(coords.pp_rank)}")
 
     params, shapes = {}, {}
-    for stage in program.stages:
+    for stage in program.stages:  # stages of one rank that read one parameter share its buffer
         for param, node in zip(stage.params, stage.placeholders()):
-            params.setdefault(param.name, param)
+            if params.setdefault(param.name, param) != param:
+                raise AssertionError(f"rank {coords.rank}: two stages hold {param.name} differently: "
+                                     f"{params[param.name]} and {param}")
             shapes.setdefault(param.name, tuple(node.meta["val"].shape))
     layout = flat_layout(list(params.values()), [shapes[n] for n in params], tp=coords.tp)
     settings = AdamWSettings(t.adam_beta1, t.adam_beta2, t.adam_eps, t.weight_decay, t.clip_grad)
     norm_group = "mp" if coords.tp * coords.pp > 1 else None
-    optimizer = build_optimizer_graph(layout, settings, layout.numel, norm_group)
+    optimizer = build_optimizer_graph(layout, settings, layout.numel, norm_group, tied_reductions(layout))
 
     rank_program = RankProgram(coords=coords, stages=stages, layout=layout, optimizer=optimizer,
                                shard_numel=layout.numel, schedule=schedule)
