@@ -44,7 +44,8 @@ def run_case(config, batches, lrs, rank: int) -> dict:
         norms.append(grad_norm.item())
     params = {name: view.clone() for name, view in program.layout.views(state.params).items()}
     return dict(coords=coords, losses=losses, grad_norms=norms, params=program.layout.params,
-                values=params, peak_saved=dict(runtime.peak_saved), compile_stats=compiler.stats)
+                values=params, peak_saved=dict(runtime.peak_saved), rank_peak_saved=runtime.rank_peak_saved,
+                compile_stats=compiler.stats)
 
 
 def main(job_path: str, store_path: str) -> None:
