@@ -100,16 +100,18 @@ class Schedule:
         return format_table(self)
 
 
-def format_table(schedule: Schedule) -> str:
-    """One row per rank, one column per compute slot (the rank's k-th F or B); comm left out.
+def format_table(schedule: Schedule, communication: bool = False) -> str:
+    """One row per rank, one column per compute slot (the rank's k-th F or B), or with
+    `communication` per instruction (its k-th action, sends and receives included).
 
     Columns follow each rank's own order, not time: `simulate` gives the timing
     and `render_svg` draws it.
     """
-    rows = [[str(a) for a in actions if a.kind in (Kind.F, Kind.B)] for actions in schedule.actions]
+    kinds = tuple(Kind) if communication else (Kind.F, Kind.B)
+    rows = [[str(a) for a in actions if a.kind in kinds] for actions in schedule.actions]
     width = max((len(cell) for row in rows for cell in row), default=1)
     head = (f"{schedule.name} pp={schedule.pp} vpp={schedule.vpp} m={schedule.num_microbatches}: "
-            f"stage kind microbatch per compute slot")
+            f"stage kind microbatch per {'instruction' if communication else 'compute slot'}")
     label = len(f"rank{schedule.pp - 1}")
     lines = [f"{f'rank{r}':<{label}} | " + " ".join(f"{cell:<{width}}" for cell in row).rstrip()
              for r, row in enumerate(rows)]
@@ -122,7 +124,9 @@ def warmup_forwards(name: str, pp: int, vpp: int, m: int, rank: int) -> int:
     1f1b: one per stage after the rank, so the last stage starts backward at
     once. interleaved: pp microbatches through each chunk but the last, plus
     two per later rank, which keep the rank busy while its first gradient
-    makes the round trip to the last rank.
+    makes the round trip to the last rank. (This is Megatron-core's count with
+    microbatch_group_size_per_vp_stage = pp; releases before it warmed up with
+    every microbatch when m == pp.)
     """
     if name == "gpipe":
         return m * vpp
