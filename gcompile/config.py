@@ -187,6 +187,8 @@ def _coerce(value, annotation, key: str):
         if kind is int and isinstance(value, float) and not value.is_integer():
             raise ValueError(value)
         return kind(value)
+    except ConfigError:  # an item of a tuple
+        raise
     except (TypeError, ValueError):
         raise ConfigError(f"{key}={value!r} is not a valid {kind.__name__}") from None
 

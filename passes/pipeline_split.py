@@ -76,7 +76,7 @@ def _blocks(stage: Stage) -> dict[fx.Node, int]:
                 break
     found = sorted(set(owner.values()))
     if len(lists) != 1 or found != list(range(len(found))):
-        raise ValueError(f"{PASS}: expected the blocks <list>.0 .. <list>.N-1 of one module list in "
+        raise ValueError(f"expected the blocks <list>.0 .. <list>.N-1 of one module list in "
                          f"nn_module_stack; found lists {sorted(lists)} with blocks {found}")
     return owner
 
@@ -111,13 +111,14 @@ def _boundaries(stage: Stage, placed: dict[fx.Node, int], num_stages: int) -> li
                 continue
             if placed[p] > here or here > placed[p] + 1:
                 where = "the output" if node.op == "output" else node_origin(node)
-                raise ValueError(f"{PASS}: {where} on stage {here} reads {node_origin(p)} from stage {placed[p]}; "
-                                 f"a stage can only read what the stage right before it made")
+                raise ValueError(f"stage {here} reads a tensor made on stage {placed[p]}, but a stage can "
+                                 f"only read what the stage right before it made; reader {where}; "
+                                 f"tensor {node_origin(p)}")
             val = p.meta.get("val")
             if not isinstance(val, torch.Tensor) or not val.dtype.is_floating_point:
-                raise ValueError(f"{PASS}: {node_origin(p)} crosses from stage {placed[p]} to {here} but is "
-                                 f"not a floating-point tensor ({type(val).__name__}); only activations "
-                                 f"with a gradient can be sent between stages")
+                raise ValueError(f"a {getattr(val, 'dtype', type(val).__name__)} value crosses from stage "
+                                 f"{placed[p]} to {here}, but only floating-point tensors (which have a gradient) "
+                                 f"can be sent between stages; value {node_origin(p)}")
             if p not in crossing[placed[p]]:
                 crossing[placed[p]].append(p)
     order = {n: i for i, n in enumerate(stage.graph.graph.nodes)}
@@ -131,7 +132,7 @@ def _stage_params(stage: Stage, placed: dict[fx.Node, int], pp: int, num_stages:
         readers = sorted({placed[u] for u in node.users}) or [0]  # an unread parameter stays on stage 0
         ranks = sorted({stage_rank(s, pp) for s in readers})
         if len(ranks) > 1 and ranks != [0, pp - 1]:
-            raise ValueError(f"{PASS}: parameter {param.name} is read on pipeline ranks {ranks} (stages "
+            raise ValueError(f"parameter {param.name} is read on pipeline ranks {ranks} (stages "
                              f"{readers}); a parameter may be shared only by the first and last rank")
         first_rank = stage_rank(readers[0], pp) if readers else None
         for s in readers:
