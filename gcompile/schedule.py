@@ -25,6 +25,7 @@ checks the result with `simulate`, which also predicts the bubble.
 
 import re
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
 
@@ -297,7 +298,11 @@ class SimResult:
     """Per rank, its compute actions with their start and end times."""
 
 
-def simulate(schedule: Schedule, f_time: float = 1.0, b_time: float = 2.0) -> SimResult:
+Cost = float | Sequence[float]
+"""What one forward (or backward) takes: the same on every stage, or one number per stage."""
+
+
+def simulate(schedule: Schedule, f_time: Cost = 1.0, b_time: Cost = 2.0) -> SimResult:
     """Run every rank's list in one process; raise ScheduleError where a real run would fail or hang.
 
     A send never blocks (the runtime waits for sends at the end of the step);
@@ -379,9 +384,15 @@ def _check_channel_order(schedule: Schedule) -> None:
 
 
 class _Simulation:
-    def __init__(self, schedule: Schedule, f_time: float, b_time: float):
+    def __init__(self, schedule: Schedule, f_time: Cost, b_time: Cost):
         self.schedule = schedule
-        self.duration = {Kind.F: f_time, Kind.B: b_time}
+        n = schedule.num_stages
+        self.duration = {kind: list(cost) if isinstance(cost, Sequence) else [cost] * n
+                         for kind, cost in ((Kind.F, f_time), (Kind.B, b_time))}
+        """Cost of each kind of compute, by stage."""
+        if any(len(costs) != n for costs in self.duration.values()):
+            raise ScheduleError(f"per-stage costs need {n} entries, got forward {len(self.duration[Kind.F])}, "
+                                f"backward {len(self.duration[Kind.B])}")
         self.position = [0] * schedule.pp
         """Index of each rank's next action."""
         self.clock = [0.0] * schedule.pp
@@ -462,7 +473,7 @@ class _Simulation:
             self.ready_at[a] = self.clock[rank]
             return
         start = max([self.clock[rank]] + [self.ready_at[need] for need, _ in self._needs(a)])
-        end = start + self.duration[a.kind]
+        end = start + self.duration[a.kind][a.stage]
         self.clock[rank] = self.ready_at[a] = end
         self.spans[rank].append(Span(a, start, end))
         change = 1 if a.kind == Kind.F else -1

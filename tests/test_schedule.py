@@ -273,6 +273,18 @@ def test_golden_timeline():
     assert result.steps == 12
 
 
+def test_per_stage_costs():
+    # 1F1B pp=2 m=2 with stage 1 twice as slow (F 2, B 4): hand-traced
+    result = simulate(build_schedule("1f1b", 2, 1, 2), f_time=[1, 2], b_time=[2, 4])
+    assert [[(str(s.action), s.start, s.end) for s in spans] for spans in result.spans] == [
+        [("0F0", 0, 1), ("0F1", 1, 2), ("0B0", 7, 9), ("0B1", 13, 15)],
+        [("1F0", 1, 3), ("1B0", 3, 7), ("1F1", 7, 9), ("1B1", 9, 13)],
+    ]
+    assert result.bubble_fraction == pytest.approx(1 - (6 + 12) / (2 * 15))
+    with pytest.raises(ScheduleError, match="per-stage costs need 2 entries, got forward 3, backward 2"):
+        simulate(build_schedule("1f1b", 2, 1, 2), f_time=[1, 1, 1], b_time=[2, 2])
+
+
 @pytest.mark.parametrize("f_time, b_time", [(1, 2), (1, 1), (1, 3)])
 def test_bubble_matches_the_formulas(f_time, b_time):
     for name, pp, vpp, m in valid_configs():
