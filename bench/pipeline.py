@@ -1,0 +1,240 @@
+"""pp = 2 in one run: tokens/s of gcompile against torch.distributed.pipelining, and gcompile's
+measured pipeline bubble against the schedule simulator's prediction.
+
+    python bench/pipeline.py                       # 4 layers, 256 wide, 8 heads, T=256, 4 microbatches of 2
+    python bench/pipeline.py --n-layer 2 --n-embd 64 --seq-length 64 --rounds 1
+
+Two gloo ranks on this machine, one thread each, started by the elastic launcher (so
+Inductor's cache is shared). Every contender trains the same GPT (gcompile/model.py)
+split after block n_layer/2 (embedding with the first half, final LayerNorm, head and
+loss with the second), on the same 4 microbatches, AdamW step and gradient clipping
+over the global norm included:
+
+    torch.distributed.pipelining: pipeline() with SplitPoint.BEGINNING at that block,
+                                  Schedule1F1B / ScheduleGPipe, eager stage modules
+    gcompile --pp 2:              the pipeline_split stages, 1f1b / gpipe, FX graphs or --compile
+
+(torch.distributed.pipelining leaves the tied wte's two stage copies unsynchronised;
+gcompile sums their gradients over the "embd" group, one small extra all-reduce.)
+Contenders take turns, `--iters` steps each per round, so background load on the
+machine falls on all of them; a step's time is the slower rank's, reported as the median.
+
+Bubble: the share of rank-time a rank spends not computing, over one step's
+forward-backward (the optimizer step left out), as the simulator defines it:
+
+    measured  = 1 - sum over ranks of busy / (pp * wall)
+    busy      = time inside the rank's stage forward and backward callables
+    wall      = from the common start (a barrier) until the last rank finishes its instruction list
+
+predicted = simulate(schedule, F, B).bubble_fraction with each stage's F and B set to
+their measured mean times (communication counts as free there); also shown: the
+uniform-stage formula (pp-1)/(m+pp-1).
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from gcompile.compile import Compiler, compile_rank_program
+from gcompile.config import build_config
+from gcompile.launch import join_world, spawn_local, under_launcher
+from gcompile.model import build_model
+from gcompile.pipeline import build_rank_program
+from gcompile.runtime import Runtime, StageFunctions
+from gcompile.schedule import simulate
+from gcompile.state import TrainState
+from gcompile.train import split_microbatches
+
+PP = 2
+
+
+@dataclass
+class StageTimes:
+    """Seconds spent in each stage's forward and backward callables, per call."""
+    forward: dict[int, list[float]] = field(default_factory=dict)
+    backward: dict[int, list[float]] = field(default_factory=dict)
+
+    def timed(self, stage: int, fn, table: dict):
+        def call(*args):
+            start = time.perf_counter()
+            out = fn(*args)
+            table.setdefault(stage, []).append(time.perf_counter() - start)
+            return out
+        return call
+
+    def busy(self) -> float:
+        return sum(map(sum, self.forward.values())) + sum(map(sum, self.backward.values()))
+
+    def clear(self):
+        self.forward.clear()
+        self.backward.clear()
+
+
+class Gcompile:
+    """gcompile's runtime on this rank, with its stage callables timed."""
+
+    def __init__(self, config, coords, tokens):
+        program = build_rank_program(config, coords, log=lambda _: None)
+        functions, self.optimizer_step = compile_rank_program(program, Compiler(enabled=config.train.compile))
+        self.times = StageTimes()
+        timed = {s: StageFunctions(self.times.timed(s, f.forward, self.times.forward),
+                                   self.times.timed(s, f.backward, self.times.backward))
+                 for s, f in functions.items()}
+        state = TrainState.initial(program, config.model, config.train.seed, "cpu")
+        state.lr.fill_(config.train.lr)
+        self.runtime = Runtime(program, timed, self.optimizer_step, state)
+        self.schedule = program.schedule
+        self.micro = split_microbatches(tokens, config.train.micro_batch_size)
+        self.walls = []
+
+    def step(self):
+        dist.barrier()
+        start = time.perf_counter()
+        self.runtime.forward_backward(self.micro)
+        self.walls.append(time.perf_counter() - start)
+        self.runtime.optimizer_step()
+
+
+class TorchPipelining:
+    """torch.distributed.pipelining on the same model, split and microbatches."""
+
+    def __init__(self, config, rank, tokens, schedule_class):
+        from torch.distributed.pipelining import SplitPoint, pipeline
+
+        t = config.train
+        model = build_model(config.model, t.seed)
+        self.idx, self.targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        split = {f"transformer.h.{config.model.n_layer // 2}": SplitPoint.BEGINNING}
+        pipe = pipeline(model, mb_args=(self.idx[:t.micro_batch_size],), split_spec=split)
+        self.stage = pipe.build_stage(rank, torch.device("cpu"))
+        self.rank = rank
+        self.params = list(self.stage.submod.parameters())
+        self.optimizer = torch.optim.AdamW(self.params, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2),
+                                           weight_decay=t.weight_decay)
+        self.clip = t.clip_grad
+        self.schedule = schedule_class(self.stage, n_microbatches=config.num_microbatches, loss_fn=_loss)
+
+    def step(self):
+        dist.barrier()
+        if self.rank == 0:
+            self.schedule.step(self.idx)
+        else:
+            self.schedule.step(target=self.targets)
+        norm_sq = sum(p.grad.pow(2).sum() for p in self.params if p.grad is not None)
+        dist.all_reduce(norm_sq)  # the global gradient norm, over both stages
+        torch.nn.utils.clip_grads_with_norm_(self.params, self.clip, norm_sq.sqrt())
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+def _loss(logits, targets):
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def timed_steps(step, iters: int) -> list[float]:
+    """Seconds per step as the slower rank saw it."""
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        step()
+        elapsed = torch.tensor(time.perf_counter() - start)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        times.append(elapsed.item())
+    return times
+
+
+def bubble(runner: Gcompile, iters: int) -> tuple[float, float]:
+    """(measured, predicted) over `iters` steps, as the module docstring defines them."""
+    runner.times.clear()
+    runner.walls.clear()
+    for _ in range(iters):
+        runner.step()
+    mine = torch.tensor([runner.times.busy(), sum(runner.walls)])
+    busy = [torch.zeros(2) for _ in range(PP)]
+    dist.all_gather(busy, mine)
+    wall = max(b[1].item() for b in busy)
+    measured = 1 - sum(b[0].item() for b in busy) / (PP * wall)
+    costs = [None] * (PP * runner.schedule.vpp)
+    local = {s: (statistics.mean(runner.times.forward[s]), statistics.mean(runner.times.backward[s]))
+             for s in runner.times.forward}
+    gathered = [None] * PP
+    dist.all_gather_object(gathered, local)
+    for table in gathered:
+        for s, cost in table.items():
+            costs[s] = cost
+    predicted = simulate(runner.schedule, [c[0] for c in costs], [c[1] for c in costs]).bubble_fraction
+    return measured, predicted
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--n-embd", type=int, default=256)
+    p.add_argument("--n-head", type=int, default=8)
+    p.add_argument("--seq-length", type=int, default=256)
+    p.add_argument("--micro-batch-size", type=int, default=2)
+    p.add_argument("--num-microbatches", type=int, default=4)
+    p.add_argument("--iters", type=int, default=4, help="timed steps per contender per round")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=2)
+    args = p.parse_args()
+    if not under_launcher():
+        sys.exit(spawn_local(PP, [os.path.abspath(__file__), *sys.argv[1:]]))
+
+    coords, _ = join_world(1, PP, 1)
+    torch.set_num_threads(1)
+
+    def config(schedule: str, compile: bool):
+        return build_config({
+            "model": dict(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, block_size=args.seq_length),
+            "parallel": dict(pp=PP, pipeline_schedule=schedule),
+            "train": dict(micro_batch_size=args.micro_batch_size, seq_length=args.seq_length, compile=compile,
+                          global_batch_size=args.micro_batch_size * args.num_microbatches),
+        })
+
+    base = config("1f1b", False)
+    t = base.train
+    tokens = torch.randint(0, base.model.vocab_size, (t.global_batch_size, t.seq_length + 1),
+                           generator=torch.Generator().manual_seed(0))
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+    contenders = {
+        "(a) torch.distributed.pipelining 1F1B": TorchPipelining(base, coords.rank, tokens, Schedule1F1B),
+        "(b) torch.distributed.pipelining GPipe": TorchPipelining(base, coords.rank, tokens, ScheduleGPipe),
+        "(c) gcompile 1f1b (FX graphs)": Gcompile(config("1f1b", False), coords, tokens),
+        "(d) gcompile 1f1b --compile": Gcompile(config("1f1b", True), coords, tokens),
+        "(e) gcompile gpipe --compile": Gcompile(config("gpipe", True), coords, tokens),
+    }
+    for runner in contenders.values():
+        for _ in range(args.warmup):
+            runner.step()
+    times = {name: [] for name in contenders}
+    for _ in range(args.rounds):
+        for name, runner in contenders.items():
+            times[name] += timed_steps(runner.step, args.iters)
+    bubbles = {name: bubble(runner, args.iters * args.rounds) for name, runner in contenders.items()
+               if isinstance(runner, Gcompile)}
+
+    if coords.rank == 0:
+        tokens_per_step = t.global_batch_size * t.seq_length
+        m = base.num_microbatches
+        print(f"config: {args.n_layer} layers, {args.n_embd} wide, {args.n_head} heads, T={t.seq_length}, "
+              f"pp={PP}, {m} microbatches of {t.micro_batch_size}, 1 thread per rank; "
+              f"median of {args.rounds} x {args.iters} steps")
+        peer = statistics.median(times["(a) torch.distributed.pipelining 1F1B"])
+        print(f"{'':40s} {'tokens/s':>9s} {'vs (a)':>7s} {'bubble':>8s} {'predicted':>9s}")
+        for name, samples in times.items():
+            seconds = statistics.median(samples)
+            measured, predicted = (f"{b:.1%}" for b in bubbles[name]) if name in bubbles else ("", "")
+            print(f"{name:40s} {tokens_per_step / seconds:9.0f} {peer / seconds:6.2f}x {measured:>8s} {predicted:>9s}")
+        print(f"uniform-stage formula (pp-1)/(m+pp-1) = {(PP - 1) / (m + PP - 1):.1%}")
+
+
+if __name__ == "__main__":
+    main()
