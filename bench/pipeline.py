@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from flags import add_model_flags, model_section  # bench/, first on sys.path when run as a script
 from gcompile.compile import Compiler, compile_rank_program
 from gcompile.config import build_config
 from gcompile.launch import join_world, spawn_local, under_launcher
@@ -175,10 +176,7 @@ def bubble(runner: Gcompile, iters: int) -> tuple[float, float]:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--n-layer", type=int, default=4)
-    p.add_argument("--n-embd", type=int, default=256)
-    p.add_argument("--n-head", type=int, default=8)
-    p.add_argument("--seq-length", type=int, default=256)
+    add_model_flags(p)
     p.add_argument("--micro-batch-size", type=int, default=2)
     p.add_argument("--num-microbatches", type=int, default=4)
     p.add_argument("--iters", type=int, default=4, help="timed steps per contender per round")
@@ -193,7 +191,7 @@ def main():
 
     def config(schedule: str, compile: bool):
         return build_config({
-            "model": dict(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, block_size=args.seq_length),
+            "model": model_section(args),
             "parallel": dict(pp=PP, pipeline_schedule=schedule),
             "train": dict(micro_batch_size=args.micro_batch_size, seq_length=args.seq_length, compile=compile,
                           global_batch_size=args.micro_batch_size * args.num_microbatches),
