@@ -26,7 +26,8 @@ Rewrite (pp 2, 2 blocks)
 
 Nodes outside blocks (residual adds, views, the embedding, wrapper calls a pass inserted) are
 placed by their data: a node fed by placed nodes runs with the latest of them; a node fed only by
-placeholders and other such nodes (the embedding, `targets.view`) runs with its earliest user.
+placeholders and other such nodes (the embedding, `targets.view`, a wrapper around a parameter)
+is copied into every stage that reads it, so that only block activations cross stages.
 """
 
 import re
@@ -81,67 +82,69 @@ def _blocks(stage: Stage) -> dict[fx.Node, int]:
     return owner
 
 
-def _place(stage: Stage, fixed: dict[fx.Node, int], last: int) -> dict[fx.Node, int]:
-    """The stage of every call node: blocks as given, the others by their data (see module docstring)."""
+def _place(stage: Stage, fixed: dict[fx.Node, int], last: int) -> dict[fx.Node, frozenset[int]]:
+    """The stages of every call node: blocks as given, the others by their data (see module docstring)."""
     nodes = [n for n in stage.graph.graph.nodes if n.op not in ("placeholder", "output")]
     placed, floating = {}, set()
     for node in nodes:
         producers = [p for p in node.all_input_nodes if p.op != "placeholder" and p not in floating]
         if node in fixed:
-            placed[node] = fixed[node]
+            placed[node] = frozenset([fixed[node]])
         elif producers:
-            placed[node] = max(placed[p] for p in producers)
+            placed[node] = frozenset([max(max(placed[p]) for p in producers)])
         else:
             floating.add(node)
     for node in reversed(nodes):
         if node in floating:
-            placed[node] = min((last if u.op == "output" else placed[u] for u in node.users), default=last)
+            readers = [frozenset([last]) if u.op == "output" else placed[u] for u in node.users]
+            placed[node] = frozenset().union(*readers) or frozenset([last])
     return placed
 
 
-def _boundaries(stage: Stage, placed: dict[fx.Node, int], num_stages: int) -> list[list[fx.Node]]:
+def _boundaries(stage: Stage, placed: dict[fx.Node, frozenset[int]], num_stages: int) -> list[list[fx.Node]]:
     """crossing[s]: tensors made on stage s and read on s+1, in graph order; checks every edge."""
     crossing = [[] for _ in range(num_stages)]
     for node in stage.graph.graph.nodes:
         if node.op == "placeholder":
             continue
-        here = num_stages - 1 if node.op == "output" else placed[node]
-        for p in node.all_input_nodes:
-            if p.op == "placeholder" or placed[p] == here:
-                continue
-            if placed[p] > here or here > placed[p] + 1:
-                where = "the output" if node.op == "output" else node_origin(node)
-                raise ValueError(f"stage {here} reads a tensor made on stage {placed[p]}, but a stage can "
-                                 f"only read what the stage right before it made; reader {where}; "
-                                 f"tensor {node_origin(p)}")
-            val = p.meta.get("val")
-            if not isinstance(val, torch.Tensor) or not val.dtype.is_floating_point:
-                raise ValueError(f"a {getattr(val, 'dtype', type(val).__name__)} value crosses from stage "
-                                 f"{placed[p]} to {here}, but only floating-point tensors (which have a gradient) "
-                                 f"can be sent between stages; value {node_origin(p)}")
-            if p not in crossing[placed[p]]:
-                crossing[placed[p]].append(p)
+        for here in [num_stages - 1] if node.op == "output" else placed[node]:
+            for p in node.all_input_nodes:
+                if p.op == "placeholder" or here in placed[p]:
+                    continue
+                (source,) = placed[p]  # a node in several stages is in all that read it
+                if source > here or here > source + 1:
+                    where = "the output" if node.op == "output" else node_origin(node)
+                    raise ValueError(f"stage {here} reads a tensor made on stage {source}, but a stage can only "
+                                     f"read what the stage right before it made; reader {where}; "
+                                     f"tensor {node_origin(p)}")
+                val = p.meta.get("val")
+                if not isinstance(val, torch.Tensor) or not val.dtype.is_floating_point:
+                    raise ValueError(f"a {getattr(val, 'dtype', type(val).__name__)} value crosses from stage "
+                                     f"{source} to {here}, but only floating-point tensors (which have a gradient) "
+                                     f"can be sent between stages; value {node_origin(p)}")
+                if p not in crossing[source]:
+                    crossing[source].append(p)
     order = {n: i for i, n in enumerate(stage.graph.graph.nodes)}
     return [sorted(values, key=order.__getitem__) for values in crossing]
 
 
-def _stage_params(stage: Stage, placed: dict[fx.Node, int], pp: int, num_stages: int):
+def _stage_params(stage: Stage, placed: dict[fx.Node, frozenset[int]], pp: int, num_stages: int):
     """Per stage, (placeholder, Param) of the parameters it reads, marking copies held on other ranks."""
     params = [[] for _ in range(num_stages)]
     for param, node in zip(stage.params, stage.placeholders()):
-        readers = sorted({placed[u] for u in node.users}) or [0]  # an unread parameter stays on stage 0
+        readers = sorted(frozenset().union(*(placed[u] for u in node.users))) or [0]  # unread: kept on stage 0
         ranks = sorted({stage_rank(s, pp) for s in readers})
         if len(ranks) > 1 and ranks != [0, pp - 1]:
             raise ValueError(f"parameter {param.name} is read on pipeline ranks {ranks} (stages "
                              f"{readers}); a parameter may be shared only by the first and last rank")
-        first_rank = stage_rank(readers[0], pp) if readers else None
+        first_rank = stage_rank(readers[0], pp)
         for s in readers:
             shared = replace(param, tied_group=EMBEDDING_GROUP) if len(ranks) > 1 else param
             params[s].append((node, replace(shared, tied_copy=stage_rank(s, pp) != first_rank)))
     return params
 
 
-def _build_stage(whole: Stage, s: int, placed: dict[fx.Node, int], crossing: list[list[fx.Node]],
+def _build_stage(whole: Stage, s: int, placed: dict[fx.Node, frozenset[int]], crossing: list[list[fx.Node]],
                  params: list, num_stages: int) -> Stage:
     graph, env = fx.Graph(), {}
 
@@ -162,11 +165,11 @@ def _build_stage(whole: Stage, s: int, placed: dict[fx.Node, int], crossing: lis
             env[value] = placeholder(f"act{k}", contiguous, None)
             inputs.append(f"act{k}")
     for role, node in whole.input_nodes().items():
-        if any(placed[u] == s for u in node.users):
+        if any(s in placed[u] for u in node.users):
             env[node] = placeholder(node.name, node.meta["val"], node)
             inputs.append(role)
     for node in whole.graph.graph.nodes:
-        if node.op not in ("placeholder", "output") and placed[node] == s:
+        if node.op not in ("placeholder", "output") and s in placed[node]:
             env[node] = graph.node_copy(node, env.__getitem__)
     if s == num_stages - 1:
         values, outputs = whole.output_node().args[0], list(whole.outputs)

@@ -278,30 +278,70 @@ class Chain(nn.Module):
         self.variant = variant
 
     def forward(self, idx, targets):
-        x0 = self.wte(idx)
-        x = self.h[1](self.h[0](x0))
+        x0 = self.h[0](self.wte(idx))
+        x = self.h[1](x0)
         if self.variant == "shared":
             x = x * self.wte.weight.mean()  # wte read on stage 1 of 3: only first and last may share
         x = self.h[2](x)
         if self.variant == "skip":
-            x = x + x0  # stage 2 reads the embedding from stage 0
+            x = x + x0  # stage 2 reads block 0's output from stage 0
         return F.cross_entropy(x.view(-1, 8), targets.view(-1) % 8)
 
 
-def program_of(module: nn.Module) -> Program:
+def program_of(module: nn.Module, rank_constants: dict[str, int] | None = None) -> Program:
+    """Capture `module(idx, targets, *rank constants)` as capture() does GPT (no tied weights here)."""
     idx = torch.zeros(2, 4, dtype=torch.long)
-    exported = torch.export.export(module, (idx, idx))
+    constants = [torch.tensor(v) for v in (rank_constants or {}).values()]
+    exported = torch.export.export(module, (idx, idx.clone(), *constants))  # distinct, or export merges them
     nodes = list(exported.graph_module.graph.find_nodes(op="placeholder"))
     params = [Param(spec.target, tuple(node.meta["val"].shape))
               for spec, node in zip(exported.graph_signature.input_specs, nodes) if spec.kind == InputKind.PARAMETER]
-    stage = Stage(index=0, graph=exported.graph_module, params=params, inputs=["idx", "targets"], outputs=["loss"])
+    stage = Stage(index=0, graph=exported.graph_module, params=params, inputs=["idx", "targets", *(rank_constants or {})],
+                  outputs=["loss"], rank_constants=dict(rank_constants or {}))
     return Program(stages=[stage], history=["capture"])
+
+
+class Shifted(nn.Module):
+    """The embedding and the loss both read a rank constant, as vocab-parallel layers read their shard's start."""
+
+    def __init__(self):
+        super().__init__()
+        self.wte = nn.Embedding(16, 8)
+        self.h = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, idx, targets, vocab_start):
+        x = self.h[1](self.h[0](self.wte(idx - vocab_start)))
+        return F.cross_entropy(x.view(-1, 8), (targets - vocab_start).view(-1) % 8)
+
+
+def tagged(x):
+    """Stands for a module-level wrapper a pass inserts (a differentiable collective)."""
+    return x * 1.0
+
+
+def test_rank_constants_and_wrapper_calls_follow_their_readers():
+    cfg = config(pp=2, n_layer=2, m=4)
+    program = program_of(Shifted(), {"vocab_start": 3})
+    graph = program.stages[0].graph.graph
+    block1 = next(n for n in graph.nodes if n.target == torch.ops.aten.linear.default and n.args[1].name == "p_h_1_weight")
+    wte = program.stages[0].param_nodes()["wte.weight"]
+    for value in (block1, wte):  # wrappers with no module: one after a block, one around a parameter
+        with graph.inserting_after(value):
+            wrapper = graph.call_function(tagged, (value,))
+        value.replace_all_uses_with(wrapper, delete_user_cb=lambda user: user is not wrapper)
+    stages = [run_passes(program.clone(), ["pipeline_split"], PassContext(cfg, Coords(1, 2, 1, pp_rank=r)),
+                         log=lambda _: None).stages[0] for r in range(2)]
+    assert [s.inputs for s in stages] == [["idx", "vocab_start"], ["act0", "targets", "vocab_start"]]
+    assert [s.rank_constants for s in stages] == [{"vocab_start": 3}, {"vocab_start": 3}]
+    assert [[p.name for p in s.params] for s in stages] == [["wte.weight", "h.0.weight", "h.0.bias"],
+                                                            ["h.1.weight", "h.1.bias"]]
+    assert [sum(n.target is tagged for n in s.graph.graph.nodes) for s in stages] == [1, 1]
 
 
 @pytest.mark.parametrize("variant, message", [
     ("skip", r"stage 2 reads a tensor made on stage 0, but a stage can only read what the stage right before it "
              r"made; reader add \(aten.add\) at tests/test_pipeline.py:\d+: x = x \+ x0 .*; "
-             r"tensor embedding \(aten.embedding\) at tests/test_pipeline.py:\d+: x0 = self.wte\(idx\)"),
+             r"tensor linear \(aten.linear\) at tests/test_pipeline.py:\d+: x0 = self.h\[0\]\(self.wte\(idx\)\)"),
     ("shared", r"parameter wte.weight is read on pipeline ranks \[0, 1\] \(stages \[0, 1\]\); a parameter may be "
                r"shared only by the first and last rank"),
 ])
