@@ -43,6 +43,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from flags import add_model_flags, model_section  # bench/, first on sys.path when run as a script
+from single_rank import matmul_peak
 from gcompile.compile import Compiler, compile_rank_program
 from gcompile.config import build_config
 from gcompile.launch import join_world, spawn_local, under_launcher
@@ -151,8 +152,9 @@ def timed_steps(step, iters: int) -> list[float]:
     return times
 
 
-def bubble(runner: Gcompile, iters: int) -> tuple[float, float]:
-    """(measured, predicted) over `iters` steps, as the module docstring defines them."""
+def bubble(runner: Gcompile, iters: int) -> tuple[float, float, list[tuple[float, float]]]:
+    """(measured, predicted, per-stage mean forward and backward seconds) over `iters` steps,
+    as the module docstring defines them."""
     runner.times.clear()
     runner.walls.clear()
     for _ in range(iters):
@@ -171,7 +173,7 @@ def bubble(runner: Gcompile, iters: int) -> tuple[float, float]:
         for s, cost in table.items():
             costs[s] = cost
     predicted = simulate(runner.schedule, [c[0] for c in costs], [c[1] for c in costs]).bubble_fraction
-    return measured, predicted
+    return measured, predicted, costs
 
 
 def main():
@@ -179,8 +181,8 @@ def main():
     add_model_flags(p)
     p.add_argument("--micro-batch-size", type=int, default=2)
     p.add_argument("--num-microbatches", type=int, default=4)
-    p.add_argument("--iters", type=int, default=4, help="timed steps per contender per round")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--iters", type=int, default=1, help="timed steps per contender per round")
+    p.add_argument("--rounds", type=int, default=12)
     p.add_argument("--warmup", type=int, default=2)
     args = p.parse_args()
     if not under_launcher():
@@ -188,6 +190,8 @@ def main():
 
     coords, _ = join_world(1, PP, 1)
     torch.set_num_threads(1)
+    peak = torch.tensor(matmul_peak(1024))
+    dist.all_reduce(peak, op=dist.ReduceOp.MIN)
 
     def config(schedule: str, compile: bool):
         return build_config({
@@ -224,14 +228,18 @@ def main():
         m = base.num_microbatches
         print(f"config: {args.n_layer} layers, {args.n_embd} wide, {args.n_head} heads, T={t.seq_length}, "
               f"pp={PP}, {m} microbatches of {t.micro_batch_size}, 1 thread per rank; "
-              f"median of {args.rounds} x {args.iters} steps")
+              f"median of {args.rounds} x {args.iters} steps; fp32 matmul peak per rank now "
+              f"{peak.item() / 1e9:.1f} GFLOP/s (how busy the machine is)")
         peer = statistics.median(times["(a) torch.distributed.pipelining 1F1B"])
         print(f"{'':40s} {'tokens/s':>9s} {'vs (a)':>7s} {'bubble':>8s} {'predicted':>9s}")
         for name, samples in times.items():
             seconds = statistics.median(samples)
-            measured, predicted = (f"{b:.1%}" for b in bubbles[name]) if name in bubbles else ("", "")
+            measured, predicted = (f"{b:.1%}" for b in bubbles[name][:2]) if name in bubbles else ("", "")
             print(f"{name:40s} {tokens_per_step / seconds:9.0f} {peer / seconds:6.2f}x {measured:>8s} {predicted:>9s}")
         print(f"uniform-stage formula (pp-1)/(m+pp-1) = {(PP - 1) / (m + PP - 1):.1%}")
+        for name, (_, _, costs) in bubbles.items():
+            print(f"{name}: per-stage forward / backward ms " +
+                  ", ".join(f"s{s} {f * 1e3:.0f} / {b * 1e3:.0f}" for s, (f, b) in enumerate(costs)))
 
 
 if __name__ == "__main__":
