@@ -14,10 +14,14 @@ over the global norm included:
                                   Schedule1F1B / ScheduleGPipe, eager stage modules
     gcompile --pp 2:              the pipeline_split stages, 1f1b / gpipe, FX graphs or --compile
 
+and, interleaved, both split into 4 stages of n_layer/4 blocks, two per rank (stage s on
+rank s % 2): ScheduleInterleaved1F1B against gcompile's interleaved schedule, vpp=2.
+
 (torch.distributed.pipelining leaves the tied wte's two stage copies unsynchronised;
 gcompile sums their gradients over the "embd" group, one small extra all-reduce.)
 Contenders take turns, `--iters` steps each per round, so background load on the
-machine falls on all of them; a step's time is the slower rank's, reported as the median.
+machine falls on all of them; a step's time is the slower rank's, reported as the median
+and as the best step (the better estimate when other work shares the cores).
 
 Bubble: the share of rank-time a rank spends not computing, over one step's
 forward-backward (the optimizer step left out), as the simulator defines it:
@@ -94,34 +98,38 @@ class Gcompile:
         self.runtime = Runtime(program, timed, self.optimizer_step, state)
         self.schedule = program.schedule
         self.micro = split_microbatches(tokens, config.train.micro_batch_size)
-        self.walls = []
+        self.walls, self.optimizer_walls = [], []
 
     def step(self):
         dist.barrier()
         start = time.perf_counter()
         self.runtime.forward_backward(self.micro)
         self.walls.append(time.perf_counter() - start)
+        start = time.perf_counter()
         self.runtime.optimizer_step()
+        self.optimizer_walls.append(time.perf_counter() - start)
 
 
 class TorchPipelining:
-    """torch.distributed.pipelining on the same model, split and microbatches."""
+    """torch.distributed.pipelining on the same model, split and microbatches; stage s on rank s % pp."""
 
-    def __init__(self, config, rank, tokens, schedule_class):
+    def __init__(self, config, rank, tokens, schedule_class, vpp: int = 1):
         from torch.distributed.pipelining import SplitPoint, pipeline
 
         t = config.train
         model = build_model(config.model, t.seed)
         self.idx, self.targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-        split = {f"transformer.h.{config.model.n_layer // 2}": SplitPoint.BEGINNING}
+        per_stage = config.model.n_layer // (PP * vpp)
+        split = {f"transformer.h.{per_stage * s}": SplitPoint.BEGINNING for s in range(1, PP * vpp)}
         pipe = pipeline(model, mb_args=(self.idx[:t.micro_batch_size],), split_spec=split)
-        self.stage = pipe.build_stage(rank, torch.device("cpu"))
+        stages = [pipe.build_stage(rank + PP * chunk, torch.device("cpu")) for chunk in range(vpp)]
         self.rank = rank
-        self.params = list(self.stage.submod.parameters())
+        self.params = [p for stage in stages for p in stage.submod.parameters()]
         self.optimizer = torch.optim.AdamW(self.params, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2),
                                            weight_decay=t.weight_decay)
         self.clip = t.clip_grad
-        self.schedule = schedule_class(self.stage, n_microbatches=config.num_microbatches, loss_fn=_loss)
+        self.schedule = schedule_class(stages if vpp > 1 else stages[0], n_microbatches=config.num_microbatches,
+                                       loss_fn=_loss)
 
     def step(self):
         dist.barrier()
@@ -152,18 +160,20 @@ def timed_steps(step, iters: int) -> list[float]:
     return times
 
 
-def bubble(runner: Gcompile, iters: int) -> tuple[float, float, list[tuple[float, float]]]:
-    """(measured, predicted, per-stage mean forward and backward seconds) over `iters` steps,
-    as the module docstring defines them."""
+def bubble(runner: Gcompile, iters: int) -> tuple[float, float, list[tuple[float, float]], list[list[float]]]:
+    """(measured, predicted, per-stage mean forward and backward seconds, per rank mean seconds of
+    [forward-backward, compute in it, optimizer step]) over `iters` steps, as the module docstring
+    defines them."""
     runner.times.clear()
     runner.walls.clear()
+    runner.optimizer_walls.clear()
     for _ in range(iters):
         runner.step()
-    mine = torch.tensor([runner.times.busy(), sum(runner.walls)])
-    busy = [torch.zeros(2) for _ in range(PP)]
-    dist.all_gather(busy, mine)
-    wall = max(b[1].item() for b in busy)
-    measured = 1 - sum(b[0].item() for b in busy) / (PP * wall)
+    mine = torch.tensor([sum(runner.walls), runner.times.busy(), sum(runner.optimizer_walls)]) / iters
+    ranks = [torch.zeros(3) for _ in range(PP)]
+    dist.all_gather(ranks, mine)
+    wall = max(r[0].item() for r in ranks)
+    measured = 1 - sum(r[1].item() for r in ranks) / (PP * wall)
     costs = [None] * (PP * runner.schedule.vpp)
     local = {s: (statistics.mean(runner.times.forward[s]), statistics.mean(runner.times.backward[s]))
              for s in runner.times.forward}
@@ -173,7 +183,7 @@ def bubble(runner: Gcompile, iters: int) -> tuple[float, float, list[tuple[float
         for s, cost in table.items():
             costs[s] = cost
     predicted = simulate(runner.schedule, [c[0] for c in costs], [c[1] for c in costs]).bubble_fraction
-    return measured, predicted, costs
+    return measured, predicted, costs, [r.tolist() for r in ranks]
 
 
 def main():
@@ -193,10 +203,10 @@ def main():
     peak = torch.tensor(matmul_peak(1024))
     dist.all_reduce(peak, op=dist.ReduceOp.MIN)
 
-    def config(schedule: str, compile: bool):
+    def config(schedule: str, compile: bool, vpp: int = 1):
         return build_config({
             "model": model_section(args),
-            "parallel": dict(pp=PP, pipeline_schedule=schedule),
+            "parallel": dict(pp=PP, pipeline_schedule=schedule, virtual_pipeline_size=vpp),
             "train": dict(micro_batch_size=args.micro_batch_size, seq_length=args.seq_length, compile=compile,
                           global_batch_size=args.micro_batch_size * args.num_microbatches),
         })
@@ -205,7 +215,7 @@ def main():
     t = base.train
     tokens = torch.randint(0, base.model.vocab_size, (t.global_batch_size, t.seq_length + 1),
                            generator=torch.Generator().manual_seed(0))
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
     contenders = {
         "(a) torch.distributed.pipelining 1F1B": TorchPipelining(base, coords.rank, tokens, Schedule1F1B),
         "(b) torch.distributed.pipelining GPipe": TorchPipelining(base, coords.rank, tokens, ScheduleGPipe),
@@ -213,6 +223,11 @@ def main():
         "(d) gcompile 1f1b --compile": Gcompile(config("1f1b", True), coords, tokens),
         "(e) gcompile gpipe --compile": Gcompile(config("gpipe", True), coords, tokens),
     }
+    if args.n_layer % (2 * PP) == 0:  # interleaving: a stage per n_layer / 4 blocks, two per rank
+        contenders["(f) torch.d.pipelining Interleaved1F1B"] = TorchPipelining(
+            base, coords.rank, tokens, ScheduleInterleaved1F1B, vpp=2)
+        contenders["(g) gcompile interleaved vpp=2 --compile"] = Gcompile(config("interleaved", True, vpp=2),
+                                                                          coords, tokens)
     for runner in contenders.values():
         for _ in range(args.warmup):
             runner.step()
@@ -231,15 +246,21 @@ def main():
               f"median of {args.rounds} x {args.iters} steps; fp32 matmul peak per rank now "
               f"{peak.item() / 1e9:.1f} GFLOP/s (how busy the machine is)")
         peer = statistics.median(times["(a) torch.distributed.pipelining 1F1B"])
-        print(f"{'':40s} {'tokens/s':>9s} {'vs (a)':>7s} {'bubble':>8s} {'predicted':>9s}")
+        best_peer = min(times["(a) torch.distributed.pipelining 1F1B"])
+        print(f"{'':40s} {'tokens/s':>9s} {'vs (a)':>7s} {'best step':>10s} {'vs (a)':>7s} {'bubble':>8s} "
+              f"{'predicted':>9s}")
         for name, samples in times.items():
-            seconds = statistics.median(samples)
+            seconds, best = statistics.median(samples), min(samples)
             measured, predicted = (f"{b:.1%}" for b in bubbles[name][:2]) if name in bubbles else ("", "")
-            print(f"{name:40s} {tokens_per_step / seconds:9.0f} {peer / seconds:6.2f}x {measured:>8s} {predicted:>9s}")
+            print(f"{name:40s} {tokens_per_step / seconds:9.0f} {peer / seconds:6.2f}x {tokens_per_step / best:10.0f} "
+                  f"{best_peer / best:6.2f}x {measured:>8s} {predicted:>9s}")
         print(f"uniform-stage formula (pp-1)/(m+pp-1) = {(PP - 1) / (m + PP - 1):.1%}")
-        for name, (_, _, costs) in bubbles.items():
+        for name, (_, _, costs, ranks) in bubbles.items():
             print(f"{name}: per-stage forward / backward ms " +
-                  ", ".join(f"s{s} {f * 1e3:.0f} / {b * 1e3:.0f}" for s, (f, b) in enumerate(costs)))
+                  ", ".join(f"s{s} {f * 1e3:.0f} / {b * 1e3:.0f}" for s, (f, b) in enumerate(costs)) +
+                  "; per rank forward-backward = compute + waiting, then optimizer, ms: " +
+                  ", ".join(f"r{r} {w * 1e3:.0f} = {c * 1e3:.0f} + {(w - c) * 1e3:.0f}, {o * 1e3:.0f}"
+                            for r, (w, c, o) in enumerate(ranks)))
 
 
 if __name__ == "__main__":
