@@ -98,6 +98,18 @@ def test_dp4_with_and_without_distributed_optimizer(tmp_path):
         assert_matches(result, expected, 64, label)
 
 
+@pytest.mark.slow
+def test_tp2_pp2_dp2(tmp_path):
+    base = small_config()
+    batches = random_batches(base, STEPS)
+    expected = reference_run(base, batches, LRS)
+    cases = {"tp2 pp2 dp2": small_config(tp=2, pp=2, dp=2),
+             "tp2 pp2 dp2 distributed optimizer, buckets": small_config(tp=2, pp=2, dp=2, use_distributed_optimizer=True,
+                                                                        ddp_bucket_size=4000)}
+    for label, result in zip(cases, run_layouts(tmp_path, list(cases.values()), batches, LRS)):
+        assert_matches(result, expected, 64, label)
+
+
 def optimizer_bytes(config, dp_rank: int) -> int:
     program = build_rank_program(config, Coords(1, 1, config.parallel.dp, dp_rank=dp_rank), log=lambda _: None)
     state = TrainState.initial(program, config.model, 0, "cpu")
