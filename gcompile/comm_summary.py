@@ -47,7 +47,10 @@ def graph_runs(program: RankProgram) -> list[tuple[str, fx.GraphModule, int]]:
     graphs = []
     for s, stage in program.stages.items():
         graphs.append((f"stage{s}.forward", stage.forward, runs[(Kind.F, s)]))
-        graphs.append((f"stage{s}.backward", stage.backward, runs[(Kind.B, s)]))
+        last = 1 if stage.backward_last is not None else 0
+        graphs.append((f"stage{s}.backward", stage.backward, runs[(Kind.B, s)] - last))
+        if last:
+            graphs.append((f"stage{s}.backward_last", stage.backward_last, 1))
     graphs.append(("optimizer", program.optimizer.graph, 1))
     return graphs
 

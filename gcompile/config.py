@@ -345,8 +345,8 @@ def validate(config: RunConfig) -> None:
         errors.append("sequence_parallel shards the sequence over the tp ranks and needs tp > 1 (tp=1)")
     if p.sequence_parallel and t.seq_length % p.tp:
         errors.append(f"seq_length={t.seq_length} is not divisible by tp={p.tp} (sequence_parallel)")
-    if p.overlap_grad_reduce:
-        errors.append("overlap_grad_reduce is not implemented yet")
+    if p.overlap_grad_reduce and p.dp == 1:
+        errors.append("overlap_grad_reduce overlaps the dp reduction with backward and needs dp > 1 (dp=1)")
     elif t.global_batch_size % per_step == 0:  # the number of microbatches is whole
         try:
             check_sizes(p.pipeline_schedule, p.pp, p.virtual_pipeline_size, config.num_microbatches)
