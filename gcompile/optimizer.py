@@ -14,6 +14,7 @@ all on device. Everything is elementwise over flat buffers, steered by per-eleme
 flags (gcompile.flat), so it compiles to a few kernels whatever the model.
 """
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Protocol
@@ -52,6 +53,7 @@ class GradSync(Protocol):
         """Updated main weights (full or shard) -> the full flat weights."""
 
 
+@dataclass(frozen=True)
 class LocalGrads:
     """dp = 1: the gradient is already complete."""
 
@@ -115,7 +117,9 @@ class OptimizerGraph:
     """TrainState field per graph input, in order."""
 
 
+@functools.lru_cache(maxsize=32)
 def build_optimizer_graph(layout: FlatLayout, settings: StepSettings, grad_sync: GradSync) -> OptimizerGraph:
+    """Traced once per distinct (layout, settings, grad_sync): the ranks of a world share it."""
     s, tp, norm_group, separate_main = settings.adamw, settings.tp, settings.norm_group, settings.separate_main
     scaling = settings.loss_scaling
     inputs = ("params", "grads") + (("main",) if separate_main else ()) + (

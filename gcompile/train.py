@@ -70,7 +70,7 @@ def train(config: RunConfig, coords: Coords, device: str = "cpu", log=print) -> 
     compiler = Compiler(enabled=t.compile)
     functions, optimizer_step = compile_rank_program(program, compiler)
     if t.compile:
-        quiet(f"compile rank {coords.rank}: {compiler.stats}")
+        log(f"rank {coords.rank} {coords} compile: {compiler.stats}")
     state = TrainState.initial(program, config.model, t.seed, device)
     runtime = Runtime(program, functions, optimizer_step, state)
 

@@ -26,11 +26,10 @@ from dataclasses import replace
 
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from gcompile.flat import Bucket
 from gcompile.lower import LoweredStage
+from gcompile.program import propagate_shapes
 from gcompile.rank_program import RankProgram
 from gcompile.schedule import Kind
 
@@ -113,12 +112,7 @@ def _with_reductions(stage: LoweredStage, program: RankProgram, bucket_ids: list
     for node in graph.nodes:
         if node.op == "call_function" and "val" not in node.meta:
             node.meta["pass"] = NAME
-    graph.lint()
-    gm.recompile()
-    placeholders = [n.meta["val"] for n in graph.find_nodes(op="placeholder")]
-    mode = placeholders[0].fake_mode if hasattr(placeholders[0], "fake_mode") else FakeTensorMode()
-    with mode:
-        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*placeholders)
+    propagate_shapes(gm)
     return replace(stage, backward_last=gm, last_inputs=tuple(inputs),
                    last_outputs=tuple(destination(i, layout.buckets[i]) for i in bucket_ids))
 

@@ -16,6 +16,8 @@ gradients is the gradient of the mean loss over the global batch, as one device
 computes it.
 """
 
+from dataclasses import dataclass
+
 import torch
 import torch.fx as fx
 
@@ -28,14 +30,14 @@ from passes.bucket_overlap import overlap_buckets, overlappable_buckets
 _ops = torch.ops._c10d_functional
 
 
+@dataclass(frozen=True)
 class BucketAllReduce:
+    group: str
+    dp: int
+    overlapped: frozenset[int] = frozenset()
+    """Buckets already reduced (and averaged) in place during backward."""
     sharded = False
     extra_inputs = ()
-
-    def __init__(self, group: str, dp: int, overlapped: frozenset[int] = frozenset()):
-        self.group, self.dp = group, dp
-        self.overlapped = overlapped
-        """Buckets already reduced (and averaged) in place during backward."""
 
     def reduce(self, grad: torch.Tensor, layout: FlatLayout) -> torch.Tensor:
         started = [grad[b.start:b.end] if i in self.overlapped else

@@ -15,6 +15,8 @@ Rewrite (optimizer graph):
             params = cat(all_gather(main_shard[piece]) ...)     # back to every rank, in bucket order
 """
 
+from dataclasses import dataclass
+
 import torch
 import torch.fx as fx
 
@@ -27,14 +29,17 @@ from passes.bucket_overlap import overlap_buckets, overlappable_buckets
 _ops = torch.ops._c10d_functional
 
 
+@dataclass(frozen=True)
 class BucketReduceScatter:
+    group: str
+    dp: int
+    overlapped: frozenset[int] = frozenset()
+    """Buckets whose averaged shard piece was written to `reduced_grads` during backward."""
     sharded = True
 
-    def __init__(self, group: str, dp: int, overlapped: frozenset[int] = frozenset()):
-        self.group, self.dp = group, dp
-        self.overlapped = overlapped
-        """Buckets whose averaged shard piece was written to `reduced_grads` during backward."""
-        self.extra_inputs = ("reduced_grads",) if overlapped else ()
+    @property
+    def extra_inputs(self) -> tuple[str, ...]:
+        return ("reduced_grads",) if self.overlapped else ()
 
     def reduce(self, grad: torch.Tensor, layout: FlatLayout, *reduced: torch.Tensor) -> torch.Tensor:
         offsets = _piece_offsets(layout)
