@@ -121,6 +121,8 @@ class TrainConfig:
     """fp16: overflows tolerated before the scale is halved."""
     compile: bool = False
     """Compile every graph with Inductor; without it the same graphs run as FX code."""
+    cuda_graphs: bool | None = None
+    """Capture the steady-state iteration once and replay it as a CUDA graph; None = on with --compile on CUDA."""
     recompute_activations: bool = False
     """Recompute the forward in backward instead of saving activations (full recompute; saves memory)."""
 
