@@ -44,11 +44,17 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def time_steps(step, tokens, warmup: int, iters: int) -> float:
-    """Median seconds per step after `warmup` untimed steps."""
-    for _ in range(warmup):
-        step(tokens)
-    return statistics.median(_timed(lambda: step(tokens)) for _ in range(iters))
+def time_round_robin(steps: dict, tokens, warmup: int, iters: int) -> dict[str, float]:
+    """Median seconds per step of each contender, taking turns step by step so that load on a shared
+    machine falls on all of them alike."""
+    for step in steps.values():
+        for _ in range(warmup):
+            step(tokens)
+    times = {name: [] for name in steps}
+    for _ in range(iters):
+        for name, step in steps.items():
+            times[name].append(_timed(lambda: step(tokens)))
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def torch_step_fn(config, compiled: bool):
@@ -84,7 +90,7 @@ def main():
     add_model_flags(p)
     p.add_argument("--micro-batch-size", type=int, default=8)
     p.add_argument("--global-batch-size", type=int, default=8)
-    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     args = p.parse_args()
     config = build_config({
@@ -99,17 +105,16 @@ def main():
     peak = matmul_peak()
     print(f"config: {args.n_layer} layers, {args.n_embd} wide, {args.n_head} heads, T={t.seq_length}, "
           f"{t.global_batch_size // t.micro_batch_size} x {t.micro_batch_size} samples/step, "
-          f"{torch.get_num_threads()} threads; fp32 matmul peak {peak / 1e9:.1f} GFLOP/s")
+          f"{torch.get_num_threads()} threads")
     runs = {
         "(a) eager + AdamW": lambda: torch_step_fn(config, compiled=False),
         "(b) torch.compile + AdamW": lambda: torch_step_fn(config, compiled=True),
         "(c) gcompile (FX graphs)": lambda: gcompile_step_fn(config, compiled=False),
         "(d) gcompile --compile": lambda: gcompile_step_fn(config, compiled=True),
     }
-    results = {}
-    for name, make in runs.items():
-        seconds = time_steps(make(), tokens, args.warmup, args.iters)
-        results[name] = seconds
+    results = time_round_robin({name: make() for name, make in runs.items()}, tokens, args.warmup, args.iters)
+    peak = max(peak, matmul_peak())  # again after the run: the better of two readings
+    print(f"fp32 matmul peak (2048^3, best of two readings): {peak / 1e9:.1f} GFLOP/s")
     baseline = results["(b) torch.compile + AdamW"]
     print(f"{'':28s} {'tokens/s':>10s} {'vs (b)':>7s} {'GFLOP/s':>8s} {'of peak':>8s}")
     for name, seconds in results.items():
