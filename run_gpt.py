@@ -14,6 +14,7 @@ import sys
 
 import torch
 
+from gcompile.checkpoint import CheckpointError, check
 from gcompile.config import ConfigError, RunConfig, parse_args
 from gcompile.data import DataError, build_datasets
 from gcompile.launch import join_world, run_ranks, under_launcher
@@ -21,7 +22,7 @@ from gcompile.mesh import Coords
 from gcompile.pass_manager import PassError
 from gcompile.train import train
 
-USER_ERRORS = (ConfigError, DataError, PassError)
+USER_ERRORS = (ConfigError, DataError, PassError, CheckpointError)
 
 
 def error(message: str) -> int:
@@ -44,8 +45,10 @@ def rank_main(config: RunConfig) -> int:
 def main(argv: list[str]) -> int:
     try:
         config, _ = parse_args(argv)
-        if not under_launcher():  # check (and prepare) the data once, before any rank starts
+        if not under_launcher():  # check (and prepare) the data and the checkpoint once, before any rank starts
             build_datasets(config.data, config.train.seq_length, config.train.seed)
+            if config.checkpoint.load:
+                check(config.checkpoint.load, config)
     except USER_ERRORS as e:
         return error(str(e))
     return run_ranks(config.world_size, [os.path.abspath(__file__), *argv], lambda: rank_main(config))
