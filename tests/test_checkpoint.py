@@ -259,3 +259,14 @@ def test_load_without_a_checkpoint_starts_fresh(tmp_path, capsys):
     assert status == 0
     assert [line for line in out.splitlines() if "checkpoint" in line] == \
         [f"no checkpoint in {tmp_path / 'none'}; starting from iteration 0"]
+
+
+def test_commit_replaces_an_iteration_and_clears_leftovers(tmp_path):
+    for name in ("iter_0000002", "iter_0000002.tmp", "iter_0000004.tmp", "iter_0000004"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "was").write_text(name)
+    (tmp_path / TRACKER).write_text("4\n")
+    checkpoint._commit(str(tmp_path), str(tmp_path / "iter_0000002.tmp"), str(tmp_path / "iter_0000002"), 2)
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000002", "iter_0000004", TRACKER]
+    assert (tmp_path / "iter_0000002" / "was").read_text() == "iter_0000002.tmp"
+    assert checkpoint.latest(str(tmp_path)) == str(tmp_path / "iter_0000002")
