@@ -209,7 +209,7 @@ class Checkpoint:
                 _, state, rest = key.split("/", 2)
                 name, piece, span = rest.rsplit("/", 2)
                 self.ranges.setdefault((state, name, piece), []).append((int(span.split("-")[0]), key))
-        self.reader = dcp.FileSystemReader(folder)
+        self.reader = _MetadataOnceReader(folder)
         self.files = None  # key -> file name, read on the first failure
 
     @property
@@ -340,6 +340,19 @@ def load(folder: str, config: RunConfig, program: RankProgram, state: TrainState
         f"(saved on {checkpoint.describe_layout()}"
         f"{'' if same_ranks else '; on other ranks, so RNG states are not restored'})")
     return Progress(meta["iteration"], meta["consumed_samples"])
+
+
+class _MetadataOnceReader(dcp.FileSystemReader):
+    """DCP reads its .metadata on every load; a parameter at a time, that read would dominate."""
+
+    def __init__(self, folder: str):
+        super().__init__(folder)
+        self.metadata = None
+
+    def read_metadata(self, *args, **kwargs):
+        if self.metadata is None:
+            self.metadata = super().read_metadata(*args, **kwargs)
+        return self.metadata
 
 
 # ---------------------------------------------------------------- export
