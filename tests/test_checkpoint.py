@@ -63,30 +63,38 @@ DTYPES = {"": [], "bf16 ": ["--bf16"],
 """Label prefix -> flags. fp16: the scale overflows, backs off and grows again on both sides of the cut."""
 
 
+def cut_resumed_straight(root, layouts: dict[str, list]) -> tuple[dict[str, object], list]:
+    """Per layout (label prefix -> flags): a run cut at N by --exit-interval, its resumption from
+    the cut's checkpoint, and an uninterrupted run. ({label: folder for run/ and save/}, configs)."""
+    dirs, configs = {}, []
+    for prefix, flags in layouts.items():
+        cut, resumed, straight = (root / (prefix + label) for label in ("cut", "resumed", "straight"))
+        dirs.update({prefix + "cut": cut, prefix + "resumed": resumed, prefix + "straight": straight})
+        configs += [config(*flags, "--save", cut / "save", "--exit-interval", N, "--run-dir", cut / "run"),
+                    config(*flags, "--load", cut / "save", "--save", resumed / "save", "--run-dir", resumed / "run"),
+                    config(*flags, "--run-dir", straight / "run")]
+    return dirs, configs
+
+
+def assert_resume_is_exact(dirs, prefix: str) -> None:
+    straight = losses(dirs[prefix + "straight"] / "run")
+    cut, resumed = losses(dirs[prefix + "cut"] / "run"), losses(dirs[prefix + "resumed"] / "run")
+    assert len(straight) == 2 * N and len(cut) == N, "--exit-interval stops after iteration N"
+    assert cut + resumed == straight, f"{prefix}cut at {N} and resumed: {cut} + {resumed} != {straight}"
+
+
 @pytest.fixture(scope="module")
 def dp2(tmp_path_factory):
-    """On dp2 with the distributed optimizer, fp32, bf16 and fp16: runs cut at N by --exit-interval,
-    their resumption, and uninterrupted runs; one launch. {label: folder} with run/ and save/ in each."""
+    """dp2 with the distributed optimizer in fp32, bf16 and fp16: cut, resumed, straight; one launch."""
     root = tmp_path_factory.mktemp("dp2")
-    dirs = {dtype + label: root / (dtype + label) for dtype in DTYPES for label in ("cut", "resumed", "straight")}
-    configs = []
-    for dtype, flags in DTYPES.items():
-        extra = DP2_DISTOPT + flags
-        cut, resumed, straight = (dirs[dtype + label] for label in ("cut", "resumed", "straight"))
-        configs += [config(*extra, "--save", cut / "save", "--exit-interval", N, "--run-dir", cut / "run"),
-                    config(*extra, "--load", cut / "save", "--save", resumed / "save", "--run-dir", resumed / "run"),
-                    config(*extra, "--run-dir", straight / "run")]
-    codes = launch(root, WORKER, dict(configs=configs), world=2)
-    assert_succeeded(root, codes)
+    dirs, configs = cut_resumed_straight(root, {prefix: DP2_DISTOPT + flags for prefix, flags in DTYPES.items()})
+    assert_succeeded(root, launch(root, WORKER, dict(configs=configs), world=2))
     return dirs
 
 
 def test_resume_is_exact(dp2):
-    for dtype in DTYPES:
-        straight = losses(dp2[dtype + "straight"] / "run")
-        cut, resumed = losses(dp2[dtype + "cut"] / "run"), losses(dp2[dtype + "resumed"] / "run")
-        assert len(straight) == 2 * N and len(cut) == N, "--exit-interval stops after iteration N"
-        assert cut + resumed == straight, f"{dtype}cut at {N} and resumed: {cut} + {resumed} != {straight}"
+    for prefix in DTYPES:
+        assert_resume_is_exact(dp2, prefix)
     save = dp2["cut"] / "save"
     assert sorted(os.listdir(save)) == [os.path.basename(iteration_dir("", N)), TRACKER]
     assert (save / TRACKER).read_text().strip() == str(N)
