@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, fields
 
 from gcompile.data import DataConfig
 from gcompile.model import GPTConfig
+from gcompile.tp_plan import MEGATRON_PLAN, plan_errors
 
 
 class ConfigError(ValueError):
@@ -37,6 +38,10 @@ class ParallelConfig:
     """Data-parallel size: replicas that each see 1/dp of the global batch."""
     sequence_parallel: bool = False
     """Shard LayerNorm/residual regions along the sequence across the tp ranks."""
+    tp_plan: tuple[str, ...] = MEGATRON_PLAN
+    """Tensor-parallel plan: module-glob=placement (column, row, vocab, replicate), first match wins."""
+    make_vocab_size_divisible_by: int = 128
+    """A vocab-parallel embedding is padded to a multiple of this times tp (Megatron's flag)."""
     virtual_pipeline_size: int = 1
     """Model chunks per pipeline rank (interleaved 1F1B); 1 = no interleaving."""
     pipeline_schedule: str = "1f1b"
@@ -300,7 +305,7 @@ def validate(config: RunConfig) -> None:
                 errors.append(f"{_flag(name)}={getattr(obj, name)} must be at least 1")
 
     positive("model", m, "n_layer", "n_head", "n_embd", "block_size", "vocab_size")
-    positive("parallel", p, "tp", "pp", "dp", "virtual_pipeline_size")
+    positive("parallel", p, "tp", "pp", "dp", "virtual_pipeline_size", "make_vocab_size_divisible_by")
     positive("train", t, "micro_batch_size", "global_batch_size", "seq_length", "train_iters")
     if errors:
         raise ConfigError("; ".join(errors))
@@ -331,11 +336,12 @@ def validate(config: RunConfig) -> None:
         errors.append(f"min_lr={t.min_lr} is above lr={t.lr}")
     if p.pipeline_schedule not in ("gpipe", "1f1b", "interleaved"):
         errors.append(f"pipeline_schedule={p.pipeline_schedule!r} must be gpipe, 1f1b or interleaved")
+    errors += plan_errors(m, p.tp_plan, p.tp)
+    if p.sequence_parallel and p.tp == 1:
+        errors.append("sequence_parallel shards the sequence over the tp ranks and needs tp > 1 (tp=1)")
+    if p.sequence_parallel and t.seq_length % p.tp:
+        errors.append(f"seq_length={t.seq_length} is not divisible by tp={p.tp} (sequence_parallel)")
     # Each parallel feature is refused here until its pass lands.
-    if p.tp > 1:
-        errors.append(f"tp={p.tp}: tensor parallelism is not implemented yet; run with --tp 1")
-    if p.sequence_parallel:
-        errors.append("sequence_parallel is not implemented yet")
     if p.pp > 1:
         errors.append(f"pp={p.pp}: pipeline parallelism is not implemented yet; run with --pp 1")
     if p.virtual_pipeline_size > 1:

@@ -16,6 +16,13 @@ recomputed in backward (less memory and, measured here, faster than saving
 everything). `--recompute-activations` gives it a zero activation-memory budget:
 backward recomputes the stage's forward from its inputs (Megatron's full
 recompute), trading about one extra forward for activation memory.
+
+A partitioner may copy into the backward forward nodes it can compute
+from the saved tensors, then keeps those whose chain ends in a collective's
+`wait_tensor` (an op with side effects): the backward would redo forward matmuls
+and collectives and drop the results. `_drop_dead_code` removes them (a
+collective nobody reads is dead on every rank alike) and the saved tensors only
+they read.
 """
 
 import contextlib
@@ -65,7 +72,7 @@ def lower_stage(stage: Stage, recompute: bool = False) -> LoweredStage:
 
     with torch._functorch.config.patch(activation_memory_budget=0.0 if recompute else 1.0):
         forward, backward = min_cut_rematerialization_partition(joint, None, num_fwd_outputs=len(stage.outputs))
-    num_saved = len(forward.graph.output_node().args[0]) - len(stage.outputs)
+    num_saved = _drop_dead_code(forward, backward, len(stage.outputs))
     for gm in (forward, backward):
         for node in gm.graph.find_nodes(op="placeholder"):
             if not isinstance(node.meta.get("val"), torch.Tensor):
@@ -74,6 +81,26 @@ def lower_stage(stage: Stage, recompute: bool = False) -> LoweredStage:
     return LoweredStage(index=stage.index, forward=forward, backward=backward, params=list(stage.params),
                         inputs=list(stage.inputs), outputs=list(stage.outputs), num_saved=num_saved,
                         rank_constants=dict(stage.rank_constants))
+
+
+def _drop_dead_code(forward: fx.GraphModule, backward: fx.GraphModule, num_outputs: int) -> int:
+    """Remove dead nodes (collectives included) and unread saved tensors; returns the number saved."""
+    def impure(node: fx.Node) -> bool:
+        return node.is_impure() and getattr(node.target, "namespace", None) != "_c10d_functional"
+
+    backward.graph.eliminate_dead_code(is_impure_node=impure)
+    saved = list(backward.graph.find_nodes(op="placeholder"))
+    output = forward.graph.output_node()
+    outputs = list(output.args[0])
+    num_saved = len(outputs) - num_outputs
+    unread = {i for i, node in enumerate(saved[:num_saved]) if not node.users}
+    for i in unread:
+        backward.graph.erase_node(saved[i])
+    output.args = ([o for i, o in enumerate(outputs) if i - num_outputs not in unread],)
+    forward.graph.eliminate_dead_code(is_impure_node=impure)
+    forward.recompile()
+    backward.recompile()
+    return num_saved - len(unread)
 
 
 def _check_joint_convention(joint: fx.GraphModule, num_inputs: int, num_outputs: int, stage: int) -> None:

@@ -23,8 +23,8 @@ class GPTConfig:
     """256 byte values + end-of-document; padding for tp happens in the pass, not here."""
     n_layer: int = 4
     """Transformer blocks."""
-    n_head: int = 4
-    """Attention heads; tp must divide it."""
+    n_head: int = 8
+    """Attention heads; tp must divide it (8: the default model splits over up to 8 tp ranks)."""
     n_embd: int = 128
     """Hidden size; n_head must divide it."""
     dropout: float = 0.0

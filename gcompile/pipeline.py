@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 
 from gcompile.capture import capture
+from gcompile.comm_summary import format_summary
 from gcompile.config import RunConfig
 from gcompile.lower import lower_stage
 from gcompile.mesh import Coords
@@ -81,4 +82,5 @@ def build_rank_program(config: RunConfig, coords: Coords, device: str = "cpu",
             dump_text(dump_dir, f"{number:02d}_lower_stage{s}.txt", str(stage))
         dump_text(dump_dir, f"{number + 1:02d}_optimizer.txt", str(rank_program.optimizer.graph.code))
         dump_text(dump_dir, "schedule.txt", rank_program.format_instructions())
+        dump_text(dump_dir, "summary.txt", format_summary(rank_program))
     return rank_program

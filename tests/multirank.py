@@ -82,8 +82,20 @@ def _collect(tmp_path, case: int, world: int) -> LayoutResult:
         for param in r["params"]:
             if param.tied_copy or c.dp_rank != 0:
                 continue
+            value = r["values"][param.name]
+            if not param.sharded_over("tp") and c.tp_rank != 0:  # a replica: it must equal tp rank 0's copy
+                if not torch.equal(value, _replica(ranks, c, param.name)):
+                    raise AssertionError(f"{param.name}: the copy on rank {c.rank} {c} differs from tp rank 0's")
+                continue
             layout[param.name] = (param, c.axis_sizes)
-            pieces.setdefault(param.name, []).append((c.tp_rank, r["values"][param.name]))
+            pieces.setdefault(param.name, []).append((c.tp_rank, value))
     params = {name: full_value([v for _, v in sorted(pieces[name], key=lambda x: x[0])], *layout[name])
               for name in pieces}
     return LayoutResult(losses=last["losses"], grad_norms=ranks[0]["grad_norms"], params=params, ranks=ranks)
+
+
+def _replica(ranks: list[dict], coords, name: str) -> torch.Tensor:
+    """`name` as held by tp rank 0 of the same (pp, dp) position."""
+    first = next(r for r in ranks if r["coords"].tp_rank == 0 and r["coords"].pp_rank == coords.pp_rank
+                 and r["coords"].dp_rank == coords.dp_rank)
+    return first["values"][name]

@@ -83,11 +83,6 @@ def test_token_ids_beyond_vocab(tmp_path, capsys):
     assert status == 2 and "token id 1000 but vocab_size=257" in err[0], err
 
 
-def test_parallel_sizes_not_yet_supported(capsys):
-    status, err = run_main(["--tp", "2"], capsys)
-    assert status == 2 and "tp=2" in err[0]
-
-
 def test_subprocess_has_no_traceback(tmp_path):
     result = subprocess.run([sys.executable, "run_gpt.py", "--n-head", "3"], capture_output=True, text=True)
     assert result.returncode == 2

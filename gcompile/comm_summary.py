@@ -1,0 +1,81 @@
+"""What a rank communicates per iteration: every functional collective in its lowered graphs, counted.
+
+A graph runs once per instruction that calls it (a stage's forward and backward
+once per microbatch, the optimizer step once), so the per-iteration numbers are
+calls per run times runs. A call's bytes are those of the larger of its input and
+its output: the whole tensor an all-gather builds or a reduce-scatter consumes.
+"""
+
+import math
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from gcompile.rank_program import RankProgram
+from gcompile.schedule import Kind
+
+
+@dataclass(frozen=True)
+class Collective:
+    kind: str
+    """all_reduce, all_gather_into_tensor, reduce_scatter_tensor, all_to_all_single, ..."""
+    group: str
+    nbytes: int
+
+
+def collectives_in(gm: fx.GraphModule) -> list[Collective]:
+    """Every functional collective call of a graph (their wait_tensor not counted), in order."""
+    calls = []
+    for node in gm.graph.nodes:
+        target = node.target
+        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or \
+                target.namespace != "_c10d_functional" or target._opname == "wait_tensor":
+            continue
+        names = [a.name for a in target._schema.arguments]
+        group = node.args[names.index("group_name")] if "group_name" in names else "?"
+        tensors = [node.meta["val"], *(a.meta["val"] for a in node.all_input_nodes)]
+        nbytes = max(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+        calls.append(Collective(target._opname, group, nbytes))
+    return calls
+
+
+def graph_runs(program: RankProgram) -> list[tuple[str, fx.GraphModule, int]]:
+    """(name, graph, runs per iteration) of every graph the rank runs."""
+    runs = Counter((a.kind, a.stage) for a in program.instructions)
+    graphs = []
+    for s, stage in program.stages.items():
+        graphs.append((f"stage{s}.forward", stage.forward, runs[(Kind.F, s)]))
+        graphs.append((f"stage{s}.backward", stage.backward, runs[(Kind.B, s)]))
+    graphs.append(("optimizer", program.optimizer.graph, 1))
+    return graphs
+
+
+def format_summary(program: RankProgram) -> str:
+    c = program.coords
+    lines = [f"# rank {c.rank} {c}: collectives per training iteration "
+             f"({program.schedule.num_microbatches} microbatches)",
+             f"{'graph':<18} {'runs':>4}  {'kind':<24} {'group':<6} {'calls/run':>9} {'bytes/run':>12}"]
+    calls, volume = Counter(), Counter()
+    for name, gm, runs in graph_runs(program):
+        per_run, per_run_bytes = Counter(), Counter()
+        for call in collectives_in(gm):
+            per_run[(call.kind, call.group)] += 1
+            per_run_bytes[(call.kind, call.group)] += call.nbytes
+        for (kind, group), n in sorted(per_run.items()):
+            lines.append(f"{name:<18} {runs:>4}  {kind:<24} {group:<6} {n:>9} {per_run_bytes[(kind, group)]:>12,}")
+            calls[(kind, group)] += n * runs
+            volume[(kind, group)] += per_run_bytes[(kind, group)] * runs
+    lines.append("# per iteration")
+    for (kind, group), n in sorted(calls.items()):
+        lines.append(f"{kind:<24} {group:<6} {n:>6} calls {volume[(kind, group)]:>14,} bytes")
+    if not calls:
+        lines.append("(no collectives)")
+    layout = program.layout
+    sharded = [p.name for p in layout.params if p.shards]
+    local = sum(math.prod(s) for s in layout.shapes)
+    full = sum(math.prod(p.full_shape) for p in layout.params)
+    lines.append(f"# parameters: {local:,} elements here of {full:,} full; {len(sharded)} of "
+                 f"{len(layout.params)} sharded (their cuts: 00_capture.txt and later dumps)")
+    return "\n".join(lines) + "\n"

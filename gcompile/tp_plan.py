@@ -1,0 +1,99 @@
+"""The tensor-parallel sharding plan: which module is cut how, as data.
+
+A plan is a list of `pattern=placement` entries (`[parallel] tp_plan`, flag
+`--tp-plan`). A pattern is an `fnmatch` glob over module names
+(`transformer.h.*.mlp.c_fc`); the first entry that matches a module decides its
+placement, and a module no entry matches is replicated:
+
+    column     Linear: output features cut over tp (a fused QKV weight is cut per
+               head, q, k and v alike); its input is copied to every tp rank
+    row        Linear: input features cut; the partial outputs are summed over tp
+    vocab      Embedding: rows (the vocabulary) cut, padded to a multiple of
+               make_vocab_size_divisible_by * tp; a tied head becomes a column-parallel
+               linear whose loss is a vocab-parallel cross-entropy
+    replicate  every tp rank holds the whole module (to carve out an exception)
+
+Here the plan is checked against the model's modules before any rank starts;
+the tensor_parallel pass checks it against the captured graph.
+"""
+
+import fnmatch
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from gcompile.model import GPT, CausalSelfAttention, GPTConfig
+
+PLACEMENTS = ("column", "row", "vocab", "replicate")
+MEGATRON_PLAN = ("transformer.h.*.attn.c_attn=column", "transformer.h.*.attn.c_proj=row",
+                 "transformer.h.*.mlp.c_fc=column", "transformer.h.*.mlp.c_proj=row", "transformer.wte=vocab")
+
+
+@dataclass(frozen=True)
+class Plan:
+    entries: tuple[tuple[str, str], ...]
+    """(pattern, placement), in order; the first match wins."""
+
+    def placement(self, module: str) -> str:
+        return next((p for pattern, p in self.entries if fnmatch.fnmatchcase(module, pattern)), "replicate")
+
+
+def parse_plan(entries: tuple[str, ...]) -> Plan:
+    """The plan from its config entries; raises ValueError on a malformed entry."""
+    parsed = []
+    for entry in entries:
+        pattern, sep, placement = entry.partition("=")
+        if not sep or not pattern.strip():
+            raise ValueError(f"tp_plan entry {entry!r} must be pattern=placement")
+        if placement.strip() not in PLACEMENTS:
+            raise ValueError(f"tp_plan entry {entry!r}: placement must be one of {', '.join(PLACEMENTS)}")
+        parsed.append((pattern.strip(), placement.strip()))
+    return Plan(tuple(parsed))
+
+
+def module_of(param_name: str) -> str:
+    """transformer.h.0.mlp.c_fc.weight -> transformer.h.0.mlp.c_fc."""
+    return param_name.rpartition(".")[0]
+
+
+def plan_errors(model: GPTConfig, entries: tuple[str, ...], tp: int) -> list[str]:
+    """Every reason this plan cannot shard this model over tp ranks."""
+    try:
+        plan = parse_plan(entries)
+    except ValueError as e:
+        return [str(e)]
+    with torch.device("meta"):
+        gpt = GPT(model)
+    modules = dict(gpt.named_modules())
+    owners = list(dict.fromkeys(module_of(name) for name, _ in gpt.named_parameters()))  # tied head: wte
+    errors = [f"tp_plan entry '{pattern}={placement}' matches no module; modules with parameters: "
+              f"{', '.join(owners[:6])}, ..." for pattern, placement in plan.entries
+              if not any(fnmatch.fnmatchcase(name, pattern) for name in owners)]
+    for name in owners:
+        placement, module = plan.placement(name), modules[name]
+        if placement in ("column", "row") and not isinstance(module, nn.Linear):
+            errors.append(f"tp_plan: {name} is {type(module).__name__}, but {placement} applies to Linear")
+        elif placement == "vocab" and not isinstance(module, nn.Embedding):
+            errors.append(f"tp_plan: {name} is {type(module).__name__}, but vocab applies to Embedding")
+        elif placement in ("column", "row"):
+            errors += _divisibility_errors(model, name, placement, module, modules[name.rpartition(".")[0]], tp)
+    return list(dict.fromkeys(errors))
+
+
+def _divisibility_errors(model: GPTConfig, name: str, placement: str, linear: nn.Linear,
+                         parent: nn.Module, tp: int) -> list[str]:
+    if isinstance(parent, CausalSelfAttention):  # attention is cut by whole heads
+        return [f"n_head={model.n_head} is not divisible by tp={tp}"] if model.n_head % tp else []
+    size = linear.out_features if placement == "column" else linear.in_features
+    if size % tp == 0:
+        return []
+    what = {model.ffn_hidden_size: "ffn hidden size 4*n_embd", model.n_embd: "hidden size n_embd"}.get(
+        size, f"{name} {'out' if placement == 'column' else 'in'}_features")
+    return [f"{what}={size} is not divisible by tp={tp}"]
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Megatron's padding: the next multiple of divisible_by * tp."""
+    multiple = divisible_by * tp
+    return -(-vocab_size // multiple) * multiple

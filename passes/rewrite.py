@@ -1,0 +1,66 @@
+"""Small graph-editing steps the parallel passes share: new calls, rank inputs, local shapes, errors."""
+
+import os
+import re
+from collections.abc import Callable
+
+import torch
+import torch.fx as fx
+
+from gcompile.program import Stage
+
+
+class GraphMismatch(ValueError):
+    """The graph is not what a pass (or its plan) expects; names the node, its op and its source line."""
+
+    def __init__(self, pass_name: str, node: fx.Node, message: str):
+        op = node.target if node.op == "call_function" else node.op
+        super().__init__(f"{pass_name}: node {node.name} ({op}) {message} [at {source_line(node)}]")
+
+
+def source_line(node: fx.Node) -> str:
+    """The innermost frame of `node.meta["stack_trace"]` outside torch: the model's line that made it."""
+    frames = re.findall(r'File "([^"]+)", line (\d+), in \S+\n\s*(.*)', node.meta.get("stack_trace") or "")
+    ours = [f for f in frames if not f[0].startswith(_TORCH_DIR)] or frames
+    if not ours:
+        return "no source line recorded"
+    file, line, code = ours[-1]
+    return f"{file}:{line}: {code.strip()}"
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+
+
+def insert_call(anchor: fx.Node, fn: Callable, args: tuple, pass_name: str, before: bool = False) -> fx.Node:
+    """`fn(*args)` as a new node right after (or before) `anchor`, tagged with the pass that made it."""
+    graph = anchor.graph
+    with graph.inserting_before(anchor) if before else graph.inserting_after(anchor):
+        node = graph.call_function(fn, args)
+    node.meta["pass"] = pass_name
+    if "stack_trace" in anchor.meta:
+        node.meta["stack_trace"] = anchor.meta["stack_trace"]
+    return node
+
+
+def fake_like(node: fx.Node, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A fake tensor of `shape` in the fake mode of `node`'s value (same dtype unless given)."""
+    val = node.meta["val"]
+    with val.fake_mode:
+        return torch.empty(shape, dtype=dtype or val.dtype, device=val.device)
+
+
+def rank_constant(stage: Stage, role: str, value: int) -> fx.Node:
+    """The placeholder of a per-rank number (a 0-d int64 input fed by the runtime), made on first use.
+
+    Passing the number in, instead of baking it into the graph, keeps the graph
+    text of every rank the same, so it compiles once.
+    """
+    placeholders = stage.placeholders()
+    if role in stage.rank_constants:
+        return stage.input_nodes()[role]
+    with stage.graph.graph.inserting_after(placeholders[-1]):
+        node = stage.graph.graph.placeholder(role)
+    node.meta["val"] = fake_like(placeholders[-1], (), torch.int64)
+    stage.inputs.append(role)
+    stage.rank_constants[role] = value
+    return node

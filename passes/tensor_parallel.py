@@ -1,0 +1,291 @@
+"""Tensor parallelism (Megatron-LM's layout) as a rewrite of the captured forward program.
+
+The plan (`[parallel] tp_plan`, see gcompile/tp_plan.py) says which modules are
+column-parallel, row-parallel or vocab-parallel; this pass cuts their parameter
+placeholders to the rank's piece and rewrites the graph between them for local
+shapes, inserting the differentiable collectives of gcompile/tp_ops.py.
+
+Requires: stage graphs as capture makes them: linears are `aten.linear`,
+  embeddings `aten.embedding` and the loss `aten.cross_entropy_loss`, each taking
+  parameter placeholders directly; every tensor a column-parallel (or vocab) linear
+  produces reaches a row-parallel linear or the loss through ops this pass knows
+  (split, view, transpose, attention, activations). Anything else is refused with
+  the node, its op and its source line.
+Ensures: parameter placeholders hold the local shape (`meta["val"]`) and their
+  `Param.shards` say how the full tensor was cut; the graph text is the same on
+  every tp rank (the rank comes in as the rank constant `tp_rank`); each node
+  the pass makes has `meta["pass"] == "tensor_parallel"`.
+
+Rewrite (n = tp, full sizes on the left; one attention block, the MLP alike):
+
+    before                                      after
+    h = linear(x, W_qkv, b_qkv)    # (B,T,3C)   h = linear(copy_to_tp(x), W_qkv[r], b_qkv[r])   # (B,T,3C/n)
+    q, k, v = split(h, C, 2)                    q, k, v = split(h, C/n, 2)    # W_qkv[r]: rank r's heads of q, k, v
+    view(q, [B, T, nh, hs])                     view(q, [B, T, nh/n, hs])
+    y = sdpa(q, k, v); view(y, [B, T, C])       y = sdpa(q, k, v); view(y, [B, T, C/n])
+    o = linear(y, W_o, b_o)                     o = reduce_from_tp(linear(y, W_o[:, r])) + b_o
+    e = embedding(W_te, idx)                    e = reduce_from_tp(vocab_parallel_embedding(W_te[r], idx, tp_rank))
+    z = linear(x, W_te)            # (B,T,V)    z = linear(copy_to_tp(x), W_te[r])            # (B,T,Vp/n)
+    cross_entropy_loss(view(z, [-1, V]), t)     vocab_parallel_cross_entropy(view(z, [-1, Vp/n]), t, tp_rank, V, -100)
+
+Vp is the vocab padded to a multiple of make_vocab_size_divisible_by * n; the
+padded rows are zeros that no id selects and no loss term sees.
+"""
+
+import math
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from gcompile import tp_ops
+from gcompile.layout import Shard
+from gcompile.pass_manager import PassContext, register_pass
+from gcompile.program import Program, Stage
+from gcompile.tp_plan import Plan, module_of, padded_vocab_size, parse_plan
+from passes.rewrite import GraphMismatch, fake_like, insert_call, rank_constant
+
+NAME = "tensor_parallel"
+aten = torch.ops.aten
+
+SHAPE_PRESERVING = (aten.gelu.default, aten.relu.default, aten.silu.default, aten.tanh.default,
+                    aten.dropout.default, aten.clone.default, aten.contiguous.default, aten.to.dtype,
+                    aten._to_copy.default)
+"""Ops that act element by element on one tensor: the cut passes through them unchanged."""
+VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+
+
+@dataclass(frozen=True)
+class Cut:
+    """How a tensor of the rewritten graph is split over the tp ranks."""
+
+    dim: int
+    local: int
+    """Entries of `dim` on one rank."""
+    full: int
+    """Entries of `dim` on one device (before padding)."""
+    source: str
+    """The module whose parameters cut it, for error messages."""
+    blocks: int = 1
+    """`dim` holds this many fused parts (q, k, v), each cut on its own."""
+
+
+@register_pass(NAME)
+def tensor_parallel_pass(program: Program, ctx: PassContext) -> Program:
+    program = program.clone()
+    plan = parse_plan(ctx.config.parallel.tp_plan)
+    for stage in program.stages:
+        _Sharder(stage, plan, ctx).run()
+    return program
+
+
+class _Sharder:
+    def __init__(self, stage: Stage, plan: Plan, ctx: PassContext):
+        self.stage, self.plan, self.ctx = stage, plan, ctx
+        self.tp = ctx.coords.tp
+        self.graph = stage.graph.graph
+        self.placement: dict[fx.Node, str] = {}
+        """Placement of each sharded parameter placeholder."""
+        self.cuts: dict[fx.Node, Cut] = {}
+        """Every activation the rewrite has made rank-local so far."""
+        self.copies: dict[fx.Node, fx.Node] = {}
+        """copy_to_tp(x) by x, shared by the column-parallel linears that read x."""
+
+    def run(self) -> None:
+        self.shard_params()
+        for node in list(self.graph.nodes):
+            if node.target is aten.embedding.default and node.args[0] in self.placement:
+                self.rewrite_embedding(node)
+            elif node.target is aten.linear.default and node.args[1] in self.placement:
+                if self.placement[node.args[1]] == "row":
+                    self.rewrite_row(node)
+                else:
+                    self.rewrite_column(node)
+            elif any(a in self.cuts for a in node.all_input_nodes):
+                self.propagate(node)
+        self.graph.lint()
+
+    # -- parameters -------------------------------------------------------------------------------
+
+    def shard_params(self) -> None:
+        nodes = self.stage.placeholders()
+        for i, param in enumerate(self.stage.params):
+            placement, node = self.plan.placement(module_of(param.name)), nodes[i]
+            if placement == "replicate" or (placement == "row" and param.name.endswith(".bias")):
+                continue  # a row-parallel bias is added once, after the sum over ranks
+            self.check_uses(node, param.name, placement)
+            if placement == "vocab":
+                v = self.ctx.config.parallel.make_vocab_size_divisible_by
+                shard = Shard("tp", 0, padded_size=padded_vocab_size(param.full_shape[0], v, self.tp))
+            elif placement == "row":
+                shard = Shard("tp", 1)
+            else:
+                shard = Shard("tp", 0, blocks=self.fused_parts(node))
+            self.stage.params[i] = param = param.with_shard(shard)
+            node.meta["val"] = fake_like(node, param.local_shape(self.ctx.coords.axis_sizes))
+            self.placement[node] = placement
+
+    def check_uses(self, node: fx.Node, name: str, placement: str) -> None:
+        allowed = {(aten.linear.default, 1), (aten.linear.default, 2)}
+        if placement == "vocab":
+            allowed = {(aten.linear.default, 1), (aten.embedding.default, 0)}
+        for user in node.users:
+            if not any(user.target is op and len(user.args) > i and user.args[i] is node for op, i in allowed):
+                raise GraphMismatch(NAME, user, f"uses {name}, which the plan makes {placement}-parallel; "
+                                                f"only a linear (or, for vocab, an embedding) may use it")
+
+    def fused_parts(self, param: fx.Node) -> int:
+        """How many equal parts the outputs of the linears using `param` are split into right away (q, k, v: 3)."""
+        parts = set()
+        for linear in param.users:
+            users = list(linear.users)
+            out = linear.meta["val"].shape
+            split = users[0] if len(users) == 1 and users[0].target is aten.split.Tensor else None
+            if split is not None and _dim(split.args[2] if len(split.args) > 2 else 0, len(out)) == len(out) - 1:
+                parts.add(out[-1] // split.args[1])
+            else:
+                parts.add(1)
+        if len(parts) > 1:
+            raise GraphMismatch(NAME, param, f"is used by linears whose outputs are split differently ({parts})")
+        return parts.pop()
+
+    # -- the sharded modules ----------------------------------------------------------------------
+
+    def rewrite_column(self, linear: fx.Node) -> None:
+        x, weight = linear.args[0], linear.args[1]
+        if x in self.cuts:
+            raise GraphMismatch(NAME, linear, f"is column-parallel but its input is already cut by "
+                                              f"{self.cuts[x].source}; put a row-parallel linear between them")
+        if x not in self.copies:
+            self.copies[x] = insert_call(linear, tp_ops.copy_to_tp, (x,), NAME, before=True)
+        linear.args = (self.copies[x], *linear.args[1:])
+        param = self.param_of(weight)
+        out = linear.meta["val"].shape
+        self.cuts[linear] = Cut(dim=len(out) - 1, local=param.local_shape(self.ctx.coords.axis_sizes)[0],
+                                full=out[-1], source=module_of(param.name), blocks=param.shards[0].blocks)
+
+    def rewrite_row(self, linear: fx.Node) -> None:
+        x, weight, bias = (*linear.args, None)[:3]
+        param = self.param_of(weight)
+        cut, ndim = self.cuts.get(x), len(x.meta["val"].shape)
+        if cut is None or cut.dim != ndim - 1 or cut.blocks != 1 or cut.local * self.tp != param.full_shape[1]:
+            got = f"cut by {cut.source} on dim {cut.dim}" if cut else "replicated"
+            raise GraphMismatch(NAME, linear, f"is row-parallel ({module_of(param.name)}) and needs its input cut on "
+                                              f"the last dim by a column-parallel linear; the input is {got}")
+        linear.args = (x, weight)
+        out = insert_call(linear, tp_ops.reduce_from_tp, (linear,), NAME)
+        result = out
+        if bias is not None:
+            result = insert_call(out, aten.add.Tensor, (out, bias), NAME)
+        linear.replace_all_uses_with(result, delete_user_cb=lambda user: user is not out)
+
+    def rewrite_embedding(self, embedding: fx.Node) -> None:
+        weight, idx, *options = embedding.args
+        if options not in ([], [-1], [-1, False], [-1, False, False]):
+            raise GraphMismatch(NAME, embedding, f"has options {options} a vocab-parallel embedding does not support")
+        tp_rank = rank_constant(self.stage, "tp_rank", self.ctx.coords.tp_rank)
+        partial = insert_call(embedding, tp_ops.vocab_parallel_embedding, (weight, idx, tp_rank), NAME)
+        total = insert_call(partial, tp_ops.reduce_from_tp, (partial,), NAME)
+        embedding.replace_all_uses_with(total)
+        self.graph.erase_node(embedding)
+
+    # -- what lies between them -------------------------------------------------------------------
+
+    def propagate(self, node: fx.Node) -> None:
+        """Rewrite `node`, which reads a cut tensor, for local sizes, and record how its output is cut."""
+        if node.op == "output":
+            raise GraphMismatch(NAME, node, "returns a tensor cut over tp; the plan must close every "
+                                            "column-parallel block with a row-parallel linear or the loss")
+        x = node.args[0]
+        cut = self.cuts.get(x)
+        if node.target is operator.getitem and cut is not None:
+            self.cuts[node] = cut
+        elif node.target in SHAPE_PRESERVING and cut is not None:
+            self.cuts[node] = cut
+        elif node.target is aten.split.Tensor and cut is not None:
+            self.split(node, cut)
+        elif node.target in VIEWS and cut is not None:
+            self.view(node, cut)
+        elif node.target is aten.transpose.int and cut is not None:
+            ndim = len(x.meta["val"].shape)
+            d0, d1 = _dim(node.args[1], ndim), _dim(node.args[2], ndim)
+            self.cuts[node] = _moved(cut, {d0: d1, d1: d0}.get(cut.dim, cut.dim))
+        elif node.target is aten.scaled_dot_product_attention.default:
+            self.attention(node)
+        elif node.target is aten.cross_entropy_loss.default and cut is not None:
+            self.cross_entropy(node, cut)
+        elif node.target is aten.linear.default and cut is not None:
+            raise GraphMismatch(NAME, node, f"is a linear over a tensor cut by {cut.source}, but the plan "
+                                            f"replicates its weight; make it row-parallel in tp_plan")
+        else:
+            source = next(self.cuts[a].source for a in node.all_input_nodes if a in self.cuts)
+            raise GraphMismatch(NAME, node, f"reads a tensor cut by {source}, but the pass only knows how to carry a "
+                                            f"cut through split, view, transpose, attention and elementwise "
+                                            f"activations into a row-parallel linear or the loss")
+
+    def split(self, node: fx.Node, cut: Cut) -> None:
+        x, size, *rest = node.args
+        ndim = len(x.meta["val"].shape)
+        if _dim(rest[0] if rest else 0, ndim) != cut.dim:
+            self.cuts[node] = cut
+            return
+        if cut.blocks != cut.full // size or cut.full % size or size % self.tp:
+            raise GraphMismatch(NAME, node, f"splits dim {cut.dim} into parts of {size}, but {cut.source} cut it "
+                                            f"into {cut.blocks} block(s) of {cut.full // cut.blocks}")
+        node.args = (x, size // self.tp, *rest)
+        self.cuts[node] = Cut(cut.dim, size // self.tp, size, cut.source)
+
+    def view(self, node: fx.Node, cut: Cut) -> None:
+        """A view keeps the cut if the cut dim stays the outermost of the dims it is merged or split into."""
+        x, shape_in, shape_out = node.args[0], full_shape(node.args[0]), full_shape(node)
+        before = math.prod(shape_in[:cut.dim])
+        i = next((i for i, n in enumerate(shape_out) if math.prod(shape_out[:i]) == before and n > 1), None)
+        padded = cut.local * self.tp != cut.full
+        if i is None or cut.blocks != 1:
+            local = None
+        elif padded:  # only a view that keeps the dim as it is can carry padding
+            same = shape_out[i] == cut.full and math.prod(shape_out[i + 1:]) == math.prod(shape_in[cut.dim + 1:])
+            local = cut.local if same else None
+        else:
+            local = shape_out[i] // self.tp if shape_out[i] % self.tp == 0 else None
+        if local is None:
+            raise GraphMismatch(NAME, node, f"reshapes {list(shape_in)} to {list(shape_out)}, which does not keep "
+                                            f"dim {cut.dim} (cut by {cut.source}) whole over {self.tp} ranks")
+        node.args = (x, [local if d == i else n for d, n in enumerate(shape_out)])
+        self.cuts[node] = Cut(i, local, shape_out[i], cut.source)
+
+    def attention(self, node: fx.Node) -> None:
+        q, k, v, *rest = node.args
+        cuts = [self.cuts.get(t) for t in (q, k, v)]
+        mask = rest[0] if rest else node.kwargs.get("attn_mask")
+        if any(c is None or c.dim != 1 for c in cuts) or mask is not None:
+            raise GraphMismatch(NAME, node, "needs q, k and v all cut by heads (dim 1) and no attention mask")
+        self.cuts[node] = cuts[0]
+
+    def cross_entropy(self, node: fx.Node, cut: Cut) -> None:
+        logits, targets, weight, reduction, ignore_index, smoothing = (*node.args, None, 1, -100, 0.0)[:6]
+        if cut.dim != 1 or len(full_shape(logits)) != 2 or weight is not None or reduction != 1 or smoothing:
+            raise GraphMismatch(NAME, node, "is a cross-entropy the vocab-parallel loss cannot replace: it needs "
+                                            "(N, V) logits cut on V, no class weights, mean reduction, no smoothing")
+        tp_rank = rank_constant(self.stage, "tp_rank", self.ctx.coords.tp_rank)
+        loss = insert_call(node, tp_ops.vocab_parallel_cross_entropy,
+                           (logits, targets, tp_rank, cut.full, ignore_index), NAME)
+        node.replace_all_uses_with(loss)
+        self.graph.erase_node(node)
+
+    def param_of(self, node: fx.Node):
+        return self.stage.params[self.stage.placeholders().index(node)]
+
+
+def full_shape(node: fx.Node) -> tuple[int, ...]:
+    """Full (single-device) shape: the rewrite reads meta before shape propagation reruns."""
+    return tuple(node.meta["val"].shape)
+
+
+def _dim(dim: int, ndim: int) -> int:
+    return dim % ndim
+
+
+def _moved(cut: Cut, dim: int) -> Cut:
+    return Cut(dim, cut.local, cut.full, cut.source, cut.blocks)
