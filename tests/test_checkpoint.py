@@ -101,19 +101,35 @@ def test_resume_is_exact(dp2):
     assert (dp2["resumed"] / "save" / TRACKER).read_text().strip() == str(2 * N), "a save at the end of training"
 
 
-def test_reshard_dp2_distributed_optimizer_to_one_rank(dp2, tmp_path):
-    run_dir = tmp_path / "run"
-    train(config("--load", dp2["cut"] / "save", "--run-dir", run_dir), Coords(1, 1, 1), log=lambda _: None)
-    assert_close(losses(run_dir), losses(dp2["straight"] / "run")[N:], "dp2 distributed optimizer -> dp1")
+MODEL_PARALLEL = ["--tp", 2, *DP2_DISTOPT]
+"""The layout saved by the model-parallel tests."""
+RESHARD_TO = ["--tp", 4]
+"""Another layout of as many ranks, without the distributed optimizer."""
+
+
+@pytest.fixture(scope="module")
+def model_parallel(tmp_path_factory):
+    """MODEL_PARALLEL: cut, resumed, straight, and the cut's checkpoint continued on RESHARD_TO; one launch."""
+    root = tmp_path_factory.mktemp("model_parallel")
+    dirs, configs = cut_resumed_straight(root, {"": MODEL_PARALLEL})
+    dirs["resharded"] = root / "resharded"
+    configs.append(config(*RESHARD_TO, "--load", dirs["cut"] / "save", "--run-dir", dirs["resharded"] / "run"))
+    assert_succeeded(root, launch(root, WORKER, dict(configs=configs), world=configs[0].world_size))
+    return dirs
 
 
 @pytest.mark.slow
-def test_reshard_dp2_distributed_optimizer_to_dp4(dp2, tmp_path):
-    run_dir = tmp_path / "run"
-    job = dict(configs=[config("--dp", 4, "--micro-batch-size", 1, "--load", dp2["cut"] / "save",
-                               "--run-dir", run_dir)])
-    assert_succeeded(tmp_path, launch(tmp_path, WORKER, job, world=4))
-    assert_close(losses(run_dir), losses(dp2["straight"] / "run")[N:], "dp2 distributed optimizer -> dp4")
+def test_model_parallel_resume_is_exact_and_reshards(model_parallel):
+    assert_resume_is_exact(model_parallel, "")
+    assert_close(losses(model_parallel["resharded"] / "run"), losses(model_parallel["straight"] / "run")[N:],
+                 f"{MODEL_PARALLEL} -> {RESHARD_TO}")
+
+
+@pytest.mark.parametrize("runs", ["dp2", pytest.param("model_parallel", marks=pytest.mark.slow)])
+def test_reshard_to_one_rank(runs, request, tmp_path):
+    dirs, run_dir = request.getfixturevalue(runs), tmp_path / "run"
+    train(config("--load", dirs["cut"] / "save", "--run-dir", run_dir), Coords(1, 1, 1), log=lambda _: None)
+    assert_close(losses(run_dir), losses(dirs["straight"] / "run")[N:], f"{runs} -> one rank")
 
 
 def loaded_state(folder, *flags) -> TrainState:
@@ -170,11 +186,12 @@ def test_killed_save_leaves_the_previous_checkpoint(dp2, tmp_path, capsys):
     assert not [name for name in os.listdir(save) if name.endswith(TMP)], "the next save clears leftovers"
 
 
-def test_export_gives_the_distributed_loss(dp2, tmp_path):
-    output = tmp_path / "model.pt"
-    assert checkpoint.main(["export", str(dp2["cut"] / "save"), "--output", str(output)]) == 0
+@pytest.mark.parametrize("runs", ["dp2", pytest.param("model_parallel", marks=pytest.mark.slow)])
+def test_export_gives_the_distributed_loss(runs, request, tmp_path):
+    dirs, output = request.getfixturevalue(runs), tmp_path / "model.pt"
+    assert checkpoint.main(["export", str(dirs["cut"] / "save"), "--output", str(output)]) == 0
     exported = torch.load(output, weights_only=True)
-    cfg = config(*DP2_DISTOPT)
+    cfg = config()
     model = GPT(cfg.model)
     model.load_state_dict(exported["model"])  # strict: every nanoGPT name, lm_head.weight included
     assert exported["model"]["lm_head.weight"] is exported["model"]["transformer.wte.weight"]
@@ -182,7 +199,7 @@ def test_export_gives_the_distributed_loss(dp2, tmp_path):
     tokens = train_data.batch(N * cfg.train.global_batch_size, cfg.train.global_batch_size)  # iteration N + 1
     with torch.no_grad():
         loss = model(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()).item()
-    assert_close([loss], losses(dp2["straight"] / "run")[N:N + 1], "exported model")
+    assert_close([loss], losses(dirs["straight"] / "run")[N:N + 1], f"model exported from {runs}")
 
 
 def test_generate_is_seeded_and_top_1_is_greedy(tmp_path, capsys):
