@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from flags import add_model_flags, model_section  # bench/, first on sys.path when run as a script
 from gcompile.compile import Compiler, compile_rank_program
 from gcompile.config import build_config
 from gcompile.log import num_floating_point_operations
@@ -80,17 +81,14 @@ def gcompile_step_fn(config, compiled: bool):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--n-layer", type=int, default=4)
-    p.add_argument("--n-embd", type=int, default=256)
-    p.add_argument("--n-head", type=int, default=8)
-    p.add_argument("--seq-length", type=int, default=256)
+    add_model_flags(p)
     p.add_argument("--micro-batch-size", type=int, default=8)
     p.add_argument("--global-batch-size", type=int, default=8)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     args = p.parse_args()
     config = build_config({
-        "model": dict(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, block_size=args.seq_length),
+        "model": model_section(args),
         "train": dict(micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
                       seq_length=args.seq_length),
     })

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, fields
 from gcompile.data import DataConfig
 from gcompile.model import GPTConfig
 from gcompile.tp_plan import MEGATRON_PLAN, plan_errors
+from gcompile.schedule import SCHEDULES, ScheduleError, check_sizes
 
 
 class ConfigError(ValueError):
@@ -44,8 +45,12 @@ class ParallelConfig:
     """A vocab-parallel embedding is padded to a multiple of this times tp (Megatron's flag)."""
     virtual_pipeline_size: int = 1
     """Model chunks per pipeline rank (interleaved 1F1B); 1 = no interleaving."""
+    num_layers_per_virtual_pipeline_stage: int | None = None
+    """Megatron's way to ask for interleaving: virtual_pipeline_size = n_layer / (pp * this)."""
     pipeline_schedule: str = "1f1b"
-    """Static pipeline schedule: gpipe, 1f1b or interleaved."""
+    """Static pipeline schedule: gpipe, 1f1b or interleaved (the default when virtual_pipeline_size > 1)."""
+    pipeline_layers: tuple[int, ...] = ()
+    """Layers per pipeline stage in stage order (pp * vpp entries, e.g. 3,5); empty = n_layer split evenly."""
     use_distributed_optimizer: bool = False
     """ZeRO-1: AdamW states and fp32 main weights sharded over dp."""
     ddp_bucket_size: int | None = None
@@ -120,6 +125,8 @@ class LogConfig:
     """TensorBoard event files; None = RUN_DIR/tensorboard."""
     dump_graphs: str | None = None
     """Write each rank's program after every step of the compiler to this folder."""
+    dump_schedule: bool = False
+    """Print every rank's instruction list and write RUN_DIR/schedule.txt and RUN_DIR/schedule.svg (timeline)."""
 
 
 @dataclass(frozen=True)
@@ -200,7 +207,7 @@ def _field_index() -> dict[str, tuple[str, dataclasses.Field]]:
 
 
 def _base_type(annotation):
-    """int | None -> int; tuple[str, ...] -> tuple."""
+    """int | None -> int; tuple[int, ...] -> tuple."""
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
         return next(a for a in typing.get_args(annotation) if a is not type(None))
     return typing.get_origin(annotation) or annotation
@@ -219,10 +226,13 @@ def _coerce(value, annotation, key: str):
                 return value.lower() in ("true", "1")
             return bool(value)
         if kind is tuple:
-            return tuple(value.split(",") if isinstance(value, str) else value)
+            items = [v for v in value.split(",") if v.strip()] if isinstance(value, str) else value
+            return tuple(_coerce(v, typing.get_args(annotation)[0], key) for v in items)
         if kind is int and isinstance(value, float) and not value.is_integer():
             raise ValueError(value)
         return kind(value)
+    except ConfigError:  # an item of a tuple
+        raise
     except (TypeError, ValueError):
         raise ConfigError(f"{key}={value!r} is not a valid {kind.__name__}") from None
 
@@ -251,9 +261,22 @@ def load_toml(path: str) -> dict[str, dict]:
 def build_config(overrides: dict[str, dict]) -> RunConfig:
     """RunConfig from {section: {field: value}} over the defaults, validated."""
     sections = {name: cls(**overrides.get(name, {})) for name, cls in SECTIONS.items()}
+    sections["parallel"] = _derive_interleaving(sections["parallel"], sections["model"].n_layer,
+                                                given=overrides.get("parallel", {}))
     config = RunConfig(**sections)
     validate(config)
     return config
+
+
+def _derive_interleaving(p: ParallelConfig, n_layer: int, given: dict) -> ParallelConfig:
+    """Megatron's spelling of vpp (layers per virtual stage) turned into vpp; interleaved as the schedule
+    when vpp > 1 and none was named. Sizes that do not fit are left for `validate` to report."""
+    per = p.num_layers_per_virtual_pipeline_stage
+    if per and "virtual_pipeline_size" not in given and p.pp >= 1 and n_layer % (p.pp * per) == 0:
+        p = dataclasses.replace(p, virtual_pipeline_size=n_layer // (p.pp * per))
+    if p.virtual_pipeline_size > 1 and "pipeline_schedule" not in given:
+        p = dataclasses.replace(p, pipeline_schedule="interleaved")
+    return p
 
 
 class _ArgumentParser(argparse.ArgumentParser):
@@ -334,19 +357,49 @@ def validate(config: RunConfig) -> None:
         errors.append(f"ddp_bucket_size={p.ddp_bucket_size} must be at least 1 element")
     if t.min_lr > t.lr:
         errors.append(f"min_lr={t.min_lr} is above lr={t.lr}")
-    if p.pipeline_schedule not in ("gpipe", "1f1b", "interleaved"):
+    if p.pipeline_schedule not in SCHEDULES:
         errors.append(f"pipeline_schedule={p.pipeline_schedule!r} must be gpipe, 1f1b or interleaved")
     errors += plan_errors(m, p.tp_plan, p.tp)
     if p.sequence_parallel and p.tp == 1:
         errors.append("sequence_parallel shards the sequence over the tp ranks and needs tp > 1 (tp=1)")
     if p.sequence_parallel and t.seq_length % p.tp:
         errors.append(f"seq_length={t.seq_length} is not divisible by tp={p.tp} (sequence_parallel)")
-    # Each parallel feature is refused here until its pass lands.
-    if p.pp > 1:
-        errors.append(f"pp={p.pp}: pipeline parallelism is not implemented yet; run with --pp 1")
-    if p.virtual_pipeline_size > 1:
-        errors.append("virtual_pipeline_size > 1 is not implemented yet")
     if p.overlap_grad_reduce:
         errors.append("overlap_grad_reduce is not implemented yet")
+    elif t.global_batch_size % per_step == 0:  # the number of microbatches is whole
+        try:
+            check_sizes(p.pipeline_schedule, p.pp, p.virtual_pipeline_size, config.num_microbatches)
+        except ScheduleError as e:
+            where = (f", where num_microbatches = global_batch_size {t.global_batch_size} / "
+                     f"(micro_batch_size {t.micro_batch_size} * dp {p.dp})") if "num_microbatches" in str(e) else ""
+            errors.append(f"{e}{where}")
+    per = p.num_layers_per_virtual_pipeline_stage
+    if per is not None and per * p.pp * p.virtual_pipeline_size != m.n_layer:
+        errors.append(f"num_layers_per_virtual_pipeline_stage={per} * pp {p.pp} * vpp {p.virtual_pipeline_size} "
+                      f"= {per * p.pp * p.virtual_pipeline_size} is not n_layer={m.n_layer}")
+    else:
+        try:
+            stage_layers(m.n_layer, p.pp, p.virtual_pipeline_size, p.pipeline_layers)
+        except ConfigError as e:
+            errors.append(str(e))
     if errors:
         raise ConfigError("; ".join(errors))
+
+
+def stage_layers(n_layer: int, pp: int, vpp: int, explicit: tuple[int, ...] = ()) -> list[int]:
+    """Transformer blocks per pipeline stage, in stage order: `explicit`, or an even split."""
+    stages = pp * vpp
+    if explicit:
+        listed = ",".join(map(str, explicit))
+        if len(explicit) != stages:
+            raise ConfigError(f"pipeline_layers={listed} has {len(explicit)} entries "
+                              f"for pp {pp} * vpp {vpp} = {stages} stages")
+        if min(explicit) < 1:
+            raise ConfigError(f"pipeline_layers={listed}: every stage needs at least one layer")
+        if sum(explicit) != n_layer:
+            raise ConfigError(f"pipeline_layers={listed} sums to {sum(explicit)}, not n_layer={n_layer}")
+        return list(explicit)
+    if n_layer % stages:
+        raise ConfigError(f"n_layer={n_layer} cannot be split into pp {pp} * vpp {vpp} = {stages} stages of "
+                          f"whole layers; use a multiple of {stages} layers or give --pipeline-layers")
+    return [n_layer // stages] * stages

@@ -37,8 +37,11 @@ class Param:
     shards: tuple[Shard, ...] = ()
     """Cuts, applied in order; empty = replicated."""
     tied_copy: bool = False
-    """A second copy of a tied parameter (the last stage's wte): its gradient is summed into
-    the first copy's, and it is left out of the gradient norm so the norm counts it once."""
+    """A second copy of a tied parameter (the last stage's wte): left out of the gradient
+    norm so the norm counts it once."""
+    tied_group: str | None = None
+    """Process group whose ranks each hold a copy of this parameter and sum their gradients
+    before the update ("embd": first and last pipeline rank); None = held once."""
 
     def local_shape(self, axis_sizes: Mapping[str, int]) -> tuple[int, ...]:
         shape = list(self.full_shape)

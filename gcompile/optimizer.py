@@ -14,6 +14,7 @@ all on device. Everything is elementwise over flat buffers, steered by per-eleme
 flags (gcompile.flat), so it compiles to a few kernels whatever the model.
 """
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -59,6 +60,14 @@ class LocalGrads:
 
     def gather(self, main, layout):
         return main
+
+
+def tied_reductions(layout: FlatLayout) -> tuple[GradReduction, ...]:
+    """One reduction per parameter this rank holds a copy of, in name order so that the ranks of
+    a group issue theirs alike (their buffers order parameters differently)."""
+    tied = sorted((p.name, GradReduction(p.tied_group, o, o + math.prod(s)))
+                  for p, s, o in zip(layout.params, layout.shapes, layout.offsets) if p.tied_group)
+    return tuple(r for _, r in tied)
 
 
 @dataclass(frozen=True)

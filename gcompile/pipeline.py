@@ -21,11 +21,11 @@ from gcompile.config import RunConfig
 from gcompile.lower import lower_stage
 from gcompile.mesh import Coords
 from gcompile.flat import flat_layout
-from gcompile.optimizer import AdamWSettings, LocalGrads, LossScaling, StepSettings
+from gcompile.optimizer import AdamWSettings, LocalGrads, LossScaling, StepSettings, tied_reductions
 from gcompile.pass_manager import PassContext, rank_dump_dir, run_passes, run_rank_passes
 from gcompile.program import dump_text
 from gcompile.rank_program import RankProgram
-from gcompile.schedule import build_schedule
+from gcompile.schedule import build_schedule, simulate
 
 
 def pass_list(config: RunConfig) -> list[str]:
@@ -58,6 +58,9 @@ def build_rank_program(config: RunConfig, coords: Coords, device: str = "cpu",
     program = capture(config.model, t.micro_batch_size, t.seq_length, device, config.param_dtype)
     program = run_passes(program, pass_list(config), ctx, log)
     schedule = build_schedule(p.pipeline_schedule, p.pp, p.virtual_pipeline_size, config.num_microbatches)
+    if schedule.num_stages > 1:
+        log(f"schedule {schedule.name} pp={p.pp} vpp={p.virtual_pipeline_size} m={schedule.num_microbatches}: "
+            f"predicted bubble {simulate(schedule).bubble_fraction:.1%} (forward 1, backward 2)")
     stages = {s.index: lower_stage(s, t.recompute_activations) for s in program.stages}
     if sorted(stages) != sorted(schedule.local_stages(coords.pp_rank)):
         raise AssertionError(f"rank {coords.rank} holds stages {sorted(stages)} but its schedule runs "
@@ -71,6 +74,7 @@ def build_rank_program(config: RunConfig, coords: Coords, device: str = "cpu",
     scaling = LossScaling(t.initial_loss_scale, t.min_loss_scale, t.loss_scale_window, t.hysteresis) \
         if t.fp16 else None
     settings = StepSettings(adamw=adamw, tp=coords.tp, norm_group=None, loss_scaling=scaling,
+                            reductions=tied_reductions(layout),
                             separate_main=config.param_dtype != torch.float32, param_dtype=config.param_dtype)
     rank_program = RankProgram(coords=coords, stages=stages, layout=layout, step_settings=settings,
                                grad_sync=None, optimizer=None, schedule=schedule).with_grad_sync(LocalGrads())

@@ -18,6 +18,7 @@ Before pipeline_split a program has one stage holding the whole model.
 
 import copy
 import os
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -101,6 +102,23 @@ def format_stage(stage: Stage) -> str:
                      f" {cuts or 'replicated'}{tied}")
     lines.append(format_graph(stage.graph))
     return "\n".join(lines)
+
+
+def node_origin(node: fx.Node) -> str:
+    """`add_4 (aten.add.Tensor) at gcompile/model.py:89: x = x + ...`, what an error about a node says.
+
+    The source line is the innermost frame of node.meta["stack_trace"] outside torch itself.
+    """
+    target = _op_name(node.target) if node.op == "call_function" else node.op
+    frames = _FRAME.findall(node.meta.get("stack_trace") or "")
+    ours = [f for f in frames if f"{os.sep}torch{os.sep}" not in f[0]] or frames
+    if not ours:
+        return f"{node.name} ({target}), no source line recorded"
+    path, line, code = ours[-1]
+    return f"{node.name} ({target}) at {os.path.relpath(path)}:{line}: {code.strip()}"
+
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in [^\n]*\n([^\n]*)')
 
 
 def format_graph(gm: fx.GraphModule) -> str:

@@ -4,12 +4,16 @@ Per iteration: for each instruction, call a stage's forward or backward
 callable, or move activations/gradients to and from the neighbouring pipeline
 ranks; then run the optimizer step. Forward outputs a stage keeps for its
 backward ("saved") are held per (stage, microbatch) until that backward runs;
-the runtime counts them so tests can hold the schedule to its promised bound.
+the runtime counts them and stops if a stage or the rank holds more than the
+schedule promised (`in_flight_bound`, `rank_in_flight_bound`).
 
 Communication: consecutive SEND/RECV instructions go out as one batched
-isend/irecv. A receive is waited for right before its tensor is used; sends
-are waited for at the end of the iteration, so a send never blocks a rank
-(the schedule simulator assumes exactly that).
+isend/irecv into freshly allocated contiguous buffers. A receive is waited for
+right before its tensor is used; sends are waited for at the end of the
+iteration, so a send never blocks a rank (the schedule simulator assumes
+exactly that). Messages between two ranks are matched in posting order, which
+the simulator checks is the same on both ends. Stages on one rank hand tensors
+over directly.
 """
 
 from collections import defaultdict
@@ -21,7 +25,7 @@ import torch.distributed as dist
 
 from gcompile.mesh import Coords
 from gcompile.rank_program import RankProgram
-from gcompile.schedule import Action, Kind
+from gcompile.schedule import Action, Kind, in_flight_bound, rank_in_flight_bound
 from gcompile.state import TrainState
 
 
@@ -39,6 +43,10 @@ class StepResult:
 class StageFunctions:
     forward: Callable
     backward: Callable
+
+
+class InFlightError(RuntimeError):
+    """The runtime held more saved activations than the schedule promised."""
 
 
 class Runtime:
@@ -59,8 +67,13 @@ class Runtime:
                                     device=state.params.device)
         """The gradient of the step's loss (the mean over microbatches, times the fp16 loss scale)
         w.r.t. one microbatch's fp32 loss."""
+        schedule = program.schedule
+        self.bound = {s: in_flight_bound(schedule, s) for s in program.stages}
+        self.rank_bound = rank_in_flight_bound(schedule, program.coords.pp_rank)
         self.peak_saved = defaultdict(int)
         """Most (stage, microbatch) saved-activation sets alive at once, per stage, over all iterations."""
+        self.rank_peak_saved = 0
+        """The same over all of this rank's stages together."""
 
     def train_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
         """One optimizer step over this rank's microbatches."""
@@ -98,7 +111,7 @@ class Runtime:
             else:
                 comm.append(action)
         self._communicate(comm)
-        for work in self.sends:
+        for work, _ in self.sends:
             work.wait()
 
     def _forward(self, a: Action, training: bool):
@@ -110,12 +123,21 @@ class Runtime:
         outputs, saved = out[:len(stage.outputs)], out[len(stage.outputs):]
         if training:
             self.saved[(a.stage, a.mb)] = saved
-            live = sum(1 for s, _ in self.saved if s == a.stage)
-            self.peak_saved[a.stage] = max(self.peak_saved[a.stage], live)
+            self._count_saved(a)
         if a.stage == self.last_stage:
             self.losses.append(outputs[0].detach())
         else:
-            self.acts[(a.stage + 1, a.mb)] = list(outputs)
+            self.acts[(a.stage + 1, a.mb)] = [t.contiguous() for t in outputs]  # as the next stage was traced
+
+    def _count_saved(self, a: Action):
+        live = sum(1 for s, _ in self.saved if s == a.stage)
+        self.peak_saved[a.stage] = max(self.peak_saved[a.stage], live)
+        self.rank_peak_saved = max(self.rank_peak_saved, len(self.saved))
+        for count, bound, where in ((live, self.bound[a.stage], f"stage {a.stage}"),
+                                    (len(self.saved), self.rank_bound, f"pipeline rank {self.program.coords.pp_rank}")):
+            if count > bound:
+                raise InFlightError(f"{a}: {where} holds {count} saved-activation sets, more than the "
+                                    f"{self.program.schedule.name} schedule's bound of {bound}")
 
     def _backward(self, a: Action):
         stage = self.program.stages[a.stage]
@@ -131,7 +153,8 @@ class Runtime:
             torch._foreach_add_([acc for acc, _ in param_grads], [g for _, g in param_grads])
         if a.stage > 0:
             acts = stage.activation_inputs()
-            self.grads_in[(a.stage - 1, a.mb)] = [grads[n + i] for i, role in enumerate(stage.inputs) if role in acts]
+            self.grads_in[(a.stage - 1, a.mb)] = [grads[n + i].contiguous()
+                                                  for i, role in enumerate(stage.inputs) if role in acts]
 
     def _take(self, store: dict, key) -> list[torch.Tensor]:
         """A stage's inputs: produced locally, or received (waited for now)."""
@@ -156,16 +179,16 @@ class Runtime:
                 peer, tensors = self._peer(a.stage + 1), self._empty_like_outputs(a.stage)
                 self.grads_in[(a.stage, a.mb)] = tensors
             op = dist.isend if a.kind in (Kind.SEND_F, Kind.SEND_B) else dist.irecv
-            ops += [dist.P2POp(op, t.contiguous() if op is dist.isend else t, peer) for t in tensors]
-            recv_keys.append(((a.stage, a.mb), a.kind, len(tensors)))
+            ops += [dist.P2POp(op, t, peer) for t in tensors]
+            recv_keys.append(((a.stage, a.mb), a.kind, tensors))
         works = dist.batch_isend_irecv(ops)
         i = 0
-        for key, kind, count in recv_keys:
+        for key, kind, tensors in recv_keys:
             if kind in (Kind.RECV_F, Kind.RECV_B):
-                self.pending_recvs[key] = works[i:i + count]
-            else:
-                self.sends += works[i:i + count]
-            i += count
+                self.pending_recvs[key] = works[i:i + len(tensors)]
+            else:  # keep the sent tensors alive until their sends are done
+                self.sends += [(work, t) for work, t in zip(works[i:i + len(tensors)], tensors)]
+            i += len(tensors)
 
     def _peer(self, stage: int) -> int:
         c = self.program.coords

@@ -8,6 +8,7 @@ from a checkpoint takes the same steps as one that was never cut.
 """
 
 import math
+import os
 import time
 
 import torch
@@ -21,8 +22,11 @@ from gcompile.data import GPTDataset, build_datasets
 from gcompile.log import MetricsLog, num_floating_point_operations
 from gcompile.mesh import Coords, group
 from gcompile.pipeline import build_rank_program
+from gcompile.program import dump_text
 from gcompile.rank_program import RankProgram
 from gcompile.runtime import Runtime
+from gcompile.schedule import Schedule, format_table, simulate
+from gcompile.schedule_render import render_svg
 from gcompile.state import TrainState
 
 
@@ -66,6 +70,8 @@ def train(config: RunConfig, coords: Coords, device: str = "cpu", log=print) -> 
     quiet = (lambda _: None) if coords.rank != 0 else log
 
     program = build_rank_program(config, coords, device, dump_root=config.log.dump_graphs, log=quiet)
+    if config.log.dump_schedule and coords.rank == 0:
+        dump_schedule(program.schedule, config.log.run_dir, log)
     compiler = Compiler(enabled=t.compile)
     functions, optimizer_step = compile_rank_program(program, compiler)
     if t.compile:
@@ -125,6 +131,19 @@ def resume(config: RunConfig, program: RankProgram, state: TrainState, log) -> P
             log(f"no checkpoint in {root}; starting from iteration 0")
         return Progress(0, 0)
     return checkpoint.load(folder, config, program, state, log)
+
+
+def dump_schedule(schedule: Schedule, run_dir: str, log=print) -> None:
+    """--dump-schedule: every rank's instructions as a table on the console and in RUN_DIR/schedule.txt,
+    the simulated timeline in RUN_DIR/schedule.svg."""
+    result = simulate(schedule)
+    text = (f"{format_table(schedule, communication=True)}\n"
+            f"simulated with forward 1, backward 2: makespan {result.makespan:g}, "
+            f"bubble {result.bubble_fraction:.1%}, saved-activation peak per rank {list(result.rank_peak_in_flight)}")
+    log(text)
+    dump_text(run_dir, "schedule.txt", text + "\n")
+    render_svg(schedule, os.path.join(run_dir, "schedule.svg"))
+    log(f"schedule written to {os.path.join(run_dir, 'schedule.txt')} and schedule.svg")
 
 
 def evaluate(runtime: Runtime, valid_data: GPTDataset, config: RunConfig, coords: Coords, device) -> float:

@@ -1,3 +1,4 @@
 """Built-in passes; importing this package registers them by name (see gcompile.pass_manager)."""
 
-from passes import data_parallel, sequence_parallel, sharded_optimizer, tensor_parallel  # noqa: F401
+from passes import (data_parallel, pipeline_split, sequence_parallel, sharded_optimizer,  # noqa: F401
+                    tensor_parallel)

@@ -75,13 +75,14 @@ def test_golden_compute_order(schedule, expected):
 
 def test_golden_communication_placement():
     schedule = build_schedule("1f1b", 2, 1, 2)
+    # each receive is posted one compute before the compute that uses it; sends follow their compute
     assert [" ".join(map(str, actions)) for actions in schedule.actions] == [
-        "0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1",
-        "1RECV_F0 1F0 1B0 1SEND_B0 1RECV_F1 1F1 1B1 1SEND_B1",
+        "0F0 0SEND_F0 0RECV_B0 0F1 0SEND_F1 0RECV_B1 0B0 0B1",
+        "1RECV_F0 1F0 1RECV_F1 1B0 1SEND_B0 1F1 1B1 1SEND_B1",
     ]
     interleaved = build_schedule("interleaved", 2, 2, 2)
     assert " ".join(map(str, interleaved.actions[1][:8])) == \
-        "1RECV_F0 1F0 1SEND_F0 1RECV_F1 1F1 1SEND_F1 3RECV_F0 3F0"  # 3F0 is the loss stage: no send after it
+        "1RECV_F0 1RECV_F1 1F0 1SEND_F0 3RECV_F0 1F1 1SEND_F1 3F0"  # 3F0 is the loss stage: no send after it
     assert all(len(actions) == 12 for actions in build_schedule("interleaved", 1, 3, 2).actions), \
         "one rank: no communication at all"
 
@@ -203,32 +204,43 @@ def test_send_before_compute():
         simulate(schedule)
 
 
-def test_deadlock_both_ranks_receive_first():
-    schedule = from_strings("1f1b", 2, 1, 1, ["0RECV_B0 0F0 0SEND_F0 0B0", "1RECV_F0 1F0 1B0 1SEND_B0"])
+def test_deadlock_each_rank_waits_for_the_other():
+    # rank 0 sends microbatch 0's activation only after its backward, which needs rank 1's gradient
+    schedule = from_strings("1f1b", 2, 1, 1, ["0F0 0RECV_B0 0B0 0SEND_F0", "1RECV_F0 1F0 1B0 1SEND_B0"])
     with pytest.raises(ScheduleError) as error:
         simulate(schedule)
     message = str(error.value)
-    assert "deadlock after 0 steps" in message
-    assert "rank 0 waits at 0RECV_B0 (instruction 0) for 1SEND_B0 from rank 1, which is at 1RECV_F0" in message
-    assert "rank 1 waits at 1RECV_F0 (instruction 0) for 0SEND_F0 from rank 0, which is at 0RECV_B0" in message
-    assert message.splitlines()[-1].split() == ["stuck", "|", "0RECV_B0", "|", "1RECV_F0", "<--", "ERROR", "HERE"]
+    assert "deadlock after 2 steps" in message
+    assert "rank 0 waits at 0B0 (instruction 2) for 1SEND_B0 from rank 1, which is at 1F0 (instruction 1)" in message
+    assert "rank 1 waits at 1F0 (instruction 1) for 0SEND_F0 from rank 0, which is at 0B0 (instruction 2)" in message
+    assert message.splitlines()[-1].split() == ["stuck", "|", "0B0", "|", "1F0", "<--", "ERROR", "HERE"]
 
 
 def test_deadlock_after_progress_prints_the_grid():
-    # rank 0 waits for microbatch 1's gradient before sending microbatch 1's activation
-    schedule = from_strings("gpipe", 2, 1, 2, ["0F0 0SEND_F0 0RECV_B1 0B1 0F1 0SEND_F1 0RECV_B0 0B0",
+    # rank 0 waits for microbatch 0's gradient before sending microbatch 1's activation, which rank 1 needs first
+    schedule = from_strings("gpipe", 2, 1, 2, ["0F0 0SEND_F0 0RECV_B0 0B0 0F1 0SEND_F1 0RECV_B1 0B1",
                                                "1RECV_F0 1F0 1RECV_F1 1F1 1B0 1SEND_B0 1B1 1SEND_B1"])
     with pytest.raises(ScheduleError) as error:
         simulate(schedule)
     grid = str(error.value).splitlines()[3:]
+    # posting a receive never blocks; 1F0 waits one step for 0SEND_F0, which runs in the same step as its check
     assert [line.split() for line in grid] == [
         ["step", "|", "rank0", "|", "rank1"],
-        ["0", "|", "0F0", "|"],
+        ["0", "|", "0F0", "|", "1RECV_F0"],
         ["1", "|", "0SEND_F0", "|"],
-        ["2", "|", "|", "1RECV_F0"],
-        ["3", "|", "|", "1F0"],
-        ["stuck", "|", "0RECV_B1", "|", "1RECV_F1", "<--", "ERROR", "HERE"],
+        ["2", "|", "0RECV_B0", "|", "1F0"],
+        ["3", "|", "|", "1RECV_F1"],
+        ["stuck", "|", "0B0", "|", "1F1", "<--", "ERROR", "HERE"],
     ]
+
+
+def test_messages_out_of_channel_order():
+    # both microbatches' activations are received, but in the other order than rank 0 sent them
+    schedule = from_strings("gpipe", 2, 1, 2, ["0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1",
+                                               "1RECV_F1 1RECV_F0 1F0 1F1 1B0 1SEND_B0 1B1 1SEND_B1"])
+    with pytest.raises(ScheduleError, match="rank 1: 1RECV_F1 is its receive number 0 from rank 0, but rank 0's "
+                                            "send number 0 to it is 0SEND_F0"):
+        simulate(schedule)
 
 
 def test_duplicate_and_missing_compute():
@@ -260,8 +272,20 @@ def test_golden_timeline():
         [("1F0", 1, 2), ("1B0", 2, 4), ("1F1", 4, 5), ("1B1", 5, 7)],
     ]
     assert result.makespan == 9 and result.busy == (6, 6)
-    # hand-traced: rank 1 starts two steps late (its receive waits for the send), rank 0 waits two steps per gradient
-    assert result.steps == 12
+    # hand-traced: 1F0 waits a step for 0SEND_F0, 0B1 two steps for 1SEND_B1; posting receives never waits
+    assert result.steps == 10
+
+
+def test_per_stage_costs():
+    # 1F1B pp=2 m=2 with stage 1 twice as slow (F 2, B 4): hand-traced
+    result = simulate(build_schedule("1f1b", 2, 1, 2), f_time=[1, 2], b_time=[2, 4])
+    assert [[(str(s.action), s.start, s.end) for s in spans] for spans in result.spans] == [
+        [("0F0", 0, 1), ("0F1", 1, 2), ("0B0", 7, 9), ("0B1", 13, 15)],
+        [("1F0", 1, 3), ("1B0", 3, 7), ("1F1", 7, 9), ("1B1", 9, 13)],
+    ]
+    assert result.bubble_fraction == pytest.approx(1 - (6 + 12) / (2 * 15))
+    with pytest.raises(ScheduleError, match="per-stage costs need 2 entries, got forward 3, backward 2"):
+        simulate(build_schedule("1f1b", 2, 1, 2), f_time=[1, 1, 1], b_time=[2, 2])
 
 
 @pytest.mark.parametrize("f_time, b_time", [(1, 2), (1, 1), (1, 3)])

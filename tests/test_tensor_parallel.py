@@ -5,7 +5,9 @@ torch.optim.AdamW (tests/reference.py): the loss and gradient norm of every step
 final parameters, gathered to full shape, within 1e-5 relative (fp32, CPU); replicated
 parameters must be bitwise equal on all tp ranks (the harness checks). The vocab, 257,
 divides by no tp here, so vocab padding is always exercised. Structure: collective
-counts per layer are Megatron's, and all tp ranks run the same graph text.
+counts per layer are Megatron's, and all tp ranks run the same graph text. Inductor runs
+one case (tp 2 with sequence parallelism, whose graphs hold every collective kind): a cold
+compile costs ~20 s per graph on 2 cores.
 """
 
 import functools
@@ -81,7 +83,6 @@ def test_tp4(tmp_path, reference):
     check_cases(tmp_path, reference, {
         "tp4 (vocab padded 257 -> 512: one rank all padding)": small_config(tp=4),
         "tp4 sequence-parallel": small_config(tp=4, sequence_parallel=True, make_vocab_size_divisible_by=1),
-        "tp4 inductor": small_config(tp=4, compile=True, make_vocab_size_divisible_by=1),
     })
 
 

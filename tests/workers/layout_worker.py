@@ -54,7 +54,8 @@ def run_case(config, batches, lrs, rank: int, inject_inf: dict) -> dict:
                 optimizer_bytes=sum(b.numel() * b.element_size() for b in
                                     (state.main, state.exp_avg, state.exp_avg_sq) if b is not None),
                 params=program.layout.params,
-                values=params, peak_saved=dict(runtime.peak_saved), compile_stats=compiler.stats)
+                values=params, peak_saved=dict(runtime.peak_saved), rank_peak_saved=runtime.rank_peak_saved,
+                compile_stats=compiler.stats)
 
 
 def main(job_path: str, store_path: str) -> None:
