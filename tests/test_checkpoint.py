@@ -101,10 +101,10 @@ def test_resume_is_exact(dp2):
     assert (dp2["resumed"] / "save" / TRACKER).read_text().strip() == str(2 * N), "a save at the end of training"
 
 
-MODEL_PARALLEL = ["--tp", 2, *DP2_DISTOPT]
+MODEL_PARALLEL = ["--tp", 2, "--pp", 2, *DP2_DISTOPT]
 """The layout saved by the model-parallel tests."""
-RESHARD_TO = ["--tp", 4]
-"""Another layout of as many ranks, without the distributed optimizer."""
+RESHARD_TO = ["--tp", 4, "--dp", 2]
+"""Another layout of as many ranks: other tp cuts, no pipeline, no distributed optimizer."""
 
 
 @pytest.fixture(scope="module")
