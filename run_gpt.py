@@ -47,8 +47,7 @@ def main(argv: list[str]) -> int:
         config, _ = parse_args(argv)
         if not under_launcher():  # check (and prepare) the data and the checkpoint once, before any rank starts
             build_datasets(config.data, config.train.seq_length, config.train.seed)
-            if config.checkpoint.load:
-                check(config.checkpoint.load, config)
+            check(config)
     except USER_ERRORS as e:
         return error(str(e))
     return run_ranks(config.world_size, [os.path.abspath(__file__), *argv], lambda: rank_main(config))

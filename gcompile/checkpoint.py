@@ -297,15 +297,22 @@ class Checkpoint:
         return self.files.get(key, "its DCP .metadata")
 
 
-def check(root: str, config: RunConfig) -> str | None:
-    """Before any rank starts: the checkpoint `--load` would resume from, checked whole; None if none."""
-    folder = latest(root)
-    if folder is None:
-        return None
-    checkpoint = Checkpoint(folder)
-    checkpoint.check_model(config.model)
-    checkpoint.verify()
-    return folder
+def check(config: RunConfig) -> None:
+    """Before any rank starts: --save can be written, and the checkpoint --load resumes from (if any) is
+    whole and of this model."""
+    c = config.checkpoint
+    if c.save:
+        try:
+            os.makedirs(c.save, exist_ok=True)
+        except OSError as e:
+            raise CheckpointError(f"--save {c.save}: cannot create the folder ({e.strerror})") from None
+        if not os.access(c.save, os.W_OK | os.X_OK):
+            raise CheckpointError(f"--save {c.save}: the folder is not writable")
+    folder = latest(c.load) if c.load else None
+    if folder is not None:
+        checkpoint = Checkpoint(folder)
+        checkpoint.check_model(config.model)
+        checkpoint.verify()
 
 
 def load(folder: str, config: RunConfig, program: RankProgram, state: TrainState, log=print) -> Progress:

@@ -270,6 +270,13 @@ def test_bad_export_and_generate_input(argv, message, capsys):
     assert status == 2 and len(err) == 1 and message in err[0], err
 
 
+def test_unwritable_save_folder_is_one_line(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    status = run_gpt.main(SMALL + ["--save", str(tmp_path / "file" / "save")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(err) == 1 and "cannot create the folder" in err[0], err
+
+
 def test_command_line_error_has_no_traceback(tmp_path):
     result = subprocess.run([sys.executable, "-m", "gcompile.checkpoint", "export", str(tmp_path / "missing"),
                              "--output", str(tmp_path / "model.pt")], capture_output=True, text=True, cwd=ROOT)
