@@ -11,18 +11,22 @@ nccl on CUDA); under torchrun it joins the given world.
 
 import os
 import sys
+import time
 
 import torch
 
 from gcompile.checkpoint import CheckpointError, check
 from gcompile.config import ConfigError, RunConfig, parse_args
 from gcompile.data import DataError, build_datasets
-from gcompile.launch import join_world, run_ranks, under_launcher
+from gcompile.check import PlanError, check_plan
+from gcompile.launch import join_world, rank_threads, run_ranks, under_launcher
 from gcompile.mesh import Coords
 from gcompile.pass_manager import PassError
+from gcompile.program import dump_text
 from gcompile.train import train
+from gcompile.world import build_world, prepare_launch
 
-USER_ERRORS = (ConfigError, DataError, PassError, CheckpointError)
+USER_ERRORS = (ConfigError, DataError, PassError, PlanError, CheckpointError)
 
 
 def error(message: str) -> int:
@@ -42,12 +46,32 @@ def rank_main(config: RunConfig) -> int:
     return 0
 
 
+def plan_only(config: RunConfig, dump_only: bool) -> int:
+    """--dump-only / --check-plan: every rank's program, built here, checked, never run."""
+    if dump_only and not config.log.dump_graphs:
+        return error("--dump-only writes the programs to --dump-graphs DIR; give a folder")
+    start = time.perf_counter()
+    programs = build_world(config, "cpu", dump_root=config.log.dump_graphs if dump_only else None)
+    report = check_plan(programs, config.parallel.memory_budget_gb)
+    print(report)
+    if dump_only:
+        dump_text(config.log.dump_graphs, "plan.txt", report + "\n")
+        print(f"{len(programs)} rank programs in {config.log.dump_graphs} ({time.perf_counter() - start:.1f} s); "
+              f"read them with: python -m gcompile.inspect {config.log.dump_graphs}")
+    return 0
+
+
 def main(argv: list[str]) -> int:
     try:
-        config, _ = parse_args(argv)
-        if not under_launcher():  # check (and prepare) the data and the checkpoint once, before any rank starts
-            build_datasets(config.data, config.train.seq_length, config.train.seed)
-            check(config)
+        config, flags = parse_args(argv)
+        if not under_launcher():
+            if flags.dump_only or flags.check_plan:
+                return plan_only(config, flags.dump_only)
+            build_datasets(config.data, config.train.seq_length, config.train.seed)  # prepare once, check early
+            check(config)  # --save can be written, the checkpoint to --load is whole and fits
+            if config.world_size > 1:
+                device = "cuda" if torch.cuda.is_available() else "cpu"
+                prepare_launch(config, device, rank_threads(config.world_size))
     except USER_ERRORS as e:
         return error(str(e))
     return run_ranks(config.world_size, [os.path.abspath(__file__), *argv], lambda: rank_main(config))

@@ -30,12 +30,14 @@ VARIANTS = {
     "torch DDP + AdamW (eager)": dict(kind="ddp"),
     "gcompile dp (FX graphs)": dict(kind="gcompile", compile=False, sharded=False),
     "gcompile dp --compile": dict(kind="gcompile", compile=True, sharded=False),
+    "gcompile dp --compile --overlap-grad-reduce": dict(kind="gcompile", compile=True, sharded=False, overlap=True),
     "gcompile dp --compile --use-distributed-optimizer": dict(kind="gcompile", compile=True, sharded=True),
 }
 
 
 def make_config(args, dp: int, **train):
-    parallel = dict(dp=dp, use_distributed_optimizer=train.pop("sharded", False))
+    parallel = dict(dp=dp, use_distributed_optimizer=train.pop("sharded", False),
+                    overlap_grad_reduce=train.pop("overlap", False), ddp_bucket_size=args.bucket_size)
     return build_config({
         "model": dict(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, block_size=args.seq_length),
         "parallel": parallel,
@@ -87,7 +89,8 @@ def worker(args) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("gloo", init_method=f"file://{args.store}", rank=rank, world_size=world)
     variant = VARIANTS[args.variant]
-    train = dict(compile=variant.get("compile", False), sharded=variant.get("sharded", False))
+    train = dict(compile=variant.get("compile", False), sharded=variant.get("sharded", False),
+                 overlap=variant.get("overlap", False))
     config = make_config(args, world, **train)
     step = (ddp_step_fn if variant["kind"] == "ddp" else gcompile_step_fn)(config, rank)
     tokens = torch.randint(0, config.model.vocab_size, (config.train.micro_batch_size, config.train.seq_length + 1),
@@ -121,7 +124,7 @@ def run_variant(args, name: str) -> float:
 
 def _model_flags(args) -> list[str]:
     return [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
-            ("n_layer", "n_embd", "n_head", "seq_length", "micro_batch_size", "iters", "warmup")]
+            ("n_layer", "n_embd", "n_head", "seq_length", "micro_batch_size", "iters", "warmup", "bucket_size")]
 
 
 def optimizer_bytes_table(config_path: str) -> str:
@@ -155,6 +158,7 @@ def main():
     p.add_argument("--micro-batch-size", type=int, default=8)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--bucket-size", type=int, default=1_000_000, help="--ddp-bucket-size for gcompile")
     p.add_argument("--memory-config", default="configs/gpt2-small.toml")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--variant", help=argparse.SUPPRESS)

@@ -49,4 +49,14 @@ def reduce_scatter(x: torch.Tensor, group: str, group_size: int, dim: int = 0, o
     return _ops.wait_tensor(_ops.reduce_scatter_tensor(x.contiguous(), op, group_size, group))
 
 
-COLLECTIVE_OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single")
+def collective_nodes(gm) -> list[tuple["torch.fx.Node", str, dict]]:
+    """(node, op name, arguments by schema name) of every functional collective call in a graph,
+    in graph order; their wait_tensor calls are left out."""
+    found = []
+    for node in gm.graph.nodes:
+        target = node.target
+        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or \
+                target.namespace != "_c10d_functional" or target._opname == "wait_tensor":
+            continue
+        found.append((node, target._opname, dict(zip((a.name for a in target._schema.arguments), node.args))))
+    return found

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from gcompile.collectives import collective_nodes
 from gcompile.rank_program import RankProgram
 from gcompile.schedule import Kind
 
@@ -28,16 +29,10 @@ class Collective:
 def collectives_in(gm: fx.GraphModule) -> list[Collective]:
     """Every functional collective call of a graph (their wait_tensor not counted), in order."""
     calls = []
-    for node in gm.graph.nodes:
-        target = node.target
-        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or \
-                target.namespace != "_c10d_functional" or target._opname == "wait_tensor":
-            continue
-        names = [a.name for a in target._schema.arguments]
-        group = node.args[names.index("group_name")] if "group_name" in names else "?"
+    for node, op, args in collective_nodes(gm):
         tensors = [node.meta["val"], *(a.meta["val"] for a in node.all_input_nodes)]
         nbytes = max(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
-        calls.append(Collective(target._opname, group, nbytes))
+        calls.append(Collective(op, args.get("group_name", "?"), nbytes))
     return calls
 
 
@@ -47,7 +42,10 @@ def graph_runs(program: RankProgram) -> list[tuple[str, fx.GraphModule, int]]:
     graphs = []
     for s, stage in program.stages.items():
         graphs.append((f"stage{s}.forward", stage.forward, runs[(Kind.F, s)]))
-        graphs.append((f"stage{s}.backward", stage.backward, runs[(Kind.B, s)]))
+        last = 1 if stage.backward_last is not None else 0
+        graphs.append((f"stage{s}.backward", stage.backward, runs[(Kind.B, s)] - last))
+        if last:
+            graphs.append((f"stage{s}.backward_last", stage.backward_last, 1))
     graphs.append(("optimizer", program.optimizer.graph, 1))
     return graphs
 

@@ -67,6 +67,7 @@ def graph_key(gm: fx.GraphModule) -> str:
 
 
 def compile_rank_program(program: RankProgram, compiler: Compiler) -> tuple[dict[int, StageFunctions], Callable]:
-    functions = {s: StageFunctions(compiler(stage.forward), compiler(stage.backward))
+    functions = {s: StageFunctions(compiler(stage.forward), compiler(stage.backward),
+                                   compiler(stage.backward_last) if stage.backward_last is not None else None)
                  for s, stage in program.stages.items()}
     return functions, compiler(program.optimizer.graph)

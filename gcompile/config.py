@@ -25,6 +25,12 @@ from gcompile.tp_plan import MEGATRON_PLAN, plan_errors
 from gcompile.schedule import SCHEDULES, ScheduleError, check_sizes
 
 
+POINTS = ("capture", "tensor_parallel", "sequence_parallel", "pipeline_split", "lower", "data_parallel",
+          "sharded_optimizer")
+"""The named points of the compiler, in order; a user pass goes `before:` or `after:` one of them
+(up to pipeline_split it sees the forward Program, after lower the lowered RankProgram)."""
+
+
 class ConfigError(ValueError):
     """A configuration a run cannot start with; the message says what to change."""
 
@@ -57,8 +63,12 @@ class ParallelConfig:
     """Elements per gradient-reduction bucket; None = Megatron's max(40M, 1M * dp)."""
     overlap_grad_reduce: bool = False
     """Start each bucket's dp reduction inside the last microbatch's backward, as soon as it is final."""
+    memory_budget_gb: float | None = None
+    """Refuse to launch when a rank's estimated peak memory exceeds this many GiB (checked before launch)."""
     passes: tuple[str, ...] = ()
-    """User passes, `pkg.module:function`, run after the built-in rewrites."""
+    """User passes: `pkg.module:function` (after pipeline_split, before lowering) or `after:POINT=pkg.module:function`
+    / `before:POINT=...` with POINT one of capture, tensor_parallel, sequence_parallel, pipeline_split, lower,
+    data_parallel, sharded_optimizer."""
 
 
 @dataclass(frozen=True)
@@ -111,6 +121,8 @@ class TrainConfig:
     """fp16: overflows tolerated before the scale is halved."""
     compile: bool = False
     """Compile every graph with Inductor; without it the same graphs run as FX code."""
+    cuda_graphs: bool | None = None
+    """Capture the steady-state iteration once and replay it as a CUDA graph; None = on with --compile on CUDA."""
     recompute_activations: bool = False
     """Recompute the forward in backward instead of saving activations (full recompute; saves memory)."""
 
@@ -292,7 +304,10 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--config", help="TOML preset (configs/*.toml); flags override its keys")
     p.add_argument("--dump-only", action="store_true",
-                   help="build and dump every rank's program without training (needs --dump-graphs)")
+                   help="build and dump every rank's program in this one process, without training "
+                        "(needs --dump-graphs)")
+    p.add_argument("--check-plan", action="store_true",
+                   help="build every rank's program in this one process, check the plan, print it, and exit")
     for flag, (section, f) in _field_index().items():
         aliases = [f"--{a}" for a, target in MEGATRON_ALIASES.items() if target == flag]
         help_text = f"[{section}] {field_docs(SECTIONS[section]).get(f.name, '')}"
@@ -313,7 +328,8 @@ def parse_args(argv: list[str]) -> tuple[RunConfig, argparse.Namespace]:
         if name in index:
             section, f = index[name]
             overrides.setdefault(section, {})[name] = _coerce(value, f.type, f"--{_flag(name)}")
-    extras = argparse.Namespace(dump_only=getattr(args, "dump_only", False))
+    extras = argparse.Namespace(dump_only=getattr(args, "dump_only", False),
+                                check_plan=getattr(args, "check_plan", False))
     return build_config(overrides), extras
 
 
@@ -364,8 +380,8 @@ def validate(config: RunConfig) -> None:
         errors.append("sequence_parallel shards the sequence over the tp ranks and needs tp > 1 (tp=1)")
     if p.sequence_parallel and t.seq_length % p.tp:
         errors.append(f"seq_length={t.seq_length} is not divisible by tp={p.tp} (sequence_parallel)")
-    if p.overlap_grad_reduce:
-        errors.append("overlap_grad_reduce is not implemented yet")
+    if p.overlap_grad_reduce and p.dp == 1:
+        errors.append("overlap_grad_reduce overlaps the dp reduction with backward and needs dp > 1 (dp=1)")
     elif t.global_batch_size % per_step == 0:  # the number of microbatches is whole
         try:
             check_sizes(p.pipeline_schedule, p.pp, p.virtual_pipeline_size, config.num_microbatches)
@@ -382,8 +398,23 @@ def validate(config: RunConfig) -> None:
             stage_layers(m.n_layer, p.pp, p.virtual_pipeline_size, p.pipeline_layers)
         except ConfigError as e:
             errors.append(str(e))
+    for entry in p.passes:
+        errors += _user_pass_errors(entry)
+    if p.memory_budget_gb is not None and p.memory_budget_gb <= 0:
+        errors.append(f"memory_budget_gb={p.memory_budget_gb} must be positive")
     if errors:
         raise ConfigError("; ".join(errors))
+
+
+def _user_pass_errors(entry: str) -> list[str]:
+    where, _, spec = entry.rpartition("=") if "=" in entry else ("", "", entry)
+    side, _, point = where.partition(":")
+    if where and (side not in ("before", "after") or point not in POINTS or (side, point) == ("before", "capture")):
+        return [f"passes entry {entry!r}: where must be before:POINT or after:POINT, POINT one of "
+                f"{', '.join(POINTS)} (not before capture)"]
+    if spec.count(":") != 1 or not all(spec.split(":")):
+        return [f"passes entry {entry!r}: a pass is named pkg.module:function"]
+    return []
 
 
 def stage_layers(n_layer: int, pp: int, vpp: int, explicit: tuple[int, ...] = ()) -> list[int]:

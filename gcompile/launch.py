@@ -23,12 +23,17 @@ def under_launcher() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def rank_threads(world_size: int) -> int:
+    """CPU threads per locally spawned rank: the cores shared evenly (OMP_NUM_THREADS wins if set)."""
+    return int(os.environ.get("OMP_NUM_THREADS", max(1, (os.cpu_count() or 1) // world_size)))
+
+
 def spawn_local(world_size: int, argv: list[str]) -> int:
     """Run `python argv...` as `world_size` local ranks; 0 if all succeeded."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world_size)))
+    os.environ.setdefault("OMP_NUM_THREADS", str(rank_threads(world_size)))
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=str(uuid.uuid4()),
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
                           monitor_interval=0.1)

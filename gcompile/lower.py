@@ -48,15 +48,28 @@ class LoweredStage:
     num_saved: int
     """Tensors forward saves for backward, per microbatch."""
     rank_constants: dict[str, int]
+    backward_last: fx.GraphModule | None = None
+    """The backward of the stage's last microbatch when it also starts dp reductions of finished buckets:
+    backward_last(*saved, *output_grads, *last_inputs) -> (*param_grads, *input_grads, *last_outputs)."""
+    last_inputs: tuple[tuple[str, int, int], ...] = ()
+    """(TrainState buffer, start, end) slices fed to backward_last after the output gradients."""
+    last_outputs: tuple[tuple[str, int, int], ...] = ()
+    """(TrainState buffer, start, end) slices that backward_last's extra outputs are copied into."""
 
     def activation_inputs(self) -> list[str]:
         return activation_roles(self.inputs, self.rank_constants)
 
     def __str__(self) -> str:
-        return (f"# stage {self.index} forward: (*params[{len(self.params)}], *{self.inputs}) -> "
+        text = (f"# stage {self.index} forward: (*params[{len(self.params)}], *{self.inputs}) -> "
                 f"(*{self.outputs}, *saved[{self.num_saved}])\n{format_graph(self.forward)}\n"
                 f"# stage {self.index} backward: (*saved[{self.num_saved}], *grad{self.outputs}) -> "
                 f"(*param_grads, *input_grads)\n{format_graph(self.backward)}")
+        if self.backward_last is not None:
+            text += (f"\n# stage {self.index} backward of the last microbatch, starting dp reductions: "
+                     f"(*saved, *grad{self.outputs}, *{[f'{b}[{a}:{e}]' for b, a, e in self.last_inputs]}) -> "
+                     f"(*param_grads, *input_grads, *{[f'{b}[{a}:{e}]' for b, a, e in self.last_outputs]})\n"
+                     f"{format_graph(self.backward_last)}")
+        return text
 
 
 def lower_stage(stage: Stage, recompute: bool = False) -> LoweredStage:

@@ -100,3 +100,19 @@ _registered: set[str] = set()
 def group(name: str) -> dist.ProcessGroup:
     """This rank's group registered under `name` by init_groups."""
     return torch._C._distributed_c10d._resolve_process_group(name)
+
+
+def group_members(coords: Coords, name: str) -> tuple[int, ...]:
+    """The global ranks of the group a graph names `name`, as seen from the rank at `coords`."""
+    if name == "embd":
+        return tuple(embedding_group_ranks(coords))
+    return tuple(group_ranks(coords, GROUP_AXES[name]))
+
+
+def init_fake_world(coords: Coords) -> None:
+    """A process group that runs nothing, of the world's shape, with the named groups registered:
+    enough for Inductor to compile graphs that name groups (it asks their sizes), in one process."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=coords.rank, world_size=coords.world_size)
+    init_groups(coords)

@@ -14,6 +14,7 @@ all on device. Everything is elementwise over flat buffers, steered by per-eleme
 flags (gcompile.flat), so it compiles to a few kernels whatever the model.
 """
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Protocol
@@ -42,18 +43,22 @@ class GradSync(Protocol):
 
     sharded: bool
     """The optimizer updates only this rank's shard (its main weights and states are shard-sized)."""
+    extra_inputs: tuple[str, ...]
+    """TrainState buffers `reduce` also reads (e.g. gradients already reduced during backward)."""
 
-    def reduce(self, grad: torch.Tensor, layout: FlatLayout) -> torch.Tensor:
+    def reduce(self, grad: torch.Tensor, layout: FlatLayout, *extra: torch.Tensor) -> torch.Tensor:
         """The full flat gradient of this rank -> the dp-averaged gradient it updates (full or shard)."""
 
     def gather(self, main: torch.Tensor, layout: FlatLayout) -> torch.Tensor:
         """Updated main weights (full or shard) -> the full flat weights."""
 
 
+@dataclass(frozen=True)
 class LocalGrads:
     """dp = 1: the gradient is already complete."""
 
     sharded = False
+    extra_inputs = ()
 
     def reduce(self, grad, layout):
         return grad
@@ -112,12 +117,14 @@ class OptimizerGraph:
     """TrainState field per graph input, in order."""
 
 
+@functools.lru_cache(maxsize=32)
 def build_optimizer_graph(layout: FlatLayout, settings: StepSettings, grad_sync: GradSync) -> OptimizerGraph:
+    """Traced once per distinct (layout, settings, grad_sync): the ranks of a world share it."""
     s, tp, norm_group, separate_main = settings.adamw, settings.tp, settings.norm_group, settings.separate_main
     scaling = settings.loss_scaling
     inputs = ("params", "grads") + (("main",) if separate_main else ()) + (
         "exp_avg", "exp_avg_sq", "flags", "lr", "step") + (
-        ("loss_scale", "growth_tracker", "hysteresis_left") if scaling else ())
+        ("loss_scale", "growth_tracker", "hysteresis_left") if scaling else ()) + grad_sync.extra_inputs
 
     def step_fn(*args):
         x = dict(zip(inputs, args))
@@ -125,7 +132,7 @@ def build_optimizer_graph(layout: FlatLayout, settings: StepSettings, grad_sync:
         x["grads"].zero_()  # ready for the next step's accumulation
         for r in settings.reductions:
             grad[r.start:r.end].copy_(collectives.all_reduce(grad[r.start:r.end], r.group))
-        grad = grad_sync.reduce(grad, layout)
+        grad = grad_sync.reduce(grad, layout, *(x[name] for name in grad_sync.extra_inputs))
         found_inf = torch.zeros(())
         if scaling:
             grad = grad / x["loss_scale"]
@@ -172,6 +179,7 @@ def build_optimizer_graph(layout: FlatLayout, settings: StepSettings, grad_sync:
             "loss_scale": torch.empty(()),
             "growth_tracker": torch.empty(()),
             "hysteresis_left": torch.empty(()),
+            "reduced_grads": torch.empty(state_numel),
         }
         graph = make_fx(step_fn, tracing_mode="fake")(*(example[n] for n in inputs))
     return OptimizerGraph(graph=graph, inputs=inputs)

@@ -81,9 +81,10 @@ def run_passes(program: Program, specs: list[str], ctx: PassContext, log: Callab
     return program
 
 
-def run_rank_passes(rank_program, specs: list[str], ctx: PassContext, log: Callable[[str], None] = print):
-    """Passes over a lowered RankProgram (same registry, same contract, one level down)."""
-    for spec in specs:
+def run_rank_passes(rank_program, specs: list[str], ctx: PassContext, log: Callable[[str], None] = print,
+                    first_number: int = 0):
+    """Passes over a lowered RankProgram (same registry, same contract, one level down); dumped whole."""
+    for number, spec in enumerate(specs, start=first_number):
         name, fn = resolve_pass(spec)
         start = time.perf_counter()
         try:
@@ -91,6 +92,8 @@ def run_rank_passes(rank_program, specs: list[str], ctx: PassContext, log: Calla
         except Exception as e:
             raise PassError(f"rank pass {name!r} failed: {type(e).__name__}: {e}") from e
         log(f"rank pass {name} ({(time.perf_counter() - start) * 1e3:.0f} ms)")
+        if ctx.dump_dir:
+            dump_text(ctx.dump_dir, f"{number:02d}_{name}.txt", str(rank_program))
     return rank_program
 
 

@@ -12,24 +12,26 @@ Every step can be dumped (`--dump-graphs DIR` -> DIR/rank{r}/NN_step.txt).
 """
 
 from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from gcompile.capture import capture
 from gcompile.comm_summary import format_summary
-from gcompile.config import RunConfig
-from gcompile.lower import lower_stage
+from gcompile.config import POINTS, RunConfig
+from gcompile.compile import graph_key
+from gcompile.lower import LoweredStage, lower_stage
 from gcompile.mesh import Coords
 from gcompile.flat import flat_layout
 from gcompile.optimizer import AdamWSettings, LocalGrads, LossScaling, StepSettings, tied_reductions
 from gcompile.pass_manager import PassContext, rank_dump_dir, run_passes, run_rank_passes
-from gcompile.program import dump_text
+from gcompile.program import Stage, dump_text
 from gcompile.rank_program import RankProgram
 from gcompile.schedule import build_schedule, simulate
 
 
-def pass_list(config: RunConfig) -> list[str]:
-    """The passes a config asks for, in the order they run."""
+def builtin_passes(config: RunConfig) -> list[str]:
+    """The built-in passes a config asks for, in the order they run."""
     p = config.parallel
     passes = []
     if p.tp > 1:
@@ -38,30 +40,62 @@ def pass_list(config: RunConfig) -> list[str]:
         passes.append("sequence_parallel")
     if p.pp * p.virtual_pipeline_size > 1:
         passes.append("pipeline_split")
-    return passes + list(p.passes)
-
-
-def rank_pass_list(config: RunConfig) -> list[str]:
-    """Passes over the lowered rank program (gradient reduction and optimizer sharding)."""
-    p = config.parallel
     if p.use_distributed_optimizer:
-        return ["sharded_optimizer"]
-    return ["data_parallel"] if p.dp > 1 else []
+        passes.append("sharded_optimizer")
+    elif p.dp > 1:
+        passes.append("data_parallel")
+    return passes
+
+
+def user_pass_point(entry: str) -> tuple[float, str]:
+    """`[before:|after:]POINT=pkg.module:function` or a bare spec (after pipeline_split, before lowering)
+    -> (position among POINTS, spec)."""
+    where, _, spec = entry.rpartition("=") if "=" in entry else ("", "", entry)
+    if not where:
+        return POINTS.index("lower") - 0.5, spec
+    side, _, point = where.partition(":")
+    return POINTS.index(point) + (0.5 if side == "after" else -0.5), spec
+
+
+def pass_lists(config: RunConfig) -> tuple[list[str], list[str]]:
+    """(passes over the forward program, passes over the lowered rank program), built-in and user, in order."""
+    placed = [(float(POINTS.index(name)), name) for name in builtin_passes(config)]
+    placed += [user_pass_point(entry) for entry in config.parallel.passes]
+    placed.sort(key=lambda item: item[0])
+    lower = POINTS.index("lower")
+    return [name for at, name in placed if at < lower], [name for at, name in placed if at > lower]
+
+
+@dataclass
+class BuildCache:
+    """What ranks of one world share while their programs are built in one process."""
+
+    captured: dict = field(default_factory=dict)
+    lowered: dict = field(default_factory=dict)
+    schedules: dict = field(default_factory=dict)
 
 
 def build_rank_program(config: RunConfig, coords: Coords, device: str = "cpu",
-                       dump_root: str | None = None, log: Callable[[str], None] = print) -> RankProgram:
+                       dump_root: str | None = None, log: Callable[[str], None] = print,
+                       cache: BuildCache | None = None) -> RankProgram:
     t, p = config.train, config.parallel
+    cache = cache or BuildCache()
     dump_dir = rank_dump_dir(dump_root, coords.rank)
     ctx = PassContext(config, coords, dump_dir)
+    forward_passes, rank_passes = pass_lists(config)
 
-    program = capture(config.model, t.micro_batch_size, t.seq_length, device, config.param_dtype)
-    program = run_passes(program, pass_list(config), ctx, log)
-    schedule = build_schedule(p.pipeline_schedule, p.pp, p.virtual_pipeline_size, config.num_microbatches)
-    if schedule.num_stages > 1:
-        log(f"schedule {schedule.name} pp={p.pp} vpp={p.virtual_pipeline_size} m={schedule.num_microbatches}: "
-            f"predicted bubble {simulate(schedule).bubble_fraction:.1%} (forward 1, backward 2)")
-    stages = {s.index: lower_stage(s, t.recompute_activations) for s in program.stages}
+    key = (config.model, t.micro_batch_size, t.seq_length, device, config.param_dtype)
+    if key not in cache.captured:
+        cache.captured[key] = capture(*key)
+    program = run_passes(cache.captured[key].clone(), forward_passes, ctx, log)
+    key = (p.pipeline_schedule, p.pp, p.virtual_pipeline_size, config.num_microbatches)
+    if key not in cache.schedules:
+        cache.schedules[key] = build_schedule(*key)
+        if cache.schedules[key].num_stages > 1:
+            log(f"schedule {key[0]} pp={p.pp} vpp={p.virtual_pipeline_size} m={key[3]}: predicted bubble "
+                f"{simulate(cache.schedules[key]).bubble_fraction:.1%} (forward 1, backward 2)")
+    schedule = cache.schedules[key]
+    stages = {s.index: _lower(s, t.recompute_activations, cache) for s in program.stages}
     if sorted(stages) != sorted(schedule.local_stages(coords.pp_rank)):
         raise AssertionError(f"rank {coords.rank} holds stages {sorted(stages)} but its schedule runs "
                              f"{schedule.local_stages(coords.pp_rank)}")
@@ -78,13 +112,23 @@ def build_rank_program(config: RunConfig, coords: Coords, device: str = "cpu",
                             separate_main=config.param_dtype != torch.float32, param_dtype=config.param_dtype)
     rank_program = RankProgram(coords=coords, stages=stages, layout=layout, step_settings=settings,
                                grad_sync=None, optimizer=None, schedule=schedule).with_grad_sync(LocalGrads())
-    rank_program = run_rank_passes(rank_program, rank_pass_list(config), ctx, log)
-
+    number = len(program.history)
     if dump_dir:
-        number = len(program.history)
         for s, stage in stages.items():
             dump_text(dump_dir, f"{number:02d}_lower_stage{s}.txt", str(stage))
-        dump_text(dump_dir, f"{number + 1:02d}_optimizer.txt", str(rank_program.optimizer.graph.code))
+    rank_program = run_rank_passes(rank_program, rank_passes, ctx, log, first_number=number + 1)
+    if dump_dir:
+        number += 1 + len(rank_passes)
+        dump_text(dump_dir, f"{number:02d}_optimizer.txt", str(rank_program.optimizer.graph.code))
         dump_text(dump_dir, "schedule.txt", rank_program.format_instructions())
         dump_text(dump_dir, "summary.txt", format_summary(rank_program))
     return rank_program
+
+
+def _lower(stage: Stage, recompute: bool, cache: BuildCache) -> LoweredStage:
+    """Lower a stage, or reuse the lowering of an identical one (same code over the same input values)."""
+    key = (graph_key(stage.graph), recompute)
+    if key not in cache.lowered:
+        cache.lowered[key] = lower_stage(stage, recompute)
+    return replace(cache.lowered[key], index=stage.index, params=list(stage.params), inputs=list(stage.inputs),
+                   outputs=list(stage.outputs), rank_constants=dict(stage.rank_constants))

@@ -83,11 +83,17 @@ class Program:
 
 def refresh_meta(stage: Stage) -> None:
     """Re-run shape propagation from the placeholders' fake values (after a rewrite)."""
-    vals = [n.meta["val"] for n in stage.placeholders()]
+    propagate_shapes(stage.graph)
+
+
+def propagate_shapes(gm: fx.GraphModule) -> None:
+    """Recompile `gm` and give every node a `meta["val"]` computed from its placeholders' fake values."""
+    vals = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")]
     mode = next((v.fake_mode for v in vals if hasattr(v, "fake_mode")), None) or FakeTensorMode()
-    stage.graph.recompile()
+    gm.graph.lint()
+    gm.recompile()
     with mode:
-        FakeTensorProp(stage.graph, mode).propagate_dont_convert_inputs(*vals)
+        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*vals)
 
 
 def format_stage(stage: Stage) -> str:

@@ -43,6 +43,7 @@ class StepResult:
 class StageFunctions:
     forward: Callable
     backward: Callable
+    backward_last: Callable | None = None
 
 
 class InFlightError(RuntimeError):
@@ -68,6 +69,7 @@ class Runtime:
         """The gradient of the step's loss (the mean over microbatches, times the fp16 loss scale)
         w.r.t. one microbatch's fp32 loss."""
         schedule = program.schedule
+        self.last_backward = {a.stage: a for a in program.instructions if a.kind == Kind.B}
         self.bound = {s: in_flight_bound(schedule, s) for s in program.stages}
         self.rank_bound = rank_in_flight_bound(schedule, program.coords.pp_rank)
         self.peak_saved = defaultdict(int)
@@ -146,11 +148,21 @@ class Runtime:
             output_grads = [self.loss_grad]
         else:
             output_grads = self._take(self.grads_in, (a.stage, a.mb))
-        grads = self.functions[a.stage].backward(*saved, *output_grads)
+        last = stage.backward_last is not None and self.last_backward[a.stage] == a
+        if last:
+            extra = [getattr(self.state, buffer)[start:end] for buffer, start, end in stage.last_inputs]
+            grads = self.functions[a.stage].backward_last(*saved, *output_grads, *extra)
+        else:
+            grads = self.functions[a.stage].backward(*saved, *output_grads)
         n = len(stage.params)
         param_grads = [(acc, g) for acc, g in zip(self.grad_views[a.stage], grads[:n]) if g is not None]
         if param_grads:
             torch._foreach_add_([acc for acc, _ in param_grads], [g for _, g in param_grads])
+        if last:  # reduced buckets replace what they were reduced from
+            reduced = grads[len(grads) - len(stage.last_outputs):]
+            for (buffer, start, end), value in zip(stage.last_outputs, reduced):
+                getattr(self.state, buffer)[start:end].copy_(value)
+            grads = grads[:len(grads) - len(stage.last_outputs)]
         if a.stage > 0:
             acts = stage.activation_inputs()
             self.grads_in[(a.stage - 1, a.mb)] = [grads[n + i].contiguous()

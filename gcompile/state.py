@@ -36,6 +36,9 @@ class TrainState:
     """fp16: steps since the last overflow or growth."""
     hysteresis_left: torch.Tensor | None = None
     """fp16: overflows still tolerated before the scale halves."""
+    reduced_grads: torch.Tensor | None = None
+    """Distributed optimizer with overlapped reduction: this rank's averaged gradient shard, written
+    during the last microbatch's backward."""
 
     @classmethod
     def initial(cls, program: RankProgram, model: GPTConfig, seed: int, device) -> "TrainState":
@@ -69,6 +72,7 @@ class TrainState:
             flags=flags,
             step=torch.zeros((), device=device, dtype=torch.float32),
             lr=torch.zeros((), device=device, dtype=torch.float32),
+            reduced_grads=torch.zeros(numel, device=device) if "reduced_grads" in program.optimizer.inputs else None,
             **scalars,
         )
 

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from gcompile import checkpoint
 from gcompile.checkpoint import Progress
 from gcompile.compile import Compiler, compile_rank_program
+from gcompile.cuda_graphs import GraphedTrainStep
 from gcompile.config import ConfigError, RunConfig, TrainConfig
 from gcompile.data import GPTDataset, build_datasets
 from gcompile.log import MetricsLog, num_floating_point_operations
@@ -75,10 +76,16 @@ def train(config: RunConfig, coords: Coords, device: str = "cpu", log=print) -> 
     compiler = Compiler(enabled=t.compile)
     functions, optimizer_step = compile_rank_program(program, compiler)
     if t.compile:
-        quiet(f"compile rank {coords.rank}: {compiler.stats}")
+        log(f"rank {coords.rank} {coords} compile: {compiler.stats}")
     state = TrainState.initial(program, config.model, t.seed, device)
     progress = resume(config, program, state, log=quiet)
     runtime = Runtime(program, functions, optimizer_step, state)
+    train_step = runtime.train_step
+    if t.cuda_graphs if t.cuda_graphs is not None else t.compile:
+        if device.startswith("cuda"):
+            train_step = GraphedTrainStep(runtime)
+        elif t.cuda_graphs:
+            quiet("--cuda-graphs: no CUDA device here; the instruction list runs directly")
 
     metrics = MetricsLog(config.log.run_dir, config.log.tensorboard_dir, t.train_iters, coords.world_size) \
         if logging else None
@@ -90,7 +97,7 @@ def train(config: RunConfig, coords: Coords, device: str = "cpu", log=print) -> 
         lr = lr_at(iteration, t)
         state.lr.fill_(lr)
         start = time.perf_counter()
-        result = runtime.train_step(batch)
+        result = train_step(batch)
         loss = _mean_over_dp(result.loss, coords)
         skipped += int(result.skipped.item())
         elapsed_ms = (time.perf_counter() - start) * 1e3

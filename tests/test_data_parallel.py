@@ -32,7 +32,7 @@ fp32 and bf16 eager themselves differ by up to 6% there."""
 
 
 def small_config(**parallel_and_train):
-    parallel_keys = {"dp", "tp", "pp", "use_distributed_optimizer", "ddp_bucket_size"}
+    parallel_keys = {"dp", "tp", "pp", "use_distributed_optimizer", "ddp_bucket_size", "overlap_grad_reduce"}
     parallel = {k: v for k, v in parallel_and_train.items() if k in parallel_keys}
     train = {k: v for k, v in parallel_and_train.items() if k not in parallel_keys}
     return build_config({
@@ -73,6 +73,9 @@ def test_dp2_with_and_without_distributed_optimizer(tmp_path):
         "dp2 distributed optimizer": small_config(dp=2, use_distributed_optimizer=True),
         "dp2 distributed optimizer, buckets, compiled": small_config(
             dp=2, use_distributed_optimizer=True, ddp_bucket_size=8000, compile=True),
+        "dp2 overlapped, buckets": small_config(dp=2, overlap_grad_reduce=True, ddp_bucket_size=8000),
+        "dp2 distributed optimizer overlapped, buckets": small_config(
+            dp=2, use_distributed_optimizer=True, overlap_grad_reduce=True, ddp_bucket_size=8000),
         "dp2 bf16": small_config(dp=2, bf16=True),
         "dp2 bf16 distributed optimizer": small_config(dp=2, bf16=True, use_distributed_optimizer=True),
     }
@@ -96,6 +99,36 @@ def test_dp4_with_and_without_distributed_optimizer(tmp_path):
                                                                 use_distributed_optimizer=True, ddp_bucket_size=5000)}
     for label, result in zip(cases, run_layouts(tmp_path, list(cases.values()), batches, LRS)):
         assert_matches(result, expected, 64, label)
+
+
+@pytest.mark.slow
+def test_tp2_pp2_dp2(tmp_path):
+    base = small_config()
+    batches = random_batches(base, STEPS)
+    expected = reference_run(base, batches, LRS)
+    cases = {"tp2 pp2 dp2": small_config(tp=2, pp=2, dp=2),
+             "tp2 pp2 dp2 distributed optimizer, buckets": small_config(tp=2, pp=2, dp=2, use_distributed_optimizer=True,
+                                                                        ddp_bucket_size=4000),
+             "tp2 pp2 dp2 distributed optimizer overlapped": small_config(
+                 tp=2, pp=2, dp=2, use_distributed_optimizer=True, ddp_bucket_size=4000, overlap_grad_reduce=True)}
+    for label, result in zip(cases, run_layouts(tmp_path, list(cases.values()), batches, LRS)):
+        assert_matches(result, expected, 64, label)
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["all_reduce", "reduce_scatter"])
+def test_overlapped_reduction_starts_inside_backward(sharded):
+    config = small_config(dp=2, overlap_grad_reduce=True, use_distributed_optimizer=sharded, ddp_bucket_size=8000)
+    program = build_rank_program(config, Coords(1, 1, 2), log=lambda _: None)
+    stage = program.stages[0]
+    kind = "reduce_scatter_tensor" if sharded else "all_reduce"
+    nodes = list(stage.backward_last.graph.nodes)
+    starts = [i for i, n in enumerate(nodes) if getattr(n.target, "__name__", "").startswith(kind)]
+    waits = [i for i, n in enumerate(nodes) if getattr(n.target, "__name__", "").startswith("wait_tensor")]
+    matmuls = [i for i, n in enumerate(nodes) if n.target is torch.ops.aten.mm.default]
+    assert len(starts) == len(program.layout.buckets) >= 3
+    assert any(starts[0] < m < min(waits) for m in matmuls), "the first bucket's reduction overlaps no backward work"
+    assert not any(kind in str(n.target) for n in stage.backward.graph.nodes), "earlier microbatches reduce nothing"
+    assert not any(kind in str(n.target) for n in program.optimizer.graph.graph.nodes)
 
 
 def optimizer_bytes(config, dp_rank: int) -> int:

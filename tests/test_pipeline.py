@@ -43,8 +43,9 @@ LRS = [1e-3, 6e-4, 3e-4]
 GLOBAL_BATCH = 8
 
 
-def config(pp=1, vpp=1, schedule=None, m=4, n_layer=4, tp=1, layers=(), **train):
-    parallel = dict(tp=tp, pp=pp, virtual_pipeline_size=vpp, pipeline_layers=layers)
+def config(pp=1, vpp=1, schedule=None, m=4, n_layer=4, tp=1, layers=(), sequence_parallel=False, **train):
+    parallel = dict(tp=tp, pp=pp, virtual_pipeline_size=vpp, pipeline_layers=layers,
+                    sequence_parallel=sequence_parallel)
     if schedule:
         parallel["pipeline_schedule"] = schedule
     return build_config({
@@ -66,13 +67,14 @@ CASES = {
     "pp2-layers-3-1": config(pp=2, schedule="1f1b", m=4, layers=(3, 1)),
     "pp4-1f1b-m4": config(pp=4, schedule="1f1b", m=4),
     "pp4-gpipe-m8": config(pp=4, schedule="gpipe", m=8),
-    # tensor parallel x pipeline: once the tensor_parallel pass lands, one line per case here, e.g.
-    # "tp2-pp2-1f1b-m4": config(tp=2, pp=2, schedule="1f1b", m=4),
+    "tp2-pp2-1f1b-m4": config(tp=2, pp=2, schedule="1f1b", m=4),
+    "tp2-pp2-interleaved-m4-sp": config(tp=2, pp=2, vpp=2, schedule="interleaved", m=4, sequence_parallel=True),
 }
 SLOW_CASES = {
     "pp2-1f1b-m4-compiled": config(pp=2, schedule="1f1b", m=4, compile=True),
     "pp2-interleaved-m4-compiled": config(pp=2, vpp=2, schedule="interleaved", m=4, compile=True),
     "pp4-interleaved-m8": config(pp=4, vpp=2, schedule="interleaved", m=8, n_layer=8),
+    "tp2-pp2-1f1b-m4-compiled": config(tp=2, pp=2, schedule="1f1b", m=4, compile=True),
 }
 ALL_CASES = {**CASES, **SLOW_CASES}
 CASE_PARAMS = list(CASES) + [pytest.param(case, marks=pytest.mark.slow) for case in SLOW_CASES]

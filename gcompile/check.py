@@ -1,0 +1,216 @@
+"""Prove a world's plan before any rank starts: collectives, pipeline messages, memory.
+
+From every rank's program, built in one process, it checks that
+
+- every process group's ranks issue the same collectives in the same order, with
+  the same kind, shape, dtype and reduce op (otherwise a real run hangs or
+  silently reduces mismatched tensors);
+- every pipeline send has its receive on the peer, in the same order, with the
+  same shapes and dtypes, and every receive its send;
+- each rank's estimated peak memory (weights, gradients, optimizer state,
+  in-flight saved activations) fits a budget, when one is given.
+
+A failure is a PlanError that names the two ranks, the group and the instruction.
+"""
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from gcompile.collectives import collective_nodes
+from gcompile.mesh import group_members
+from gcompile.rank_program import RankProgram
+from gcompile.schedule import Kind, in_flight_bound, rank_in_flight_bound
+
+
+class PlanError(ValueError):
+    """The ranks' programs would not run together; names the ranks, the group and the instruction."""
+
+
+@dataclass(frozen=True)
+class Call:
+    kind: str
+    signature: tuple
+    """What must agree across the group: shape, dtype, reduce op, group size."""
+    where: str
+    """The instruction and node, for the error message."""
+
+
+def collective_calls(program: RankProgram) -> list[tuple[str, Call]]:
+    """(group name, call) for every collective the rank issues in one iteration, in order."""
+    last_b = {a.stage: a for a in program.instructions if a.kind == Kind.B}
+    calls = []
+    for i, a in enumerate(program.instructions):
+        if a.kind not in (Kind.F, Kind.B):
+            continue
+        stage = program.stages[a.stage]
+        graph, name = stage.forward, "forward"
+        if a.kind == Kind.B:
+            use_last = stage.backward_last is not None and last_b[a.stage] == a
+            graph, name = (stage.backward_last, "backward_last") if use_last else (stage.backward, "backward")
+        calls += _calls_in(graph, f"instruction {i:02d} {a.kind.value} stage={a.stage} mb={a.mb} ({name})")
+    calls += _calls_in(program.optimizer.graph, "OPT_STEP")
+    return calls
+
+
+def _calls_in(gm: fx.GraphModule, where: str) -> list[tuple[str, Call]]:
+    calls = []
+    for node, op, args in collective_nodes(gm):
+        x = node.args[0].meta["val"]
+        signature = (op, tuple(x.shape), str(x.dtype), args.get("reduce_op"), args.get("group_size"))
+        calls.append((args["group_name"], Call(op, signature, f"{where}, node {node.name}")))
+    return calls
+
+
+def check_collectives(programs: dict[int, RankProgram]) -> None:
+    sequences = defaultdict(lambda: defaultdict(list))  # (group name, members) -> rank -> calls
+    for rank, program in programs.items():
+        for group, call in collective_calls(program):
+            members = group_members(program.coords, group)
+            sequences[(group, members)][rank].append(call)
+    for (group, members), per_rank in sequences.items():
+        present = [r for r in members if r in programs]
+        first = present[0]
+        for other in present[1:]:
+            a, b = per_rank.get(first, []), per_rank.get(other, [])
+            for k in range(max(len(a), len(b))):
+                ca, cb = (a[k] if k < len(a) else None), (b[k] if k < len(b) else None)
+                if ca is None or cb is None or ca.signature != cb.signature:
+                    counts = f" ({len(a)} against {len(b)} per iteration)" if len(a) != len(b) else ""
+                    raise PlanError(
+                        f"group {group!r} {list(members)}: rank {first} and rank {other} disagree at collective "
+                        f"#{k} on it{counts}: rank {first} issues {_describe(ca)}; rank {other} issues {_describe(cb)}")
+
+
+def _describe(call: Call | None) -> str:
+    if call is None:
+        return "nothing (its sequence ends here)"
+    kind, shape, dtype, op, size = call.signature
+    return f"{kind}{list(shape)} {dtype}{f' {op}' if op else ''} at {call.where}"
+
+
+@dataclass(frozen=True)
+class Message:
+    src: int
+    dst: int
+    what: str
+    """act[s{stage},mb{mb}] or grad[s{stage},mb{mb}]: the tensor set both ends must name alike."""
+    shapes: tuple
+    where: str
+
+
+def pipeline_messages(program: RankProgram) -> tuple[list[Message], list[Message]]:
+    """(sends, receives) of one iteration, in posting order."""
+    c, schedule = program.coords, program.schedule
+    sends, recvs = [], []
+    for i, a in enumerate(program.instructions):
+        if a.kind in (Kind.F, Kind.B):
+            continue
+        toward = a.stage + 1 if a.kind in (Kind.SEND_F, Kind.RECV_B) else a.stage - 1
+        peer = type(c)(c.tp, c.pp, c.dp, c.tp_rank, schedule.stage_rank(toward), c.dp_rank).rank
+        stage = program.stages[a.stage]
+        if a.kind == Kind.SEND_F:
+            msg = Message(c.rank, peer, f"act[s{a.stage},mb{a.mb}]", _output_shapes(stage), "")
+        elif a.kind == Kind.RECV_F:
+            msg = Message(peer, c.rank, f"act[s{a.stage - 1},mb{a.mb}]", _activation_input_shapes(stage), "")
+        elif a.kind == Kind.SEND_B:
+            msg = Message(c.rank, peer, f"grad[s{a.stage},mb{a.mb}]", _activation_input_shapes(stage), "")
+        else:
+            msg = Message(peer, c.rank, f"grad[s{a.stage + 1},mb{a.mb}]", _output_shapes(stage), "")
+        msg = Message(msg.src, msg.dst, msg.what, msg.shapes, f"rank {c.rank} instruction {i:02d} {a}")
+        (sends if a.kind in (Kind.SEND_F, Kind.SEND_B) else recvs).append(msg)
+    return sends, recvs
+
+
+def _output_shapes(stage) -> tuple:
+    outs = stage.forward.graph.output_node().args[0][:len(stage.outputs)]
+    return tuple((tuple(n.meta["val"].shape), str(n.meta["val"].dtype)) for n in outs)
+
+
+def _activation_input_shapes(stage) -> tuple:
+    nodes = list(stage.forward.graph.find_nodes(op="placeholder"))[len(stage.params):]
+    acts = stage.activation_inputs()
+    return tuple((tuple(n.meta["val"].shape), str(n.meta["val"].dtype))
+                 for role, n in zip(stage.inputs, nodes) if role in acts)
+
+
+def check_messages(programs: dict[int, RankProgram]) -> None:
+    sent, received = defaultdict(list), defaultdict(list)  # (src, dst) -> messages in order
+    for program in programs.values():
+        sends, recvs = pipeline_messages(program)
+        for m in sends:
+            sent[(m.src, m.dst)].append(m)
+        for m in recvs:
+            received[(m.src, m.dst)].append(m)
+    for pair in sorted(set(sent) | set(received)):
+        if pair[0] not in programs or pair[1] not in programs:
+            continue
+        s, r = sent[pair], received[pair]
+        received_what, sent_what = {m.what for m in r}, {m.what for m in s}
+        for m in s:
+            if m.what not in received_what:
+                raise PlanError(f"rank {pair[0]} sends {m.what} to rank {pair[1]} ({m.where}), "
+                                f"but rank {pair[1]} has no matching receive")
+        for m in r:
+            if m.what not in sent_what:
+                raise PlanError(f"rank {pair[1]} receives {m.what} from rank {pair[0]} ({m.where}), "
+                                f"but rank {pair[0]} never sends it")
+        for k, (ms, mr) in enumerate(zip(s, r)):
+            if (ms.what, ms.shapes) != (mr.what, mr.shapes):
+                raise PlanError(f"message #{k} from rank {pair[0]} to rank {pair[1]}: rank {pair[0]} sends "
+                                f"{ms.what} {ms.shapes} ({ms.where}) but rank {pair[1]} receives {mr.what} "
+                                f"{mr.shapes} ({mr.where}); both ends must post them in the same order")
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    weights: int
+    grads: int
+    optimizer: int
+    activations: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.grads + self.optimizer + self.activations
+
+    def __str__(self) -> str:
+        gib = 2 ** 30
+        return (f"{self.total / gib:8.3f} GiB = weights {self.weights / gib:.3f} + grads {self.grads / gib:.3f} "
+                f"+ optimizer {self.optimizer / gib:.3f} + activations {self.activations / gib:.3f}")
+
+
+def estimate_memory(program: RankProgram) -> MemoryEstimate:
+    """Peak bytes of what a rank holds at once; saved activations at the schedule's in-flight bound."""
+    layout, settings = program.layout, program.step_settings
+    state_numel = layout.shard_numel if program.grad_sync.sharded else layout.numel
+    optimizer = state_numel * (4 * (2 + settings.separate_main) + 1)  # AdamW states, main weights, flags
+    per_stage = {s: _saved_bytes(stage) for s, stage in program.stages.items()}
+    stacked = sum(b * in_flight_bound(program.schedule, s) for s, b in per_stage.items())
+    bound = rank_in_flight_bound(program.schedule, program.coords.pp_rank)
+    activations = min(stacked, bound * max(per_stage.values(), default=0))
+    return MemoryEstimate(weights=layout.numel * settings.param_dtype.itemsize, grads=layout.numel * 4,
+                          optimizer=optimizer, activations=activations)
+
+
+def _saved_bytes(stage) -> int:
+    """Bytes a forward saves for its backward, not counting weights it passes through."""
+    inputs = set(stage.forward.graph.find_nodes(op="placeholder"))
+    saved = stage.forward.graph.output_node().args[0][len(stage.outputs):]
+    return sum(n.meta["val"].numel() * n.meta["val"].element_size() for n in saved
+               if n not in inputs and isinstance(n.meta.get("val"), torch.Tensor))
+
+
+def check_plan(programs: dict[int, RankProgram], memory_budget_gb: float | None = None) -> str:
+    """Every check over a world's programs; the report, or PlanError on the first fault."""
+    check_collectives(programs)
+    check_messages(programs)
+    lines = [f"plan checked: {len(programs)} ranks agree on every collective and pipeline message"]
+    for rank, program in programs.items():
+        estimate = estimate_memory(program)
+        lines.append(f"rank {rank:4d} {program.coords}: {estimate}")
+        if memory_budget_gb is not None and estimate.total > memory_budget_gb * 2 ** 30:
+            raise PlanError(f"rank {rank} {program.coords} needs about {estimate.total / 2 ** 30:.2f} GiB "
+                            f"(> --memory-budget-gb {memory_budget_gb}): {estimate}")
+    return "\n".join(lines)

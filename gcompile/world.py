@@ -1,0 +1,85 @@
+"""Every rank's program, built in one process; and Inductor run once per distinct graph.
+
+Ranks share the captured program, identical lowerings and identical optimizer
+graphs (gcompile.pipeline.BuildCache), so a world of hundreds of ranks builds in
+seconds. That is what `--dump-only` and `--check-plan` inspect, and what the
+launcher checks before it starts any rank.
+
+`precompile` compiles each distinct graph of a world once, in this process,
+under a process group that runs nothing (Inductor only asks group sizes); the
+ranks started afterwards find every graph in Inductor's on-disk cache instead
+of all compiling the same graphs at once.
+"""
+
+import os
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from gcompile.check import check_plan, estimate_memory
+from gcompile.compile import Compiler, CompileStats, graph_key
+from gcompile.config import RunConfig
+from gcompile.mesh import Coords, init_fake_world
+from gcompile.pipeline import BuildCache, build_rank_program
+from gcompile.rank_program import RankProgram
+
+
+def build_world(config: RunConfig, device: str = "cpu", dump_root: str | None = None,
+                log: Callable[[str], None] = print) -> dict[int, RankProgram]:
+    p, cache = config.parallel, BuildCache()
+    programs = {}
+    for rank in range(config.world_size):
+        coords = Coords.from_rank(rank, p.tp, p.pp, p.dp)
+        programs[rank] = build_rank_program(config, coords, device, dump_root,
+                                            log if rank == 0 else (lambda _: None), cache)
+    return programs
+
+
+def rank_graphs(program: RankProgram) -> list:
+    graphs = [program.optimizer.graph]
+    for stage in program.stages.values():
+        graphs += [g for g in (stage.forward, stage.backward, stage.backward_last) if g is not None]
+    return graphs
+
+
+def precompile(programs: dict[int, RankProgram], threads: int) -> CompileStats:
+    """Compile every distinct graph of the world once, with the ranks' thread count (part of the cache key)."""
+    distinct = {}
+    for program in programs.values():
+        for gm in rank_graphs(program):
+            distinct.setdefault(graph_key(gm), gm)
+    compiler = Compiler(enabled=True)
+    saved_threads, saved_env = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+    torch.set_num_threads(threads)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    init_fake_world(next(iter(programs.values())).coords)
+    start = time.perf_counter()
+    try:
+        for gm in distinct.values():
+            compiler(gm)
+    finally:
+        dist.destroy_process_group()
+        torch.set_num_threads(saved_threads)
+        if saved_env is None:
+            del os.environ["OMP_NUM_THREADS"]
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved_env
+    compiler.stats.seconds = time.perf_counter() - start
+    return compiler.stats
+
+
+def prepare_launch(config: RunConfig, device: str, threads: int, log: Callable[[str], None] = print) -> None:
+    """Before starting a multi-rank world: build every rank's program, prove the plan, and with
+    --compile fill Inductor's cache with each distinct graph once. Raises PlanError on a fault."""
+    start = time.perf_counter()
+    programs = build_world(config, device, log=lambda _: None)
+    report = check_plan(programs, config.parallel.memory_budget_gb)
+    log(f"{report.splitlines()[0]} (built in {time.perf_counter() - start:.1f} s); "
+        f"largest estimate: rank {max(programs, key=lambda r: estimate_memory(programs[r]).total)}: "
+        f"{max((estimate_memory(p) for p in programs.values()), key=lambda e: e.total)}")
+    if config.train.compile:
+        stats = precompile(programs, threads)
+        log(f"precompiled {stats.distinct} distinct graphs for {len(programs)} ranks in {stats.seconds:.1f} s "
+            f"(inductor cache: {stats.cache_hits} hits, {stats.cache_misses} misses)")

@@ -1,0 +1,39 @@
+"""CUDA-only checks (skipped without a GPU; bench/gpu_check.sh runs them on a lent one)."""
+
+import pytest
+import torch
+
+from gcompile.compile import Compiler, compile_rank_program
+from gcompile.config import build_config
+from gcompile.cuda_graphs import GraphedTrainStep
+from gcompile.mesh import Coords
+from gcompile.pipeline import build_rank_program
+from gcompile.runtime import Runtime
+from gcompile.state import TrainState
+from gcompile.train import split_microbatches
+from tests.reference import random_batches
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def runtime_for(config):
+    program = build_rank_program(config, Coords(1, 1, 1), device="cuda", log=lambda _: None)
+    functions, step = compile_rank_program(program, Compiler(enabled=config.train.compile))
+    state = TrainState.initial(program, config.model, config.train.seed, "cuda")
+    state.lr.fill_(config.train.lr)
+    return Runtime(program, functions, step, state)
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_cuda_graph_replay_equals_the_plain_run(bf16):
+    config = build_config({"model": dict(n_layer=2, n_head=4, n_embd=128, block_size=64),
+                           "train": dict(micro_batch_size=2, global_batch_size=4, seq_length=64, compile=True,
+                                         bf16=bf16)})
+    batches = [split_microbatches(b.cuda(), 2) for b in random_batches(config, 6)]
+    plain, graphed = runtime_for(config), GraphedTrainStep(runtime_for(config))
+    for step, batch in enumerate(batches):
+        expected, actual = plain.train_step(batch), graphed(batch)
+        assert actual.loss.item() == expected.loss.item(), step
+        assert actual.grad_norm.item() == expected.grad_norm.item(), step
+    assert graphed.graph is not None, "the last steps replayed a captured graph"
+    assert torch.equal(graphed.runtime.state.params, plain.state.params)

@@ -1,0 +1,114 @@
+"""Whole-world builds in one process: --dump-only, the plan checker, user passes, compile once per graph."""
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+import pytest
+
+from gcompile.check import PlanError, check_plan, estimate_memory
+from gcompile.compile import graph_key
+from gcompile.config import build_config
+from gcompile.schedule import Kind, Schedule
+from gcompile.world import build_world, precompile, rank_graphs
+from tests.multirank import run_layouts
+from tests.reference import ADAM_EPS, random_batches, reference_run, rel_err, without_key_bias
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SPLIT_PASS = "after:lower=examples.all_reduce_split:all_reduce_as_reduce_scatter_all_gather"
+
+
+def config(passes=(), **parallel):
+    return build_config({
+        "model": dict(n_layer=4, n_head=8, n_embd=64, block_size=32),
+        "parallel": dict(parallel, passes=passes),
+        "train": dict(micro_batch_size=1, global_batch_size=4 * parallel.get("dp", 1), seq_length=32, lr=1e-3,
+                      clip_grad=0.5, adam_eps=ADAM_EPS),
+    })
+
+
+def run(*args, **kwargs):
+    return subprocess.run([sys.executable, "run_gpt.py", *args], capture_output=True, text=True, cwd=ROOT, **kwargs)
+
+
+def test_dump_only_builds_a_large_world_in_one_process(tmp_path):
+    result = run("--tp", "8", "--pp", "4", "--dp", "4", "--n-layer", "4", "--micro-batch-size", "1",
+                 "--global-batch-size", "16", "--dump-only", "--dump-graphs", str(tmp_path), timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    folders = sorted(p for p in os.listdir(tmp_path) if p.startswith("rank"))
+    assert len(folders) == 128
+    for folder in folders:
+        summary = open(tmp_path / folder / "summary.txt").read()
+        assert "all_reduce               tp" in summary, folder
+    assert "128 ranks agree" in open(tmp_path / "plan.txt").read()
+
+
+def test_checker_refuses_a_rank_that_drops_a_collective():
+    cfg = config(tp=2, pp=2, passes=("after:lower=tests.faulty_passes:drop_one_all_reduce_on_tp_rank_1",))
+    with pytest.raises(PlanError, match=r"group 'tp' \[0, 1\]: rank 0 and rank 1 disagree at collective #\d+ on it "
+                                        r"\(36 against 32 per iteration\)"):
+        check_plan(build_world(cfg, log=lambda _: None))
+    result = run("--tp", "2", "--pp", "2", "--n-layer", "4", "--n-head", "8", "--check-plan",
+                 "--passes", "after:lower=tests.faulty_passes:drop_one_all_reduce_on_tp_rank_1", timeout=300)
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and "rank 0 and rank 1 disagree" in result.stderr, result.stderr
+
+
+def test_checker_refuses_a_missing_receive():
+    programs = build_world(config(pp=2), log=lambda _: None)
+    rank1 = programs[1]
+    actions = list(rank1.schedule.actions)
+    dropped = next(a for a in actions[1] if a.kind == Kind.RECV_F)
+    actions[1] = tuple(a for a in actions[1] if a != dropped)
+    schedule = Schedule(rank1.schedule.name, rank1.schedule.pp, rank1.schedule.vpp,
+                        rank1.schedule.num_microbatches, tuple(actions))
+    programs[1] = dataclasses.replace(rank1, schedule=schedule)
+    with pytest.raises(PlanError, match=r"rank 0 sends act\[s0,mb0\] to rank 1 .* but rank 1 has no matching receive"):
+        check_plan(programs)
+
+
+def test_memory_budget():
+    programs = build_world(config(dp=2, use_distributed_optimizer=True), log=lambda _: None)
+    need = estimate_memory(programs[0]).total / 2 ** 30
+    check_plan(programs, memory_budget_gb=need * 1.01)
+    with pytest.raises(PlanError, match=r"rank 0 .* needs about .* GiB \(> --memory-budget-gb"):
+        check_plan(programs, memory_budget_gb=need * 0.9)
+    sharded = estimate_memory(programs[0]).optimizer
+    unsharded = estimate_memory(build_world(config(dp=2), log=lambda _: None)[0]).optimizer
+    assert sharded < unsharded  # 3 fp32 buffers of half the size against 2 of the whole
+
+
+def test_user_pass_changes_the_dump_and_keeps_the_numerics(tmp_path):
+    plain, split = config(tp=2), config(tp=2, passes=(SPLIT_PASS,))
+    for cfg, name in ((plain, "plain"), (split, "split")):
+        dump = tmp_path / name
+        assert run("--tp", "2", "--n-layer", "4", "--n-head", "8", "--micro-batch-size", "1",
+                   "--global-batch-size", "4", "--seq-length", "32", "--block-size", "32", "--dump-only",
+                   "--dump-graphs", str(dump), *(("--passes", SPLIT_PASS) if cfg is split else ()),
+                   timeout=300).returncode == 0
+    before = open(tmp_path / "plain" / "rank0" / "summary.txt").read()
+    after = open(tmp_path / "split" / "rank0" / "summary.txt").read()
+    assert "reduce_scatter_tensor" not in before and "reduce_scatter_tensor    tp" in after
+    assert "all_gather_into_tensor   tp" in after
+    assert os.path.exists(tmp_path / "split" / "rank0" / "03_all_reduce_as_reduce_scatter_all_gather.txt")
+
+    batches = random_batches(split, 3)
+    lrs = [1e-3, 6e-4, 3e-4]
+    expected = reference_run(split, batches, lrs)
+    (tmp_path / "run").mkdir()
+    (result,) = run_layouts(tmp_path / "run", [split], batches, lrs)
+    for step, ref in enumerate(expected):
+        assert abs(result.losses[step] - ref.loss) / ref.loss < 1e-5
+    for name, value in expected[-1].params.items():
+        assert rel_err(without_key_bias(name, result.params[name], 64), without_key_bias(name, value, 64)) < 1e-5
+
+
+@pytest.mark.slow
+def test_tp2_pp2_compiles_each_distinct_graph_once():
+    programs = build_world(dataclasses.replace(config(tp=2, pp=2)), log=lambda _: None)
+    graphs = [gm for p in programs.values() for gm in rank_graphs(p)]
+    distinct = {graph_key(gm) for gm in graphs}
+    assert len(distinct) < len(graphs)  # tp ranks of a stage share their graphs
+    stats = precompile(programs, threads=1)
+    assert stats.distinct == len(distinct) == stats.cache_hits + stats.cache_misses
