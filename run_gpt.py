@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from gcompile.checkpoint import CheckpointError, check
 from gcompile.config import ConfigError, RunConfig, parse_args
 from gcompile.data import DataError, build_datasets
 from gcompile.check import PlanError, check_plan
@@ -25,7 +26,7 @@ from gcompile.program import dump_text
 from gcompile.train import train
 from gcompile.world import build_world, prepare_launch
 
-USER_ERRORS = (ConfigError, DataError, PassError, PlanError)
+USER_ERRORS = (ConfigError, DataError, PassError, PlanError, CheckpointError)
 
 
 def error(message: str) -> int:
@@ -67,6 +68,7 @@ def main(argv: list[str]) -> int:
             if flags.dump_only or flags.check_plan:
                 return plan_only(config, flags.dump_only)
             build_datasets(config.data, config.train.seq_length, config.train.seed)  # prepare once, check early
+            check(config)  # --save can be written, the checkpoint to --load is whole and fits
             if config.world_size > 1:
                 device = "cuda" if torch.cuda.is_available() else "cpu"
                 prepare_launch(config, device, rank_threads(config.world_size))

@@ -142,12 +142,25 @@ class LogConfig:
 
 
 @dataclass(frozen=True)
+class CheckpointConfig:
+    save: str | None = None
+    """Save checkpoints here (iter_0000100/, latest_checkpointed_iteration.txt): at the end, every save_interval."""
+    load: str | None = None
+    """Resume from this folder's latest checkpoint, saved with any layout; none there = start from iteration 0."""
+    save_interval: int | None = None
+    """Save every this many iterations (needs --save); None = only at the end of training."""
+    exit_interval: int | None = None
+    """Save (with --save) and exit when the iteration is a multiple of this (Megatron's meaning)."""
+
+
+@dataclass(frozen=True)
 class RunConfig:
     model: GPTConfig = field(default_factory=GPTConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     @property
     def world_size(self) -> int:
@@ -350,6 +363,12 @@ def validate(config: RunConfig) -> None:
         errors.append(f"lr_decay_style={t.lr_decay_style!r} must be cosine, linear or constant")
     if t.bf16 and t.fp16:
         errors.append("bf16 and fp16 are both set; choose one")
+    c = config.checkpoint
+    for name in ("save_interval", "exit_interval"):
+        if getattr(c, name) is not None and getattr(c, name) < 1:
+            errors.append(f"{_flag(name)}={getattr(c, name)} must be at least 1")
+    if c.save_interval is not None and c.save is None:
+        errors.append(f"save-interval={c.save_interval} needs --save DIR")
     if p.ddp_bucket_size is not None and p.ddp_bucket_size < 1:
         errors.append(f"ddp_bucket_size={p.ddp_bucket_size} must be at least 1 element")
     if t.min_lr > t.lr:

@@ -40,6 +40,15 @@ class Bucket:
 
 
 @dataclass(frozen=True)
+class Span:
+    """Elements [start, end) of one parameter's flattened local piece, held from `at` on in an optimizer buffer."""
+
+    start: int
+    end: int
+    at: int
+
+
+@dataclass(frozen=True)
 class FlatLayout:
     params: tuple[Param, ...]
     shapes: tuple[tuple[int, ...], ...]
@@ -66,6 +75,23 @@ class FlatLayout:
     def shard_of(self, flat: torch.Tensor, dp_rank: int) -> torch.Tensor:
         """This dp rank's pieces of a flat-buffer-sized tensor, end to end (a copy)."""
         return torch.cat([flat[p.start:p.end] for p in self.shard_pieces(dp_rank)])
+
+    def spans(self, dp_rank: int | None = None) -> dict[str, list[Span]]:
+        """Where each parameter's elements sit in the optimizer's buffers, by name: in the whole flat
+        buffer (`dp_rank` None), or in dp rank `dp_rank`'s shard, where a parameter may have no elements."""
+        if dp_rank is None:
+            return {p.name: [Span(0, _numel(s), o)] for p, s, o in zip(self.params, self.shapes, self.offsets)}
+        pieces, at = [], 0
+        for piece in self.shard_pieces(dp_rank):
+            pieces.append((piece, at))
+            at += piece.numel
+        spans = {}
+        for param, shape, offset in zip(self.params, self.shapes, self.offsets):
+            end = offset + _numel(shape)
+            spans[param.name] = [Span(max(offset, piece.start) - offset, min(end, piece.end) - offset,
+                                      at + max(offset, piece.start) - piece.start)
+                                 for piece, at in pieces if max(offset, piece.start) < min(end, piece.end)]
+        return spans
 
     def flags(self, tp: int) -> torch.Tensor:
         """Per-element optimizer flags for the whole buffer (uint8)."""

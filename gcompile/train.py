@@ -1,8 +1,10 @@
-"""The training loop: data, learning-rate schedule, steps, validation, logging.
+"""The training loop: data, learning-rate schedule, steps, validation, logging, checkpoints.
 
 Each rank builds its own program, state and runtime, then every rank steps in
 lockstep; the loss lives on the last pipeline stage and is logged by the rank
-at (last pp stage, dp 0, tp 0).
+at (last pp stage, dp 0, tp 0). The learning rate is a function of the
+iteration, and the batch one of the consumed-sample count, so a run resumed
+from a checkpoint takes the same steps as one that was never cut.
 """
 
 import math
@@ -12,6 +14,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from gcompile import checkpoint
+from gcompile.checkpoint import Progress
 from gcompile.compile import Compiler, compile_rank_program
 from gcompile.cuda_graphs import GraphedTrainStep
 from gcompile.config import ConfigError, RunConfig, TrainConfig
@@ -20,6 +24,7 @@ from gcompile.log import MetricsLog, num_floating_point_operations
 from gcompile.mesh import Coords, group
 from gcompile.pipeline import build_rank_program
 from gcompile.program import dump_text
+from gcompile.rank_program import RankProgram
 from gcompile.runtime import Runtime
 from gcompile.schedule import Schedule, format_table, simulate
 from gcompile.schedule_render import render_svg
@@ -73,6 +78,7 @@ def train(config: RunConfig, coords: Coords, device: str = "cpu", log=print) -> 
     if t.compile:
         log(f"rank {coords.rank} {coords} compile: {compiler.stats}")
     state = TrainState.initial(program, config.model, t.seed, device)
+    progress = resume(config, program, state, log=quiet)
     runtime = Runtime(program, functions, optimizer_step, state)
     train_step = runtime.train_step
     if t.cuda_graphs if t.cuda_graphs is not None else t.compile:
@@ -84,9 +90,9 @@ def train(config: RunConfig, coords: Coords, device: str = "cpu", log=print) -> 
     metrics = MetricsLog(config.log.run_dir, config.log.tensorboard_dir, t.train_iters, coords.world_size) \
         if logging else None
     flops = num_floating_point_operations(config.model, t.global_batch_size, t.seq_length)
-    records, skipped = [], 0
-    for iteration in range(1, t.train_iters + 1):
-        consumed = (iteration - 1) * t.global_batch_size
+    records, skipped, consumed = [], 0, progress.consumed_samples
+    c = config.checkpoint
+    for iteration in range(progress.iteration + 1, t.train_iters + 1):
         batch = microbatches(train_data, consumed, config, coords, device)
         lr = lr_at(iteration, t)
         state.lr.fill_(lr)
@@ -95,8 +101,9 @@ def train(config: RunConfig, coords: Coords, device: str = "cpu", log=print) -> 
         loss = _mean_over_dp(result.loss, coords)
         skipped += int(result.skipped.item())
         elapsed_ms = (time.perf_counter() - start) * 1e3
+        consumed += t.global_batch_size
         if metrics:
-            record = dict(iteration=iteration, consumed_samples=consumed + t.global_batch_size,
+            record = dict(iteration=iteration, consumed_samples=consumed,
                           elapsed_ms=elapsed_ms, tokens=t.global_batch_size * t.seq_length, flops=flops, lr=lr,
                           loss=loss.item(), grad_norm=result.grad_norm.item(), batch_size=t.global_batch_size,
                           loss_scale=None if state.loss_scale is None else state.loss_scale.item(),
@@ -106,12 +113,31 @@ def train(config: RunConfig, coords: Coords, device: str = "cpu", log=print) -> 
         if t.eval_interval and (iteration % t.eval_interval == 0 or iteration == t.train_iters):
             val_loss = evaluate(runtime, valid_data, config, coords, device)
             if metrics:
-                metrics.validation(iteration=iteration, consumed_samples=consumed + t.global_batch_size,
-                                   loss=val_loss)
+                metrics.validation(iteration=iteration, consumed_samples=consumed, loss=val_loss)
                 records.append(dict(iteration=iteration, val_loss=val_loss))
+        exiting = c.exit_interval is not None and iteration % c.exit_interval == 0
+        interval = c.save_interval is not None and iteration % c.save_interval == 0
+        if c.save and (exiting or interval or iteration == t.train_iters):
+            started = time.perf_counter()
+            folder = checkpoint.save(c.save, Progress(iteration, consumed), config, program, state)
+            quiet(f"saved checkpoint at iteration {iteration} to {folder} ({time.perf_counter() - started:.2f} s)")
+        if exiting:
+            quiet(f"exiting at iteration {iteration} (--exit-interval {c.exit_interval})")
+            break
     if metrics:
         metrics.close()
     return records
+
+
+def resume(config: RunConfig, program: RankProgram, state: TrainState, log) -> Progress:
+    """Where training starts: the latest checkpoint in --load (any layout) loaded into `state`, or iteration 0."""
+    root = config.checkpoint.load
+    folder = checkpoint.latest(root) if root else None
+    if folder is None:
+        if root:
+            log(f"no checkpoint in {root}; starting from iteration 0")
+        return Progress(0, 0)
+    return checkpoint.load(folder, config, program, state, log)
 
 
 def dump_schedule(schedule: Schedule, run_dir: str, log=print) -> None:

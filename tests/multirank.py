@@ -34,29 +34,43 @@ def run_layouts(tmp_path, configs, batches, lrs, timeout: float = 900, inject_in
     `inject_inf` {step: rank} puts an inf into that rank's gradient before that step's update."""
     world = configs[0].world_size
     assert all(c.world_size == world for c in configs), "one launch runs cases of one world size"
-    job = os.path.join(tmp_path, "job.pt")
-    torch.save(dict(configs=configs, batches=batches, lrs=lrs, inject_inf=inject_inf or {}), job)
+    codes = launch(tmp_path, WORKER, dict(configs=configs, batches=batches, lrs=lrs, inject_inf=inject_inf or {}),
+                   world, timeout)
+    assert_succeeded(tmp_path, codes)
+    return [_collect(tmp_path, i, world) for i in range(len(configs))]
+
+
+def launch(tmp_path, worker: str, job: dict, world: int, timeout: float = 900) -> list[int | None]:
+    """Run `worker JOB STORE` as `world` gloo ranks; their exit codes (None: killed at the timeout).
+
+    The job is saved to tmp_path/job.pt; rank r's output goes to tmp_path/rank{r}.log."""
+    job_path = os.path.join(tmp_path, "job.pt")
+    torch.save(job, job_path)
     store = os.path.join(tmp_path, "store")
     procs = []
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
         log = open(os.path.join(tmp_path, f"rank{rank}.log"), "w")
-        procs.append(subprocess.Popen([sys.executable, WORKER, job, store], env=env, stdout=log,
+        procs.append(subprocess.Popen([sys.executable, worker, job_path, store], env=env, stdout=log,
                                       stderr=subprocess.STDOUT))
-    failed = []
-    for rank, proc in enumerate(procs):
+    codes = []
+    for proc in procs:
         try:
-            if proc.wait(timeout=timeout) != 0:
-                failed.append(rank)
+            codes.append(proc.wait(timeout=timeout))
         except subprocess.TimeoutExpired:
-            failed.append(rank)
-    if failed:
+            codes.append(None)
+    if any(code != 0 for code in codes):
         for proc in procs:
             proc.kill()
+    return codes
+
+
+def assert_succeeded(tmp_path, codes: list[int | None]) -> None:
+    failed = [rank for rank, code in enumerate(codes) if code != 0]
+    if failed:
         logs = "\n".join(f"--- rank {r} ---\n" + open(os.path.join(tmp_path, f"rank{r}.log")).read()[-3000:]
                          for r in failed)
         raise AssertionError(f"ranks {failed} failed:\n{logs}")
-    return [_collect(tmp_path, i, world) for i in range(len(configs))]
 
 
 def _collect(tmp_path, case: int, world: int) -> LayoutResult:

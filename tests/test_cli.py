@@ -36,6 +36,8 @@ def run_main(argv, capsys):
     (["--lr-decay-style", "exponential"], "lr_decay_style='exponential' must be cosine, linear or constant"),
     (["--lr", "fast"], "--lr='fast' is not a valid float"),
     (["--data-path", "/nonexistent/corpus"], "/nonexistent/corpus"),
+    (["--save-interval", "5"], "save-interval=5 needs --save DIR"),
+    (["--exit-interval", "0"], "exit-interval=0 must be at least 1"),
 ])
 def test_bad_flags(argv, message, capsys):
     status, err = run_main(argv, capsys)

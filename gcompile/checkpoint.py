@@ -1,0 +1,520 @@
+"""Distributed checkpoints: every rank saves its pieces, any layout loads them.
+
+On disk (Megatron's folders, torch.distributed.checkpoint files inside):
+
+    SAVE/latest_checkpointed_iteration.txt      "100": the last committed save
+    SAVE/iter_0000100/.metadata, __R_0.distcp   DCP: one file per rank, plain tensors by key
+    SAVE/iter_0000100/gcompile.json             what the keys mean (below), the run config, progress
+    SAVE/iter_0000200.tmp/                      a save in progress (or killed): never read
+
+Keys. A parameter's piece is named by the ranks it was cut for (`tp1`; `full` when uncut);
+a piece is written once, by the rank at dp 0 and, for an axis it is not cut over, rank 0
+of that axis; the tied copy on the last pipeline stage is not written.
+
+    model/{name}/{piece}                        the weights, in the model's dtype
+    optim/{state}/{name}/{piece}/{a}-{b}        elements [a, b) of the flattened piece, for state
+                                                main (fp32 main weights, when apart from the model),
+                                                exp_avg, exp_avg_sq; under the distributed optimizer
+                                                each dp rank writes the range it owns
+    rng/rank{r}/{device}                        each rank's RNG state
+
+gcompile.json holds, per parameter, the `Param` (full shape and cuts) it was saved with, and
+per key its dtype, shape and CRC-32. Loading reassembles one parameter at a time with
+`layout.full_value` and cuts it for the loading rank with `layout.local_value`, so any layout
+(tp, pp, dp, the distributed optimizer, main-weight dtype) loads any other.
+
+A save is atomic: every rank writes into iter_N.tmp, rank 0 adds gcompile.json, and after
+a barrier rank 0 renames the folder into place and then replaces the tracker file.
+
+    python -m gcompile.checkpoint export SAVE --output model.pt
+    python -m gcompile.checkpoint generate model.pt --prompt "def " --max-new-tokens 200
+"""
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import shutil
+import sys
+import warnings
+import zlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from gcompile.config import RunConfig
+from gcompile.flat import Span
+from gcompile.layout import Param, Shard, full_value, local_value
+from gcompile.mesh import Coords
+from gcompile.model import GPT, GPTConfig
+from gcompile.rank_program import RankProgram
+from gcompile.sample import generate_text
+from gcompile.state import TrainState
+
+TRACKER = "latest_checkpointed_iteration.txt"
+METADATA = "gcompile.json"
+TMP = ".tmp"
+"""Suffix of a folder that is not a committed checkpoint."""
+STATES = ("main", "exp_avg", "exp_avg_sq")
+SCALER = ("loss_scale", "growth_tracker", "hysteresis_left")
+"""fp16 loss-scaler scalars of TrainState."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded here; the message names what does not match."""
+
+
+@dataclass(frozen=True)
+class Progress:
+    iteration: int
+    consumed_samples: int
+
+
+def iteration_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def latest(root: str) -> str | None:
+    """The last committed checkpoint folder under `root`; None when there is none yet."""
+    tracker = os.path.join(root, TRACKER)
+    if not os.path.isfile(tracker):
+        return None
+    text = open(tracker).read().strip()
+    if not text.isdigit():
+        raise CheckpointError(f"{tracker}: expected an iteration number, found {text[:40]!r}")
+    folder = iteration_dir(root, int(text))
+    if not os.path.isdir(folder):
+        raise CheckpointError(f"{tracker} names iteration {text} but {folder} does not exist")
+    return folder
+
+
+# ---------------------------------------------------------------- save
+
+
+def save(root: str, progress: Progress, config: RunConfig, program: RankProgram, state: TrainState) -> str:
+    """Write this rank's pieces; every rank calls it. Returns the committed folder."""
+    coords = program.coords
+    final = iteration_dir(root, progress.iteration)
+    tmp = final + TMP
+    if coords.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # a save of this iteration killed earlier
+        os.makedirs(tmp)
+    _barrier()
+    tensors = _rank_tensors(program, state)
+    with _quiet_dcp():
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp), no_dist=not dist.is_initialized())
+    mine = ({p.name: _describe(p) for p in program.layout.params if not p.tied_copy},
+            {key: _key_record(t) for key, t in tensors.items()})
+    gathered = _gather(mine)
+    if coords.rank == 0:
+        params, keys = {}, {}
+        for rank_params, rank_keys in gathered:
+            params.update(rank_params)
+            keys.update(rank_keys)
+        meta = dict(iteration=progress.iteration, consumed_samples=progress.consumed_samples,
+                    step=state.step.item(),
+                    scaler={n: getattr(state, n).item() for n in SCALER} if state.loss_scale is not None else None,
+                    layout=dict(tp=coords.tp, pp=coords.pp, dp=coords.dp,
+                                distributed_optimizer=program.grad_sync.sharded,
+                                param_dtype=str(program.step_settings.param_dtype).removeprefix("torch."),
+                                main=state.main is not None),
+                    config=dataclasses.asdict(config), params=params, keys=keys)
+        _write_durably(os.path.join(tmp, METADATA), json.dumps(meta, indent=1))
+    _barrier()  # every rank's files are complete
+    if coords.rank == 0:
+        _commit(root, tmp, final, progress.iteration)
+    _barrier()
+    return final
+
+
+def _rank_tensors(program: RankProgram, state: TrainState) -> dict[str, torch.Tensor]:
+    """What this rank writes, by key (views of its buffers)."""
+    layout, coords, sharded = program.layout, program.coords, program.grad_sync.sharded
+    views = layout.views(state.params)
+    buffers = {name: getattr(state, name) for name in STATES if getattr(state, name) is not None}
+    spans = layout.spans(coords.dp_rank if sharded else None)
+    tensors = {}
+    for param in layout.params:
+        if param.tied_copy or not (param.sharded_over("tp") or coords.tp_rank == 0):
+            continue  # another rank writes the same values
+        piece = _piece_name(param, coords.axis_ranks)
+        if coords.dp_rank == 0:
+            tensors[f"model/{param.name}/{piece}"] = views[param.name]
+        if sharded or coords.dp_rank == 0:
+            for name, buffer in buffers.items():
+                for s in spans[param.name]:
+                    tensors[f"optim/{name}/{param.name}/{piece}/{s.start}-{s.end}"] = \
+                        buffer[s.at:s.at + s.end - s.start]
+    tensors[f"rng/rank{coords.rank}/cpu"] = torch.get_rng_state()
+    if state.params.is_cuda:
+        tensors[f"rng/rank{coords.rank}/cuda"] = torch.cuda.get_rng_state(state.params.device)
+    return tensors
+
+
+def _commit(root: str, tmp: str, final: str, iteration: int) -> None:
+    """Rename the finished folder into place, then point the tracker at it; clear leftovers."""
+    for name in os.listdir(root):
+        path = os.path.join(root, name)
+        if name.endswith(TMP) and os.path.isdir(path) and path != tmp:
+            shutil.rmtree(path, ignore_errors=True)
+    replaced = final + ".old" + TMP
+    if os.path.exists(final):  # saving an iteration again after resuming from an earlier one
+        os.rename(final, replaced)
+    os.rename(tmp, final)
+    _write_durably(os.path.join(root, TRACKER), f"{iteration}\n")
+    shutil.rmtree(replaced, ignore_errors=True)
+
+
+def _write_durably(path: str, text: str) -> None:
+    """Write a temporary file, fsync it, rename it over `path`, fsync the folder."""
+    with open(path + TMP, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + TMP, path)
+    folder = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+    try:
+        os.fsync(folder)
+    finally:
+        os.close(folder)
+
+
+# ---------------------------------------------------------------- read
+
+
+class Checkpoint:
+    """One committed checkpoint folder, read a parameter at a time."""
+
+    def __init__(self, folder: str):
+        self.folder = folder
+        path = os.path.join(folder, METADATA)
+        if not os.path.isdir(folder):
+            raise CheckpointError(f"{folder}: no such checkpoint folder")
+        try:
+            with open(path) as f:
+                self.meta = json.load(f)
+        except FileNotFoundError:
+            raise CheckpointError(f"{folder}: not a gcompile checkpoint (no {METADATA})") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{path}: unreadable ({e})") from None
+        layout = self.meta["layout"]
+        self.axis_sizes = dict(tp=layout["tp"], pp=layout["pp"], dp=layout["dp"])
+        self.params = {name: _param(name, d) for name, d in self.meta["params"].items()}
+        self.ranges = {}  # (state, name, piece) -> [(start, key)]
+        for key in self.meta["keys"]:
+            if key.startswith("optim/"):
+                _, state, rest = key.split("/", 2)
+                name, piece, span = rest.rsplit("/", 2)
+                self.ranges.setdefault((state, name, piece), []).append((int(span.split("-")[0]), key))
+        self.reader = _MetadataOnceReader(folder)
+        self.files = None  # key -> file name, read on the first failure
+
+    @property
+    def model_config(self) -> GPTConfig:
+        return GPTConfig(**self.meta["config"]["model"])
+
+    @property
+    def master(self) -> str:
+        """Where the most precise weights are: the fp32 main weights when they were kept apart."""
+        return "main" if self.meta["layout"]["main"] else "model"
+
+    def describe_layout(self) -> str:
+        layout = self.meta["layout"]
+        return (f"tp{layout['tp']} pp{layout['pp']} dp{layout['dp']}"
+                f"{', distributed optimizer' if layout['distributed_optimizer'] else ''}, {layout['param_dtype']}")
+
+    def check_model(self, model: GPTConfig) -> None:
+        saved = self.model_config
+        diffs = [f"{f.name}={getattr(saved, f.name)} (this run: {getattr(model, f.name)})"
+                 for f in dataclasses.fields(GPTConfig) if f.name != "dropout"
+                 and getattr(saved, f.name) != getattr(model, f.name)]
+        if diffs:
+            raise CheckpointError(f"{self.folder} holds a different model: {', '.join(diffs)}")
+
+    def full(self, state: str, name: str) -> torch.Tensor:
+        """The full single-device tensor of parameter `name`'s `state` ("model", "main", "exp_avg", ...)."""
+        if name not in self.params:
+            raise CheckpointError(f"{self.folder} holds no parameter {name}")
+        param = self.params[name]
+        pieces = _piece_names(param, self.axis_sizes)
+        if state == "model":
+            keys = {piece: [f"model/{name}/{piece}"] for piece in pieces}
+        else:
+            keys = {piece: [key for _, key in sorted(self.ranges.get((state, name, piece), []))] for piece in pieces}
+        values = self.read([key for piece in pieces for key in keys[piece]])
+        shape = param.local_shape(self.axis_sizes)
+        flat = [torch.cat([values[key].reshape(-1) for key in keys[piece]]) if keys[piece] else torch.empty(0)
+                for piece in pieces]
+        for piece, value in zip(pieces, flat):
+            if value.numel() != _numel(shape):
+                raise CheckpointError(f"{self.folder}: {state} of {name} piece {piece} holds {value.numel()} "
+                                      f"elements, its shape {list(shape)} needs {_numel(shape)}")
+        return full_value([value.view(shape) for value in flat], param, self.axis_sizes)
+
+    def local(self, state: str, param: Param, coords: Coords) -> torch.Tensor:
+        """`state` of a parameter as the rank at `coords` holds it under `param`'s cuts, flattened."""
+        full = self.full(state, param.name)
+        return local_value(full, param, coords.axis_ranks, coords.axis_sizes).reshape(-1)
+
+    def read(self, keys: list[str]) -> dict[str, torch.Tensor]:
+        """Load `keys` with DCP and check each against its CRC-32."""
+        records = self.meta["keys"]
+        for key in keys:
+            if key not in records:
+                raise CheckpointError(f"{self.folder} has no {key}")
+        tensors = {key: torch.empty(records[key]["shape"], dtype=_dtype(records[key]["dtype"])) for key in keys}
+        try:
+            with _quiet_dcp():
+                dcp.load(tensors, storage_reader=self.reader, no_dist=True)
+        except (Exception, dcp.CheckpointException) as e:  # a bad file fails as whatever its reader raised
+            raise CheckpointError(f"{self.folder}: cannot read {self._file_of(keys[0])} "
+                                  f"(truncated or damaged?): {_reason(e)}") from None
+        for key, value in tensors.items():
+            if _crc32(value) != records[key]["crc32"]:
+                raise CheckpointError(f"{self.folder}: {key} in {self._file_of(key)} does not match its "
+                                      f"checksum; the file is corrupted")
+        return tensors
+
+    def verify(self) -> None:
+        """Read every key once (a parameter at a time), so a damaged file fails before any rank starts."""
+        states = ("model", "main", "exp_avg", "exp_avg_sq") if self.meta["layout"]["main"] else \
+            ("model", "exp_avg", "exp_avg_sq")
+        for name in self.params:
+            for state in states:
+                self.full(state, name)
+        self.read([key for key in self.meta["keys"] if key.startswith("rng/")])
+
+    def _file_of(self, key: str) -> str:
+        if self.files is None:
+            try:
+                storage = self.reader.read_metadata().storage_data
+            except Exception:
+                return "its DCP .metadata"
+            self.files = {index.fqn: info.relative_path for index, info in storage.items()}
+        return self.files.get(key, "its DCP .metadata")
+
+
+def check(config: RunConfig) -> None:
+    """Before any rank starts: --save can be written, and the checkpoint --load resumes from (if any) is
+    whole and of this model."""
+    c = config.checkpoint
+    if c.save:
+        try:
+            os.makedirs(c.save, exist_ok=True)
+        except OSError as e:
+            raise CheckpointError(f"--save {c.save}: cannot create the folder ({e.strerror})") from None
+        if not os.access(c.save, os.W_OK | os.X_OK):
+            raise CheckpointError(f"--save {c.save}: the folder is not writable")
+    folder = latest(c.load) if c.load else None
+    if folder is not None:
+        checkpoint = Checkpoint(folder)
+        checkpoint.check_model(config.model)
+        checkpoint.verify()
+
+
+def load(folder: str, config: RunConfig, program: RankProgram, state: TrainState, log=print) -> Progress:
+    """Fill this rank's state from a checkpoint saved with any layout (ranks load independently)."""
+    coords = program.coords
+    checkpoint = Checkpoint(folder)
+    checkpoint.check_model(config.model)
+    layout = program.layout
+    views = layout.views(state.params)
+    spans = layout.spans(coords.dp_rank if program.grad_sync.sharded else None)
+    with torch.no_grad():
+        for param in layout.params:  # one full parameter in memory at a time
+            weights = checkpoint.local(checkpoint.master, param, coords)
+            views[param.name].view(-1).copy_(weights)  # in the model's dtype
+            if state.main is not None:
+                _put(state.main, spans[param.name], weights)
+            for name in ("exp_avg", "exp_avg_sq"):
+                _put(getattr(state, name), spans[param.name], checkpoint.local(name, param, coords))
+    meta = checkpoint.meta
+    state.step.fill_(meta["step"])
+    if meta["scaler"] is not None and state.loss_scale is not None:
+        for name in SCALER:
+            getattr(state, name).fill_(meta["scaler"][name])
+    saved = checkpoint.meta["layout"]
+    same_ranks = (saved["tp"], saved["pp"], saved["dp"]) == (coords.tp, coords.pp, coords.dp)
+    if same_ranks:
+        rng = checkpoint.read([k for k in meta["keys"] if k.startswith(f"rng/rank{coords.rank}/")])
+        torch.set_rng_state(rng[f"rng/rank{coords.rank}/cpu"])
+        if state.params.is_cuda and f"rng/rank{coords.rank}/cuda" in rng:
+            torch.cuda.set_rng_state(rng[f"rng/rank{coords.rank}/cuda"], state.params.device)
+    log(f"loaded {folder}: iteration {meta['iteration']}, consumed samples {meta['consumed_samples']} "
+        f"(saved on {checkpoint.describe_layout()}"
+        f"{'' if same_ranks else '; on other ranks, so RNG states are not restored'})")
+    return Progress(meta["iteration"], meta["consumed_samples"])
+
+
+class _MetadataOnceReader(dcp.FileSystemReader):
+    """DCP reads its .metadata on every load; a parameter at a time, that read would dominate."""
+
+    def __init__(self, folder: str):
+        super().__init__(folder)
+        self.metadata = None
+
+    def read_metadata(self, *args, **kwargs):
+        if self.metadata is None:
+            self.metadata = super().read_metadata(*args, **kwargs)
+        return self.metadata
+
+
+# ---------------------------------------------------------------- export
+
+
+def resolve(path: str) -> str:
+    """A committed checkpoint folder from SAVE (its latest) or from one iter_N folder."""
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: no such folder")
+    if os.path.isfile(os.path.join(path, METADATA)):
+        return path
+    folder = latest(path)
+    if folder is None:
+        raise CheckpointError(f"{path}: no checkpoint (neither {TRACKER} nor {METADATA})")
+    return folder
+
+
+def export(path: str, output: str) -> str:
+    """Write the model as one single-device nanoGPT checkpoint: {"model": state dict, "model_args": ...}."""
+    checkpoint = Checkpoint(resolve(path))
+    config = checkpoint.model_config
+    with torch.device("meta"):
+        model = GPT(config)
+    names = {id(p): name for name, p in model.named_parameters()}
+    weights = {name: checkpoint.full("model", name) for name in names.values()}
+    # every state-dict key, the tied lm_head.weight included, as the same tensor as its parameter
+    state_dict = {key: weights[names[id(p)]] for key, p in model.state_dict(keep_vars=True).items()}
+    torch.save(dict(model=state_dict, model_args=dataclasses.asdict(config),
+                    iter_num=checkpoint.meta["iteration"]), output)
+    return checkpoint.folder
+
+
+def load_exported(path: str) -> GPT:
+    """The single-device model of a file `export` wrote."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path}: no such file")
+    try:
+        exported = torch.load(path, map_location="cpu", weights_only=True)
+        model = GPT(GPTConfig(**exported["model_args"]))
+        model.load_state_dict(exported["model"])
+    except Exception as e:  # anything torch.load or load_state_dict refuses
+        raise CheckpointError(f"{path}: not a model exported by gcompile.checkpoint ({_reason(e)})") from None
+    return model
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m gcompile.checkpoint",
+                                     description="Export a distributed checkpoint, or sample from an export.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    ex = commands.add_parser("export", help="write a single-device state dict with nanoGPT's names")
+    ex.add_argument("checkpoint", help="SAVE folder (its latest checkpoint) or one SAVE/iter_N folder")
+    ex.add_argument("--output", required=True, help="file to write (torch.save)")
+    gen = commands.add_parser("generate", help="sample text from an exported model")
+    gen.add_argument("model", help="a file written by export")
+    gen.add_argument("--prompt", default="", help="text to continue; empty = a new document")
+    gen.add_argument("--max-new-tokens", type=int, default=200)
+    gen.add_argument("--temperature", type=float, default=0.8, help="above 0; lower = more likely tokens")
+    gen.add_argument("--top-k", type=int, default=200, help="sample among the k most likely tokens; 0 = all")
+    gen.add_argument("--seed", type=int, default=1337)
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "export":
+            folder = export(args.checkpoint, args.output)
+            print(f"exported {folder} to {args.output}")
+        else:
+            if args.temperature <= 0:
+                raise CheckpointError(f"--temperature {args.temperature} must be above 0")
+            model = load_exported(args.model)
+            print(generate_text(model, args.prompt, args.max_new_tokens, args.temperature, args.top_k or None,
+                                args.seed))
+    except CheckpointError as e:
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _put(buffer: torch.Tensor, spans: list[Span], values: torch.Tensor) -> None:
+    """Write the elements of a flattened parameter piece that `spans` place in an optimizer buffer."""
+    for s in spans:
+        buffer[s.at:s.at + s.end - s.start].copy_(values[s.start:s.end])
+
+
+def _piece_name(param: Param, axis_ranks) -> str:
+    """`tp1` for tp rank 1's piece of a tp-cut parameter; `full` when uncut."""
+    return "_".join(f"{s.axis}{axis_ranks[s.axis]}" for s in param.shards) or "full"
+
+
+def _piece_names(param: Param, axis_sizes) -> list[str]:
+    """Every piece of a parameter, in the order full_value takes them (the first cut's axis outermost)."""
+    names = [{}]
+    for s in param.shards:
+        names = [dict(ranks, **{s.axis: r}) for ranks in names for r in range(axis_sizes[s.axis])]
+    return [_piece_name(param, ranks) for ranks in names]
+
+
+def _describe(param: Param) -> dict:
+    return dict(full_shape=list(param.full_shape), shards=[dataclasses.asdict(s) for s in param.shards])
+
+
+def _param(name: str, described: dict) -> Param:
+    return Param(name=name, full_shape=tuple(described["full_shape"]),
+                 shards=tuple(Shard(**s) for s in described["shards"]))
+
+
+def _key_record(value: torch.Tensor) -> dict:
+    return dict(dtype=str(value.dtype).removeprefix("torch."), shape=list(value.shape), crc32=_crc32(value))
+
+
+def _crc32(value: torch.Tensor) -> int:
+    return zlib.crc32(value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _reason(error: BaseException) -> str:
+    """The first line of what went wrong; DCP wraps what its reader raised in a CheckpointException."""
+    if isinstance(error, dcp.CheckpointException) and error.failures:
+        error = next(iter(error.failures.values()))[0]
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _gather(obj) -> list:
+    """Every rank's `obj` on rank 0 (a list by rank); [] elsewhere."""
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(obj, out, dst=0)
+    return out or []
+
+
+@contextlib.contextmanager
+def _quiet_dcp():
+    """DCP warns on every single-process save or load that it assumes one process; we mean it."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,304 @@
+"""Checkpoints: exact resume, resharding across layouts, a save killed midway, export, bad input.
+
+Runs go through gcompile.train.train, the loop run_gpt.py runs, on gloo ranks
+(tests/workers/train_worker.py) or in this process for one rank, and are compared by
+the per-iteration lm_loss in RUN_DIR/metrics.jsonl against a run that was never cut.
+Resuming on the layout that saved is bitwise exact on CPU. Another layout sums in
+another order, so it matches within TOL, as every numerics test does.
+"""
+
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import run_gpt
+from gcompile import checkpoint
+from gcompile.checkpoint import TMP, TRACKER, iteration_dir
+from gcompile.config import parse_args
+from gcompile.data import build_datasets
+from gcompile.flat import flat_layout
+from gcompile.layout import Param
+from gcompile.mesh import Coords
+from gcompile.model import GPT, build_model
+from gcompile.pipeline import build_rank_program
+from gcompile.sample import sample
+from gcompile.state import TrainState
+from gcompile.train import train
+from tests.multirank import ROOT, assert_succeeded, launch
+
+TOL = 1e-5
+N = 3
+"""Iterations before the cut; every run is 2N iterations long (its lr schedule spans 2N)."""
+WORKER = os.path.join(os.path.dirname(__file__), "workers", "train_worker.py")
+SMALL = ["--n-layer", "2", "--n-head", "4", "--n-embd", "64", "--block-size", "32", "--seq-length", "32",
+         "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", str(2 * N), "--lr", "1e-3",
+         "--lr-warmup-iters", "2", "--eval-interval", "0"]
+DP2_DISTOPT = ["--dp", "2", "--use-distributed-optimizer"]
+
+
+def config(*flags):
+    return parse_args(SMALL + [str(f) for f in flags])[0]
+
+
+def losses(run_dir) -> list[float]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [r["lm_loss"] for r in map(json.loads, f) if "lm_loss" in r]
+
+
+def assert_close(actual: list[float], expected: list[float], label: str) -> None:
+    assert len(actual) == len(expected), (label, actual, expected)
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        assert abs(a - e) / abs(e) < TOL, f"{label}: loss {i} is {a}, expected {e}"
+
+
+DTYPES = {"": [], "bf16 ": ["--bf16"],
+          "fp16 ": ["--fp16", "--initial-loss-scale", "1048576", "--loss-scale-window", "2"]}
+"""Label prefix -> flags. fp16: the scale overflows, backs off and grows again on both sides of the cut."""
+
+
+def cut_resumed_straight(root, layouts: dict[str, list]) -> tuple[dict[str, object], list]:
+    """Per layout (label prefix -> flags): a run cut at N by --exit-interval, its resumption from
+    the cut's checkpoint, and an uninterrupted run. ({label: folder for run/ and save/}, configs)."""
+    dirs, configs = {}, []
+    for prefix, flags in layouts.items():
+        cut, resumed, straight = (root / (prefix + label) for label in ("cut", "resumed", "straight"))
+        dirs.update({prefix + "cut": cut, prefix + "resumed": resumed, prefix + "straight": straight})
+        configs += [config(*flags, "--save", cut / "save", "--exit-interval", N, "--run-dir", cut / "run"),
+                    config(*flags, "--load", cut / "save", "--save", resumed / "save", "--run-dir", resumed / "run"),
+                    config(*flags, "--run-dir", straight / "run")]
+    return dirs, configs
+
+
+def assert_resume_is_exact(dirs, prefix: str) -> None:
+    straight = losses(dirs[prefix + "straight"] / "run")
+    cut, resumed = losses(dirs[prefix + "cut"] / "run"), losses(dirs[prefix + "resumed"] / "run")
+    assert len(straight) == 2 * N and len(cut) == N, "--exit-interval stops after iteration N"
+    assert cut + resumed == straight, f"{prefix}cut at {N} and resumed: {cut} + {resumed} != {straight}"
+
+
+@pytest.fixture(scope="module")
+def dp2(tmp_path_factory):
+    """dp2 with the distributed optimizer in fp32, bf16 and fp16: cut, resumed, straight; one launch."""
+    root = tmp_path_factory.mktemp("dp2")
+    dirs, configs = cut_resumed_straight(root, {prefix: DP2_DISTOPT + flags for prefix, flags in DTYPES.items()})
+    assert_succeeded(root, launch(root, WORKER, dict(configs=configs), world=2))
+    return dirs
+
+
+def test_resume_is_exact(dp2):
+    for prefix in DTYPES:
+        assert_resume_is_exact(dp2, prefix)
+    save = dp2["cut"] / "save"
+    assert sorted(os.listdir(save)) == [os.path.basename(iteration_dir("", N)), TRACKER]
+    assert (save / TRACKER).read_text().strip() == str(N)
+    assert (dp2["resumed"] / "save" / TRACKER).read_text().strip() == str(2 * N), "a save at the end of training"
+
+
+MODEL_PARALLEL = ["--tp", 2, "--pp", 2, *DP2_DISTOPT]
+"""The layout saved by the model-parallel tests."""
+RESHARD_TO = ["--tp", 4, "--dp", 2]
+"""Another layout of as many ranks: other tp cuts, no pipeline, no distributed optimizer."""
+
+
+@pytest.fixture(scope="module")
+def model_parallel(tmp_path_factory):
+    """MODEL_PARALLEL: cut, resumed, straight, and the cut's checkpoint continued on RESHARD_TO; one launch."""
+    root = tmp_path_factory.mktemp("model_parallel")
+    dirs, configs = cut_resumed_straight(root, {"": MODEL_PARALLEL})
+    dirs["resharded"] = root / "resharded"
+    configs.append(config(*RESHARD_TO, "--load", dirs["cut"] / "save", "--run-dir", dirs["resharded"] / "run"))
+    assert_succeeded(root, launch(root, WORKER, dict(configs=configs), world=configs[0].world_size))
+    return dirs
+
+
+@pytest.mark.slow
+def test_model_parallel_resume_is_exact_and_reshards(model_parallel):
+    assert_resume_is_exact(model_parallel, "")
+    assert_close(losses(model_parallel["resharded"] / "run"), losses(model_parallel["straight"] / "run")[N:],
+                 f"{MODEL_PARALLEL} -> {RESHARD_TO}")
+
+
+@pytest.mark.parametrize("runs", ["dp2", pytest.param("model_parallel", marks=pytest.mark.slow)])
+def test_reshard_to_one_rank(runs, request, tmp_path):
+    dirs, run_dir = request.getfixturevalue(runs), tmp_path / "run"
+    train(config("--load", dirs["cut"] / "save", "--run-dir", run_dir), Coords(1, 1, 1), log=lambda _: None)
+    assert_close(losses(run_dir), losses(dirs["straight"] / "run")[N:], f"{runs} -> one rank")
+
+
+def loaded_state(folder, *flags) -> TrainState:
+    """A one-rank state loaded from `folder` under the layout `flags` give."""
+    cfg = config(*flags)
+    program = build_rank_program(cfg, Coords(1, 1, 1), log=lambda _: None)
+    state = TrainState.initial(program, cfg.model, cfg.train.seed, "cpu")
+    checkpoint.load(folder, cfg, program, state, log=lambda _: None)
+    return state
+
+
+def test_reshard_between_fp32_and_bf16_main_weights(dp2):
+    """Main weights go from one layout to another unrounded; a bf16 model gets their rounding."""
+    for source in ("cut", "bf16 cut"):
+        folder = iteration_dir(dp2[source] / "save", N)
+        fp32 = loaded_state(folder)  # the model's fp32 weights are the main weights
+        bf16 = loaded_state(folder, "--bf16", "--use-distributed-optimizer")  # dp1: one shard, the same order
+        assert fp32.main is None and bf16.main is not None
+        assert torch.equal(bf16.main, fp32.params), source
+        assert torch.equal(bf16.params, fp32.params.to(torch.bfloat16)), source
+        for name in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(getattr(bf16, name), getattr(fp32, name)), (source, name)
+
+
+def test_spans_place_every_element_once():
+    params = [(Param(f"p{i}", (n,)), (n,)) for i, n in enumerate([37, 5, 300, 64, 1])]
+    for dp in (1, 2, 4):
+        layout = flat_layout([params], dp=dp, bucket_size=100)
+        flat = torch.arange(layout.numel, dtype=torch.float32)
+        views = layout.views(flat)
+        seen = {name: torch.zeros(view.numel()) for name, view in views.items()}
+        for dp_rank in range(dp):
+            shard = layout.shard_of(flat, dp_rank)
+            for name, spans in layout.spans(dp_rank).items():
+                for s in spans:
+                    assert torch.equal(shard[s.at:s.at + s.end - s.start], views[name][s.start:s.end])
+                    seen[name][s.start:s.end] += 1
+        assert all(torch.equal(count, torch.ones_like(count)) for count in seen.values()), dp
+
+
+def test_killed_save_leaves_the_previous_checkpoint(dp2, tmp_path, capsys):
+    save, run_dir = tmp_path / "save", tmp_path / "run"
+    cut = config(*DP2_DISTOPT, "--save", save, "--save-interval", N, "--run-dir", tmp_path / "killed")
+    codes = launch(tmp_path, WORKER, dict(configs=[cut], kill=(1, 2 * N)), world=2, timeout=300)
+    assert codes[1] == -9 and codes[0] != 0, codes
+    killed = iteration_dir(save, 2 * N) + TMP
+    assert os.path.isdir(killed) and not os.path.exists(iteration_dir(save, 2 * N))
+    assert (save / TRACKER).read_text().strip() == str(N)
+
+    status = run_gpt.main(SMALL + ["--load", str(save), "--save", str(save), "--run-dir", str(run_dir)])
+    assert status == 0, capsys.readouterr().err
+    assert_close(losses(run_dir), losses(dp2["straight"] / "run")[N:], "resumed after a killed save")
+    assert (save / TRACKER).read_text().strip() == str(2 * N)
+    assert not [name for name in os.listdir(save) if name.endswith(TMP)], "the next save clears leftovers"
+
+
+@pytest.mark.parametrize("runs", ["dp2", pytest.param("model_parallel", marks=pytest.mark.slow)])
+def test_export_gives_the_distributed_loss(runs, request, tmp_path):
+    dirs, output = request.getfixturevalue(runs), tmp_path / "model.pt"
+    assert checkpoint.main(["export", str(dirs["cut"] / "save"), "--output", str(output)]) == 0
+    exported = torch.load(output, weights_only=True)
+    cfg = config()
+    model = GPT(cfg.model)
+    model.load_state_dict(exported["model"])  # strict: every nanoGPT name, lm_head.weight included
+    assert exported["model"]["lm_head.weight"] is exported["model"]["transformer.wte.weight"]
+    train_data, _ = build_datasets(cfg.data, cfg.train.seq_length, cfg.train.seed)
+    tokens = train_data.batch(N * cfg.train.global_batch_size, cfg.train.global_batch_size)  # iteration N + 1
+    with torch.no_grad():
+        loss = model(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()).item()
+    assert_close([loss], losses(dirs["straight"] / "run")[N:N + 1], f"model exported from {runs}")
+
+
+def test_generate_is_seeded_and_top_1_is_greedy(tmp_path, capsys):
+    cfg = config()
+    output = tmp_path / "model.pt"
+    model = build_model(cfg.model, seed=0)
+    torch.save(dict(model=model.state_dict(), model_args=dataclasses.asdict(cfg.model)), output)
+    texts = []
+    for seed in (1, 1, 2):
+        assert checkpoint.main(["generate", str(output), "--prompt", "def ", "--max-new-tokens", "30",
+                                "--seed", str(seed)]) == 0
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1] != texts[2] and texts[0].startswith("def ")
+    ids = torch.tensor([[100, 101, 102]])
+    greedy = ids
+    with torch.no_grad():
+        for _ in range(5):
+            greedy = torch.cat([greedy, model(greedy)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(sample(model, ids, 5, 1.0, 1, torch.Generator()), greedy)
+
+
+def flip_tensor_bytes(folder) -> None:
+    """Invert 8 bytes in the middle of the largest tensor DCP wrote: the file still parses."""
+    storage = dcp.FileSystemReader(folder).read_metadata().storage_data
+    info = max(storage.values(), key=lambda info: info.length)
+    with open(os.path.join(folder, info.relative_path), "r+b") as f:
+        f.seek(info.offset + info.length // 2)
+        data = f.read(8)
+        f.seek(info.offset + info.length // 2)
+        f.write(bytes(b ^ 0xFF for b in data))
+
+
+def truncate_shards(folder) -> None:
+    for name in os.listdir(folder):
+        if name.endswith(".distcp"):
+            os.truncate(os.path.join(folder, name), os.path.getsize(os.path.join(folder, name)) // 2)
+
+
+@pytest.mark.parametrize("damage, flags, message", [
+    (truncate_shards, [], "cannot read __0_0.distcp (truncated or damaged?)"),
+    (flip_tensor_bytes, [], "does not match its checksum; the file is corrupted"),
+    (None, ["--n-layer", "3"], "holds a different model: n_layer=2 (this run: 3)"),
+    (lambda folder: os.remove(os.path.join(folder, "gcompile.json")), [], "not a gcompile checkpoint"),
+    (lambda folder: open(os.path.join(os.path.dirname(folder), TRACKER), "w").write("99\n"), [],
+     "names iteration 99 but"),
+])
+def test_bad_checkpoint_is_one_line(dp2, tmp_path, capsys, damage, flags, message):
+    save = tmp_path / "save"
+    shutil.copytree(dp2["cut"] / "save", save)
+    if damage:
+        damage(iteration_dir(save, N))
+    status = run_gpt.main(SMALL + flags + ["--load", str(save)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(err) == 1 and message in err[0], err
+    if damage is not None:
+        status = checkpoint.main(["export", str(save), "--output", str(tmp_path / "model.pt")])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert status == 2 and len(err) == 1, err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["export", "/nonexistent/save", "--output", "model.pt"], "/nonexistent/save: no such folder"),
+    (["generate", "/nonexistent/model.pt"], "/nonexistent/model.pt: no such file"),
+])
+def test_bad_export_and_generate_input(argv, message, capsys):
+    status = checkpoint.main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(err) == 1 and message in err[0], err
+
+
+def test_unwritable_save_folder_is_one_line(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    status = run_gpt.main(SMALL + ["--save", str(tmp_path / "file" / "save")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(err) == 1 and "cannot create the folder" in err[0], err
+
+
+def test_command_line_error_has_no_traceback(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "gcompile.checkpoint", "export", str(tmp_path / "missing"),
+                             "--output", str(tmp_path / "model.pt")], capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().startswith("python -m gcompile.checkpoint: error:"), result.stderr
+
+
+def test_load_without_a_checkpoint_starts_fresh(tmp_path, capsys):
+    status = run_gpt.main(SMALL + ["--train-iters", "1", "--load", str(tmp_path / "none"),
+                                   "--run-dir", str(tmp_path / "run")])
+    out = capsys.readouterr().out
+    assert status == 0
+    assert [line for line in out.splitlines() if "checkpoint" in line] == \
+        [f"no checkpoint in {tmp_path / 'none'}; starting from iteration 0"]
+
+
+def test_commit_replaces_an_iteration_and_clears_leftovers(tmp_path):
+    for name in ("iter_0000002", "iter_0000002.tmp", "iter_0000004.tmp", "iter_0000004"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "was").write_text(name)
+    (tmp_path / TRACKER).write_text("4\n")
+    checkpoint._commit(str(tmp_path), str(tmp_path / "iter_0000002.tmp"), str(tmp_path / "iter_0000002"), 2)
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000002", "iter_0000004", TRACKER]
+    assert (tmp_path / "iter_0000002" / "was").read_text() == "iter_0000002.tmp"
+    assert checkpoint.latest(str(tmp_path)) == str(tmp_path / "iter_0000002")
