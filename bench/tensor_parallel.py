@@ -117,7 +117,7 @@ def gcompile_step_fn(config, coords, compiled: bool):
     state = TrainState.initial(program, config.model, config.train.seed, "cpu")
     state.lr.fill_(config.train.lr)
     runtime = Runtime(program, functions, opt_step, state)
-    return lambda tokens: runtime.train_step(split_microbatches(tokens, config.train.micro_batch_size))[0]
+    return lambda tokens: runtime.train_step(split_microbatches(tokens, config.train.micro_batch_size)).loss
 
 
 def bench_config(args, tp_plan: tuple[str, ...] = MEGATRON_PLAN):
