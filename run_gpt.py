@@ -21,7 +21,7 @@ from gcompile.data import DataError, build_datasets
 from gcompile.check import PlanError, check_plan
 from gcompile.launch import join_world, rank_threads, run_ranks, under_launcher
 from gcompile.mesh import Coords
-from gcompile.pass_manager import PassError
+from gcompile.pass_manager import PassError, clear_stale_dumps
 from gcompile.program import dump_text
 from gcompile.train import train
 from gcompile.world import build_world, prepare_launch
@@ -65,6 +65,8 @@ def main(argv: list[str]) -> int:
     try:
         config, flags = parse_args(argv)
         if not under_launcher():
+            if config.log.dump_graphs:
+                clear_stale_dumps(config.log.dump_graphs, config.world_size)
             if flags.dump_only or flags.check_plan:
                 return plan_only(config, flags.dump_only)
             build_datasets(config.data, config.train.seq_length, config.train.seed)  # prepare once, check early

@@ -9,6 +9,7 @@ inconsistent fails right there, named, with the passes that ran before it.
 
 import importlib
 import os
+import re
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -106,3 +107,33 @@ def _op_counts(program: Program) -> Counter:
 
 def rank_dump_dir(root: str | None, rank: int) -> str | None:
     return os.path.join(root, f"rank{rank}") if root else None
+
+
+DUMP_FILE = re.compile(r"\d\d_\w+\.txt|schedule\.txt|summary\.txt")
+"""What a build writes into a rank's dump folder."""
+RANK_FOLDER = re.compile(r"rank(\d+)")
+
+
+def clear_rank_dump(dump_dir: str) -> None:
+    """Remove an earlier build's files from a rank's dump folder: a dump is of one run, and
+    numbered files of another layout would read as steps of this one. Other files stay."""
+    if os.path.isdir(dump_dir):
+        for name in os.listdir(dump_dir):
+            if DUMP_FILE.fullmatch(name):
+                os.remove(os.path.join(dump_dir, name))
+
+
+def clear_stale_dumps(root: str, world_size: int) -> None:
+    """Before a world of `world_size` ranks dumps into `root`: clear the folders of ranks it does not
+    have (a larger earlier world's) and an earlier --dump-only's plan.txt."""
+    if not os.path.isdir(root):
+        return
+    for name in os.listdir(root):
+        match = RANK_FOLDER.fullmatch(name)
+        if match and int(match.group(1)) >= world_size:
+            folder = os.path.join(root, name)
+            clear_rank_dump(folder)
+            if not os.listdir(folder):
+                os.rmdir(folder)
+    if os.path.isfile(os.path.join(root, "plan.txt")):
+        os.remove(os.path.join(root, "plan.txt"))

@@ -24,7 +24,7 @@ from gcompile.lower import LoweredStage, lower_stage
 from gcompile.mesh import Coords
 from gcompile.flat import flat_layout
 from gcompile.optimizer import AdamWSettings, LocalGrads, LossScaling, StepSettings, tied_reductions
-from gcompile.pass_manager import PassContext, rank_dump_dir, run_passes, run_rank_passes
+from gcompile.pass_manager import PassContext, clear_rank_dump, rank_dump_dir, run_passes, run_rank_passes
 from gcompile.program import Stage, dump_text
 from gcompile.rank_program import RankProgram
 from gcompile.schedule import build_schedule, simulate
@@ -81,6 +81,8 @@ def build_rank_program(config: RunConfig, coords: Coords, device: str = "cpu",
     t, p = config.train, config.parallel
     cache = cache or BuildCache()
     dump_dir = rank_dump_dir(dump_root, coords.rank)
+    if dump_dir:
+        clear_rank_dump(dump_dir)
     ctx = PassContext(config, coords, dump_dir)
     forward_passes, rank_passes = pass_lists(config)
 

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+import run_gpt
 from gcompile.check import PlanError, check_plan, estimate_memory
 from gcompile.compile import graph_key
 from gcompile.config import build_config
@@ -42,6 +43,23 @@ def test_dump_only_builds_a_large_world_in_one_process(tmp_path):
         summary = open(tmp_path / folder / "summary.txt").read()
         assert "all_reduce               tp" in summary, folder
     assert "128 ranks agree" in open(tmp_path / "plan.txt").read()
+
+
+def test_a_dump_folder_holds_one_run(tmp_path, capsys):
+    """Dumping into a folder again replaces the earlier build's files, a larger world's ranks included."""
+    small = ["--n-layer", "2", "--n-head", "4", "--n-embd", "64", "--block-size", "32", "--seq-length", "32",
+             "--micro-batch-size", "1", "--global-batch-size", "4", "--dump-only", "--dump-graphs"]
+    reused, fresh = tmp_path / "reused", tmp_path / "fresh"
+    (reused / "rank0").mkdir(parents=True)
+    (reused / "rank0" / "notes.md").write_text("not ours")
+    assert run_gpt.main(small + [str(reused), "--tp", "2", "--pp", "2"]) == 0
+    assert run_gpt.main(small + [str(reused), "--pp", "2"]) == 0
+    assert run_gpt.main(small + [str(fresh), "--pp", "2"]) == 0
+    assert sorted(os.listdir(reused)) == sorted(os.listdir(fresh)) == ["plan.txt", "rank0", "rank1"]
+    for rank in ("rank0", "rank1"):
+        ours = sorted(set(os.listdir(reused / rank)) - {"notes.md"})
+        assert ours == sorted(os.listdir(fresh / rank)), rank
+    assert (reused / "rank0" / "notes.md").read_text() == "not ours"
 
 
 def test_checker_refuses_a_rank_that_drops_a_collective():
