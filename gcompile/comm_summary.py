@@ -1,4 +1,5 @@
-"""What a rank communicates per iteration: every functional collective in its lowered graphs, counted.
+"""What a rank communicates per iteration: every functional collective in its lowered graphs, counted;
+and what it computes (FLOPs per graph).
 
 A graph runs once per instruction that calls it (a stage's forward and backward
 once per microbatch, the optimizer step once), so the per-iteration numbers are
@@ -14,6 +15,7 @@ import torch
 import torch.fx as fx
 
 from gcompile.collectives import collective_nodes
+from gcompile.flops import graph_flops
 from gcompile.rank_program import RankProgram
 from gcompile.schedule import Kind
 
@@ -70,6 +72,14 @@ def format_summary(program: RankProgram) -> str:
         lines.append(f"{kind:<24} {group:<6} {n:>6} calls {volume[(kind, group)]:>14,} bytes")
     if not calls:
         lines.append("(no collectives)")
+    lines.append("# FLOPs per training iteration (matmuls and attention, torch.utils.flop_counter's formulas)")
+    lines.append(f"{'graph':<18} {'runs':>4}  {'FLOPs/run':>18} {'FLOPs/iteration':>18}")
+    total = 0
+    for name, gm, runs in graph_runs(program):
+        flops = graph_flops(gm)
+        total += flops * runs
+        lines.append(f"{name:<18} {runs:>4}  {flops:>18,} {flops * runs:>18,}")
+    lines.append(f"{'total':<18} {'':>4}  {'':>18} {total:>18,}")
     layout = program.layout
     sharded = [p.name for p in layout.params if p.shards]
     local = sum(math.prod(s) for s in layout.shapes)

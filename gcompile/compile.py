@@ -15,6 +15,8 @@ import torch
 import torch.fx as fx
 from torch._dynamo.utils import counters
 
+from gcompile.comm_summary import graph_runs
+from gcompile.program import dump_text
 from gcompile.rank_program import RankProgram
 from gcompile.runtime import StageFunctions
 
@@ -71,3 +73,17 @@ def compile_rank_program(program: RankProgram, compiler: Compiler) -> tuple[dict
                                    compiler(stage.backward_last) if stage.backward_last is not None else None)
                  for s, stage in program.stages.items()}
     return functions, compiler(program.optimizer.graph)
+
+
+def generated_code(compiled: Callable | None) -> str | None:
+    """The Python Inductor generated for a compiled graph. None for an FX graph, and where this torch
+    keeps it elsewhere: it sits on a private attribute of standalone_compile's artifact."""
+    return getattr(getattr(compiled, "_compiled_fn", None), "source_code", None)
+
+
+def dump_generated_code(program: RankProgram, compiler: Compiler, dump_dir: str) -> None:
+    """--dump-graphs with --compile: each graph's generated code, as inductor_{graph}.py."""
+    for name, gm, _ in graph_runs(program):
+        code = generated_code(compiler.compiled.get(graph_key(gm)))
+        if code is not None:
+            dump_text(dump_dir, f"inductor_{name}.py", code)

@@ -109,7 +109,7 @@ def rank_dump_dir(root: str | None, rank: int) -> str | None:
     return os.path.join(root, f"rank{rank}") if root else None
 
 
-DUMP_FILE = re.compile(r"\d\d_\w+\.txt|schedule\.txt|summary\.txt")
+DUMP_FILE = re.compile(r"\d\d_\w+\.txt|inductor_[\w.]+\.py|schedule\.txt|summary\.txt")
 """What a build writes into a rank's dump folder."""
 RANK_FOLDER = re.compile(r"rank(\d+)")
 

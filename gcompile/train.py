@@ -16,12 +16,13 @@ import torch.distributed as dist
 
 from gcompile import checkpoint
 from gcompile.checkpoint import Progress
-from gcompile.compile import Compiler, compile_rank_program
+from gcompile.compile import Compiler, compile_rank_program, dump_generated_code
 from gcompile.cuda_graphs import GraphedTrainStep
 from gcompile.config import ConfigError, RunConfig, TrainConfig
 from gcompile.data import GPTDataset, build_datasets
 from gcompile.log import MetricsLog, num_floating_point_operations
 from gcompile.mesh import Coords, group
+from gcompile.pass_manager import rank_dump_dir
 from gcompile.pipeline import build_rank_program
 from gcompile.program import dump_text
 from gcompile.rank_program import RankProgram
@@ -75,6 +76,8 @@ def train(config: RunConfig, coords: Coords, device: str = "cpu", log=print) -> 
         dump_schedule(program.schedule, config.log.run_dir, log)
     compiler = Compiler(enabled=t.compile)
     functions, optimizer_step = compile_rank_program(program, compiler)
+    if t.compile and config.log.dump_graphs:
+        dump_generated_code(program, compiler, rank_dump_dir(config.log.dump_graphs, coords.rank))
     if t.compile:
         log(f"rank {coords.rank} {coords} compile: {compiler.stats}")
     state = TrainState.initial(program, config.model, t.seed, device)

@@ -10,8 +10,11 @@ import pytest
 import run_gpt
 from gcompile.check import PlanError, check_plan, estimate_memory
 from gcompile.compile import graph_key
-from gcompile.config import build_config
+from gcompile.config import build_config, parse_args
+from gcompile.flops import graph_flops
+from gcompile.mesh import Coords
 from gcompile.schedule import Kind, Schedule
+from gcompile.train import train
 from gcompile.world import build_world, precompile, rank_graphs
 from tests.multirank import run_layouts
 from tests.reference import ADAM_EPS, random_batches, reference_run, rel_err, without_key_bias
@@ -60,6 +63,30 @@ def test_a_dump_folder_holds_one_run(tmp_path, capsys):
         ours = sorted(set(os.listdir(reused / rank)) - {"notes.md"})
         assert ours == sorted(os.listdir(fresh / rank)), rank
     assert (reused / "rank0" / "notes.md").read_text() == "not ours"
+
+
+def test_flops_count_the_model():
+    """A stage's forward FLOPs are the model's matmuls and attention, counted by hand; its backward
+    does twice the matmul work plus flash attention's backward (torch's formula: 2.5x its forward)."""
+    B, T, h, L, V = 2, 32, 64, 2, 257
+    cfg = build_config({"model": dict(n_layer=L, n_head=4, n_embd=h, block_size=T, vocab_size=V),
+                        "train": dict(micro_batch_size=B, global_batch_size=B, seq_length=T)})
+    stage = build_world(cfg, log=lambda _: None)[0].stages[0]
+    matmuls = L * 2 * B * T * 12 * h * h + 2 * B * T * h * V  # qkv 3h^2, proj h^2, mlp 8h^2; the head
+    attention = L * 4 * B * T * T * h  # q k^T and p v
+    assert graph_flops(stage.forward) == matmuls + attention
+    assert graph_flops(stage.backward) == 2 * matmuls + 2.5 * attention
+
+
+def test_compiled_dump_holds_the_generated_code_and_flops(tmp_path):
+    run_dir, dump = tmp_path / "run", tmp_path / "dump"
+    config, _ = parse_args(["--config", os.path.join(ROOT, "configs", "tiny.toml"), "--compile", "--train-iters", "1", "--eval-interval", "0",
+                            "--run-dir", str(run_dir), "--dump-graphs", str(dump)])
+    train(config, Coords(1, 1, 1), log=lambda _: None)
+    for graph in ("stage0.forward", "stage0.backward", "optimizer"):
+        assert "def call(" in (dump / "rank0" / f"inductor_{graph}.py").read_text(), graph
+    summary = (dump / "rank0" / "summary.txt").read_text()
+    assert "# FLOPs per training iteration" in summary and "stage0.backward" in summary
 
 
 def test_checker_refuses_a_rank_that_drops_a_collective():
