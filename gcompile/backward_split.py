@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from gcompile.program import drop_dead_nodes, propagate_shapes
+from gcompile.program import drop_dead_nodes, node_origin, propagate_shapes
 
 
 @dataclass(frozen=True)
@@ -59,8 +59,7 @@ def split_backward(backward: fx.GraphModule, num_params: int) -> SplitBackward |
              and any(user in w_set for user in n.users)]
     for node in stash:
         if not isinstance(node.meta.get("val"), torch.Tensor):
-            raise NotImplementedError(f"backward split: W reads {node.name} ({node.target}) from B, "
-                                      f"which is not a tensor")
+            raise NotImplementedError(f"backward split: W reads {node_origin(node)} from B, which is not a tensor")
 
     weight = fx.Graph()
     env = {}

@@ -57,11 +57,13 @@ class LoweredStage:
     last_outputs: tuple[tuple[str, int, int], ...] = ()
     """(TrainState buffer, start, end) slices that backward_last's extra outputs are copied into."""
     backward_weight: fx.GraphModule | None = None
-    """Zero-bubble schedules: the parameter gradients left for W, `backward` being B (gcompile/backward_split.py):
+    """Zero-bubble schedules: W, the parameter gradients `backward` (then B) leaves (gcompile/backward_split.py):
     backward(*saved, *output_grads) -> (*param_grads, *input_grads, *stash);
     backward_weight(*[backward's inputs at weight_inputs], *stash) -> (*param_grads)."""
     weight_inputs: tuple[int, ...] = ()
+    """Indices into backward's inputs that backward_weight reads (saved activations, output gradients)."""
     num_stash: int = 0
+    """Tensors backward returns last, for backward_weight."""
 
     def activation_inputs(self) -> list[str]:
         return activation_roles(self.inputs, self.rank_constants)
