@@ -1,7 +1,7 @@
 """Pipeline schedules as data: what each pipeline rank runs, in order.
 
 A schedule is, per pp rank, an ordered list of actions. Each action names a
-global stage, a kind and a microbatch, and prints as `2F0`, `1B3`, `0SEND_F1`,
+global stage, a kind and a microbatch, and prints as `2F0`, `1B3`, `1W3`, `0SEND_F1`,
 `1RECV_B2` (stage, kind, microbatch); `parse_action` reads that back.
 
 Placement follows Megatron's interleaving: stage s lives on rank s % pp, so
@@ -140,8 +140,8 @@ def format_table(schedule: Schedule, communication: bool = False) -> str:
 def warmup_forwards(name: str, pp: int, vpp: int, m: int, rank: int) -> int:
     """Forwards a rank runs before its first forward-backward pair, as Megatron counts them.
 
-    1f1b: one per stage after the rank, so the last stage starts backward at
-    once. interleaved: pp microbatches through each chunk but the last, plus
+    1f1b (and zb1f1b): one per stage after the rank, so the last stage starts
+    backward at once. interleaved: pp microbatches through each chunk but the last, plus
     two per later rank, which keep the rank busy while its first gradient
     makes the round trip to the last rank. (This is Megatron-core's count with
     microbatch_group_size_per_vp_stage = pp; releases before it warmed up with
@@ -249,7 +249,8 @@ def rank_in_flight_bound(schedule: Schedule, rank: int) -> int:
     """Most microbatches a rank may hold forward-done, backward-pending, over all its stages.
 
     Megatron's loop runs one more forward after the warmup before its first
-    backward, then trades one for one: gpipe m, 1f1b min(pp-rank, m).
+    backward, then trades one for one: gpipe m, 1f1b and zb1f1b min(pp-rank, m)
+    (zb1f1b's W's come after their B's and keep less, which this does not count).
     """
     m, vpp = schedule.num_microbatches, schedule.vpp
     return min(warmup_forwards(schedule.name, schedule.pp, vpp, m, rank) + 1, m * vpp)
