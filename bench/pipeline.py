@@ -12,7 +12,8 @@ over the global norm included:
 
     torch.distributed.pipelining: pipeline() with SplitPoint.BEGINNING at that block,
                                   Schedule1F1B / ScheduleGPipe, eager stage modules
-    gcompile --pp 2:              the pipeline_split stages, 1f1b / gpipe, FX graphs or --compile
+    gcompile --pp 2:              the pipeline_split stages, 1f1b / gpipe / zb1f1b (zero-bubble ZB-H1),
+                                  FX graphs or --compile
 
 and, interleaved, both split into 4 stages of n_layer/4 blocks, two per rank (stage s on
 rank s % 2): ScheduleInterleaved1F1B against gcompile's interleaved schedule, vpp=2.
@@ -27,12 +28,13 @@ Bubble: the share of rank-time a rank spends not computing, over one step's
 forward-backward (the optimizer step left out), as the simulator defines it:
 
     measured  = 1 - sum over ranks of busy / (pp * wall)
-    busy      = time inside the rank's stage forward and backward callables
+    busy      = time inside the rank's stage forward and backward callables (zb1f1b: B and W)
     wall      = from the common start (a barrier) until the last rank finishes its instruction list
 
-predicted = simulate(schedule, F, B).bubble_fraction with each stage's F and B set to
-their measured mean times (communication counts as free there); also shown: the
-uniform-stage formula (pp-1)/(m+pp-1).
+predicted = simulate(schedule, F, B, W).bubble_fraction with each stage's F, B (the whole
+backward) and W (its weight-gradient share, zb1f1b) set to their measured mean times per
+microbatch (communication counts as free there); also shown: the uniform-stage formula
+(pp-1)/(m+pp-1).
 """
 
 import argparse
@@ -63,9 +65,10 @@ PP = 2
 
 @dataclass
 class StageTimes:
-    """Seconds spent in each stage's forward and backward callables, per call."""
+    """Seconds spent in each stage's forward, backward and weight-backward callables, per call."""
     forward: dict[int, list[float]] = field(default_factory=dict)
     backward: dict[int, list[float]] = field(default_factory=dict)
+    weight: dict[int, list[float]] = field(default_factory=dict)
 
     def timed(self, stage: int, fn, table: dict):
         def call(*args):
@@ -76,11 +79,12 @@ class StageTimes:
         return call
 
     def busy(self) -> float:
-        return sum(map(sum, self.forward.values())) + sum(map(sum, self.backward.values()))
+        return sum(sum(map(sum, table.values())) for table in (self.forward, self.backward, self.weight))
 
     def clear(self):
         self.forward.clear()
         self.backward.clear()
+        self.weight.clear()
 
 
 class Gcompile:
@@ -91,7 +95,9 @@ class Gcompile:
         functions, self.optimizer_step = compile_rank_program(program, Compiler(enabled=config.train.compile))
         self.times = StageTimes()
         timed = {s: StageFunctions(self.times.timed(s, f.forward, self.times.forward),
-                                   self.times.timed(s, f.backward, self.times.backward))
+                                   self.times.timed(s, f.backward, self.times.backward),
+                                   backward_weight=None if f.backward_weight is None else
+                                   self.times.timed(s, f.backward_weight, self.times.weight))
                  for s, f in functions.items()}
         state = TrainState.initial(program, config.model, config.train.seed, "cpu")
         state.lr.fill_(config.train.lr)
@@ -160,8 +166,9 @@ def timed_steps(step, iters: int) -> list[float]:
     return times
 
 
-def bubble(runner: Gcompile, iters: int) -> tuple[float, float, list[tuple[float, float]], list[list[float]]]:
-    """(measured, predicted, per-stage mean forward and backward seconds, per rank mean seconds of
+def bubble(runner: Gcompile, iters: int) -> tuple[float, float, list[tuple[float, float, float]], list[list[float]]]:
+    """(measured, predicted, per-stage mean forward, whole backward and W seconds per microbatch, per rank mean
+    seconds of
     [forward-backward, compute in it, optimizer step]) over `iters` steps, as the module docstring
     defines them."""
     runner.times.clear()
@@ -175,14 +182,16 @@ def bubble(runner: Gcompile, iters: int) -> tuple[float, float, list[tuple[float
     wall = max(r[0].item() for r in ranks)
     measured = 1 - sum(r[1].item() for r in ranks) / (PP * wall)
     costs = [None] * (PP * runner.schedule.vpp)
-    local = {s: (statistics.mean(runner.times.forward[s]), statistics.mean(runner.times.backward[s]))
-             for s in runner.times.forward}
+    local = {}
+    for s in runner.times.forward:
+        w = sum(runner.times.weight.get(s, [])) / len(runner.times.forward[s])  # 0 where B ran it all
+        local[s] = (statistics.mean(runner.times.forward[s]), statistics.mean(runner.times.backward[s]) + w, w)
     gathered = [None] * PP
     dist.all_gather_object(gathered, local)
     for table in gathered:
         for s, cost in table.items():
             costs[s] = cost
-    predicted = simulate(runner.schedule, [c[0] for c in costs], [c[1] for c in costs]).bubble_fraction
+    predicted = simulate(runner.schedule, *([c[i] for c in costs] for i in range(3))).bubble_fraction
     return measured, predicted, costs, [r.tolist() for r in ranks]
 
 
@@ -222,11 +231,12 @@ def main():
         "(c) gcompile 1f1b (FX graphs)": Gcompile(config("1f1b", False), coords, tokens),
         "(d) gcompile 1f1b --compile": Gcompile(config("1f1b", True), coords, tokens),
         "(e) gcompile gpipe --compile": Gcompile(config("gpipe", True), coords, tokens),
+        "(f) gcompile zb1f1b --compile": Gcompile(config("zb1f1b", True), coords, tokens),
     }
     if args.n_layer % (2 * PP) == 0:  # interleaving: a stage per n_layer / 4 blocks, two per rank
-        contenders["(f) torch.d.pipelining Interleaved1F1B"] = TorchPipelining(
+        contenders["(g) torch.d.pipelining Interleaved1F1B"] = TorchPipelining(
             base, coords.rank, tokens, ScheduleInterleaved1F1B, vpp=2)
-        contenders["(g) gcompile interleaved vpp=2 --compile"] = Gcompile(config("interleaved", True, vpp=2),
+        contenders["(h) gcompile interleaved vpp=2 --compile"] = Gcompile(config("interleaved", True, vpp=2),
                                                                           coords, tokens)
     for runner in contenders.values():
         for _ in range(args.warmup):
@@ -256,8 +266,8 @@ def main():
                   f"{best_peer / best:6.2f}x {measured:>8s} {predicted:>9s}")
         print(f"uniform-stage formula (pp-1)/(m+pp-1) = {(PP - 1) / (m + PP - 1):.1%}")
         for name, (_, _, costs, ranks) in bubbles.items():
-            print(f"{name}: per-stage forward / backward ms " +
-                  ", ".join(f"s{s} {f * 1e3:.0f} / {b * 1e3:.0f}" for s, (f, b) in enumerate(costs)) +
+            print(f"{name}: per-stage forward / backward (of it W) ms " +
+                  ", ".join(f"s{s} {f * 1e3:.0f} / {b * 1e3:.0f} ({w * 1e3:.0f})" for s, (f, b, w) in enumerate(costs)) +
                   "; per rank forward-backward = compute + waiting, then optimizer, ms: " +
                   ", ".join(f"r{r} {w * 1e3:.0f} = {c * 1e3:.0f} + {(w - c) * 1e3:.0f}, {o * 1e3:.0f}"
                             for r, (w, c, o) in enumerate(ranks)))

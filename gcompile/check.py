@@ -22,7 +22,7 @@ import torch.fx as fx
 from gcompile.collectives import collective_nodes
 from gcompile.mesh import group_members
 from gcompile.rank_program import RankProgram
-from gcompile.schedule import Kind, in_flight_bound, rank_in_flight_bound
+from gcompile.schedule import COMPUTE, Kind, in_flight_bound, rank_in_flight_bound
 
 
 class PlanError(ValueError):
@@ -43,11 +43,15 @@ def collective_calls(program: RankProgram) -> list[tuple[str, Call]]:
     last_b = {a.stage: a for a in program.instructions if a.kind == Kind.B}
     calls = []
     for i, a in enumerate(program.instructions):
-        if a.kind not in (Kind.F, Kind.B):
+        if a.kind not in COMPUTE:
             continue
         stage = program.stages[a.stage]
         graph, name = stage.forward, "forward"
-        if a.kind == Kind.B:
+        if a.kind == Kind.W:
+            if stage.backward_weight is None:
+                continue
+            graph, name = stage.backward_weight, "backward_weight"
+        elif a.kind == Kind.B:
             use_last = stage.backward_last is not None and last_b[a.stage] == a
             graph, name = (stage.backward_last, "backward_last") if use_last else (stage.backward, "backward")
         calls += _calls_in(graph, f"instruction {i:02d} {a.kind.value} stage={a.stage} mb={a.mb} ({name})")
@@ -106,7 +110,7 @@ def pipeline_messages(program: RankProgram) -> tuple[list[Message], list[Message
     c, schedule = program.coords, program.schedule
     sends, recvs = [], []
     for i, a in enumerate(program.instructions):
-        if a.kind in (Kind.F, Kind.B):
+        if a.kind in COMPUTE:
             continue
         toward = a.stage + 1 if a.kind in (Kind.SEND_F, Kind.RECV_B) else a.stage - 1
         peer = type(c)(c.tp, c.pp, c.dp, c.tp_rank, schedule.stage_rank(toward), c.dp_rank).rank
@@ -182,7 +186,8 @@ class MemoryEstimate:
 
 
 def estimate_memory(program: RankProgram) -> MemoryEstimate:
-    """Peak bytes of what a rank holds at once; saved activations at the schedule's in-flight bound."""
+    """Peak bytes of what a rank holds at once; saved activations at the schedule's in-flight bound, and
+    under zero-bubble schedules what W reads for the microbatches whose W waits (rank r holds back r)."""
     layout, settings = program.layout, program.step_settings
     state_numel = layout.shard_numel if program.grad_sync.sharded else layout.numel
     optimizer = state_numel * (4 * (2 + settings.separate_main) + 1)  # AdamW states, main weights, flags
@@ -190,6 +195,8 @@ def estimate_memory(program: RankProgram) -> MemoryEstimate:
     stacked = sum(b * in_flight_bound(program.schedule, s) for s, b in per_stage.items())
     bound = rank_in_flight_bound(program.schedule, program.coords.pp_rank)
     activations = min(stacked, bound * max(per_stage.values(), default=0))
+    waiting_w = min(program.coords.pp_rank + 1, program.schedule.num_microbatches)
+    activations += waiting_w * sum(_weight_bytes(stage) for stage in program.stages.values())
     return MemoryEstimate(weights=layout.numel * settings.param_dtype.itemsize, grads=layout.numel * 4,
                           optimizer=optimizer, activations=activations)
 
@@ -200,6 +207,14 @@ def _saved_bytes(stage) -> int:
     saved = stage.forward.graph.output_node().args[0][len(stage.outputs):]
     return sum(n.meta["val"].numel() * n.meta["val"].element_size() for n in saved
                if n not in inputs and isinstance(n.meta.get("val"), torch.Tensor))
+
+
+def _weight_bytes(stage) -> int:
+    """Bytes a microbatch holds from its B until its W: the tensors W reads."""
+    if stage.backward_weight is None:
+        return 0
+    return sum(n.meta["val"].numel() * n.meta["val"].element_size()
+               for n in stage.backward_weight.graph.find_nodes(op="placeholder"))
 
 
 def check_plan(programs: dict[int, RankProgram], memory_budget_gb: float | None = None) -> str:

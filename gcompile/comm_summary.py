@@ -48,6 +48,8 @@ def graph_runs(program: RankProgram) -> list[tuple[str, fx.GraphModule, int]]:
         graphs.append((f"stage{s}.backward", stage.backward, runs[(Kind.B, s)] - last))
         if last:
             graphs.append((f"stage{s}.backward_last", stage.backward_last, 1))
+        if stage.backward_weight is not None:
+            graphs.append((f"stage{s}.backward_weight", stage.backward_weight, runs[(Kind.W, s)]))
     graphs.append(("optimizer", program.optimizer.graph, 1))
     return graphs
 
@@ -56,7 +58,7 @@ def format_summary(program: RankProgram) -> str:
     c = program.coords
     lines = [f"# rank {c.rank} {c}: collectives per training iteration "
              f"({program.schedule.num_microbatches} microbatches)",
-             f"{'graph':<18} {'runs':>4}  {'kind':<24} {'group':<6} {'calls/run':>9} {'bytes/run':>12}"]
+             f"{'graph':<22} {'runs':>4}  {'kind':<24} {'group':<6} {'calls/run':>9} {'bytes/run':>12}"]
     calls, volume = Counter(), Counter()
     for name, gm, runs in graph_runs(program):
         per_run, per_run_bytes = Counter(), Counter()
@@ -64,7 +66,7 @@ def format_summary(program: RankProgram) -> str:
             per_run[(call.kind, call.group)] += 1
             per_run_bytes[(call.kind, call.group)] += call.nbytes
         for (kind, group), n in sorted(per_run.items()):
-            lines.append(f"{name:<18} {runs:>4}  {kind:<24} {group:<6} {n:>9} {per_run_bytes[(kind, group)]:>12,}")
+            lines.append(f"{name:<22} {runs:>4}  {kind:<24} {group:<6} {n:>9} {per_run_bytes[(kind, group)]:>12,}")
             calls[(kind, group)] += n * runs
             volume[(kind, group)] += per_run_bytes[(kind, group)] * runs
     lines.append("# per iteration")
@@ -73,13 +75,13 @@ def format_summary(program: RankProgram) -> str:
     if not calls:
         lines.append("(no collectives)")
     lines.append("# FLOPs per training iteration (matmuls and attention, torch.utils.flop_counter's formulas)")
-    lines.append(f"{'graph':<18} {'runs':>4}  {'FLOPs/run':>18} {'FLOPs/iteration':>18}")
+    lines.append(f"{'graph':<22} {'runs':>4}  {'FLOPs/run':>18} {'FLOPs/iteration':>18}")
     total = 0
     for name, gm, runs in graph_runs(program):
         flops = graph_flops(gm)
         total += flops * runs
-        lines.append(f"{name:<18} {runs:>4}  {flops:>18,} {flops * runs:>18,}")
-    lines.append(f"{'total':<18} {'':>4}  {'':>18} {total:>18,}")
+        lines.append(f"{name:<22} {runs:>4}  {flops:>18,} {flops * runs:>18,}")
+    lines.append(f"{'total':<22} {'':>4}  {'':>18} {total:>18,}")
     layout = program.layout
     sharded = [p.name for p in layout.params if p.shards]
     local = sum(math.prod(s) for s in layout.shapes)

@@ -69,8 +69,11 @@ def graph_key(gm: fx.GraphModule) -> str:
 
 
 def compile_rank_program(program: RankProgram, compiler: Compiler) -> tuple[dict[int, StageFunctions], Callable]:
+    def optional(gm: fx.GraphModule | None) -> Callable | None:
+        return compiler(gm) if gm is not None else None
+
     functions = {s: StageFunctions(compiler(stage.forward), compiler(stage.backward),
-                                   compiler(stage.backward_last) if stage.backward_last is not None else None)
+                                   optional(stage.backward_last), optional(stage.backward_weight))
                  for s, stage in program.stages.items()}
     return functions, compiler(program.optimizer.graph)
 

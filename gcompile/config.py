@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, fields
 from gcompile.data import DataConfig
 from gcompile.model import GPTConfig
 from gcompile.tp_plan import MEGATRON_PLAN, plan_errors
-from gcompile.schedule import SCHEDULES, ScheduleError, check_sizes
+from gcompile.schedule import SCHEDULES, SPLIT_BACKWARD, ScheduleError, check_sizes
 
 
 POINTS = ("capture", "tensor_parallel", "sequence_parallel", "pipeline_split", "lower", "data_parallel",
@@ -54,7 +54,8 @@ class ParallelConfig:
     num_layers_per_virtual_pipeline_stage: int | None = None
     """Megatron's way to ask for interleaving: virtual_pipeline_size = n_layer / (pp * this)."""
     pipeline_schedule: str = "1f1b"
-    """Static pipeline schedule: gpipe, 1f1b or interleaved (the default when virtual_pipeline_size > 1)."""
+    """Static pipeline schedule: gpipe, 1f1b, interleaved (the default when virtual_pipeline_size > 1) or zb1f1b
+    (zero-bubble ZB-H1: 1f1b with parameter gradients computed apart, filling the pipeline bubble)."""
     pipeline_layers: tuple[int, ...] = ()
     """Layers per pipeline stage in stage order (pp * vpp entries, e.g. 3,5); empty = n_layer split evenly."""
     use_distributed_optimizer: bool = False
@@ -374,12 +375,16 @@ def validate(config: RunConfig) -> None:
     if t.min_lr > t.lr:
         errors.append(f"min_lr={t.min_lr} is above lr={t.lr}")
     if p.pipeline_schedule not in SCHEDULES:
-        errors.append(f"pipeline_schedule={p.pipeline_schedule!r} must be gpipe, 1f1b or interleaved")
+        errors.append(f"pipeline_schedule={p.pipeline_schedule!r} must be {', '.join(SCHEDULES[:-1])} "
+                      f"or {SCHEDULES[-1]}")
     errors += plan_errors(m, p.tp_plan, p.tp)
     if p.sequence_parallel and p.tp == 1:
         errors.append("sequence_parallel shards the sequence over the tp ranks and needs tp > 1 (tp=1)")
     if p.sequence_parallel and t.seq_length % p.tp:
         errors.append(f"seq_length={t.seq_length} is not divisible by tp={p.tp} (sequence_parallel)")
+    if p.overlap_grad_reduce and p.pipeline_schedule in SPLIT_BACKWARD:
+        errors.append(f"--overlap-grad-reduce and --pipeline-schedule {p.pipeline_schedule} do not combine yet "
+                      f"(the last backward is split in two); drop one of them")
     if p.overlap_grad_reduce and p.dp == 1:
         errors.append("overlap_grad_reduce overlaps the dp reduction with backward and needs dp > 1 (dp=1)")
     elif t.global_batch_size % per_step == 0:  # the number of microbatches is whole

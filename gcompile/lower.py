@@ -26,15 +26,16 @@ they read.
 """
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.fx as fx
 from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
+from gcompile.backward_split import split_backward
 from gcompile.layout import Param
-from gcompile.program import Stage, activation_roles, format_graph
+from gcompile.program import Stage, activation_roles, drop_dead_nodes, format_graph
 
 
 @dataclass
@@ -55,15 +56,28 @@ class LoweredStage:
     """(TrainState buffer, start, end) slices fed to backward_last after the output gradients."""
     last_outputs: tuple[tuple[str, int, int], ...] = ()
     """(TrainState buffer, start, end) slices that backward_last's extra outputs are copied into."""
+    backward_weight: fx.GraphModule | None = None
+    """Zero-bubble schedules: W, the parameter gradients `backward` (then B) leaves (gcompile/backward_split.py):
+    backward(*saved, *output_grads) -> (*param_grads, *input_grads, *stash);
+    backward_weight(*[backward's inputs at weight_inputs], *stash) -> (*param_grads)."""
+    weight_inputs: tuple[int, ...] = ()
+    """Indices into backward's inputs that backward_weight reads (saved activations, output gradients)."""
+    num_stash: int = 0
+    """Tensors backward returns last, for backward_weight."""
 
     def activation_inputs(self) -> list[str]:
         return activation_roles(self.inputs, self.rank_constants)
 
     def __str__(self) -> str:
+        split = self.backward_weight is not None
         text = (f"# stage {self.index} forward: (*params[{len(self.params)}], *{self.inputs}) -> "
                 f"(*{self.outputs}, *saved[{self.num_saved}])\n{format_graph(self.forward)}\n"
-                f"# stage {self.index} backward: (*saved[{self.num_saved}], *grad{self.outputs}) -> "
-                f"(*param_grads, *input_grads)\n{format_graph(self.backward)}")
+                f"# stage {self.index} backward{' B' if split else ''}: (*saved[{self.num_saved}], "
+                f"*grad{self.outputs}) -> (*param_grads, *input_grads{f', *stash[{self.num_stash}]' if split else ''})"
+                f"\n{format_graph(self.backward)}")
+        if split:
+            text += (f"\n# stage {self.index} backward W: (*backward B's inputs {list(self.weight_inputs)}, "
+                     f"*stash[{self.num_stash}]) -> (*param_grads)\n{format_graph(self.backward_weight)}")
         if self.backward_last is not None:
             text += (f"\n# stage {self.index} backward of the last microbatch, starting dp reductions: "
                      f"(*saved, *grad{self.outputs}, *{[f'{b}[{a}:{e}]' for b, a, e in self.last_inputs]}) -> "
@@ -72,7 +86,8 @@ class LoweredStage:
         return text
 
 
-def lower_stage(stage: Stage, recompute: bool = False) -> LoweredStage:
+def lower_stage(stage: Stage, recompute: bool = False, split: bool = False) -> LoweredStage:
+    """`split`: backward as B then W, for zero-bubble schedules."""
     placeholders = stage.placeholders()
     vals = [n.meta["val"] for n in placeholders]
     fake_mode = vals[0].fake_mode
@@ -91,17 +106,19 @@ def lower_stage(stage: Stage, recompute: bool = False) -> LoweredStage:
             if not isinstance(node.meta.get("val"), torch.Tensor):
                 raise NotImplementedError(f"stage {stage.index}: non-tensor graph input {node.name} "
                                           f"(dynamic shapes are not supported)")
-    return LoweredStage(index=stage.index, forward=forward, backward=backward, params=list(stage.params),
-                        inputs=list(stage.inputs), outputs=list(stage.outputs), num_saved=num_saved,
-                        rank_constants=dict(stage.rank_constants))
+    lowered = LoweredStage(index=stage.index, forward=forward, backward=backward, params=list(stage.params),
+                           inputs=list(stage.inputs), outputs=list(stage.outputs), num_saved=num_saved,
+                           rank_constants=dict(stage.rank_constants))
+    parts = split_backward(backward, len(stage.params)) if split else None
+    if parts is None:
+        return lowered
+    return replace(lowered, backward=parts.backward_input, backward_weight=parts.backward_weight,
+                   weight_inputs=parts.weight_inputs, num_stash=parts.num_stash)
 
 
 def _drop_dead_code(forward: fx.GraphModule, backward: fx.GraphModule, num_outputs: int) -> int:
     """Remove dead nodes (collectives included) and unread saved tensors; returns the number saved."""
-    def impure(node: fx.Node) -> bool:
-        return node.is_impure() and getattr(node.target, "namespace", None) != "_c10d_functional"
-
-    backward.graph.eliminate_dead_code(is_impure_node=impure)
+    drop_dead_nodes(backward.graph)
     saved = list(backward.graph.find_nodes(op="placeholder"))
     output = forward.graph.output_node()
     outputs = list(output.args[0])
@@ -110,7 +127,7 @@ def _drop_dead_code(forward: fx.GraphModule, backward: fx.GraphModule, num_outpu
     for i in unread:
         backward.graph.erase_node(saved[i])
     output.args = ([o for i, o in enumerate(outputs) if i - num_outputs not in unread],)
-    forward.graph.eliminate_dead_code(is_impure_node=impure)
+    drop_dead_nodes(forward.graph)
     forward.recompile()
     backward.recompile()
     return num_saved - len(unread)

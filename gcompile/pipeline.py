@@ -95,9 +95,10 @@ def build_rank_program(config: RunConfig, coords: Coords, device: str = "cpu",
         cache.schedules[key] = build_schedule(*key)
         if cache.schedules[key].num_stages > 1:
             log(f"schedule {key[0]} pp={p.pp} vpp={p.virtual_pipeline_size} m={key[3]}: predicted bubble "
-                f"{simulate(cache.schedules[key]).bubble_fraction:.1%} (forward 1, backward 2)")
+                f"{simulate(cache.schedules[key]).bubble_fraction:.1%} (forward 1, backward 2"
+                f"{', of it W 1' if cache.schedules[key].splits_backward else ''})")
     schedule = cache.schedules[key]
-    stages = {s.index: _lower(s, t.recompute_activations, cache) for s in program.stages}
+    stages = {s.index: _lower(s, t.recompute_activations, schedule.splits_backward, cache) for s in program.stages}
     if sorted(stages) != sorted(schedule.local_stages(coords.pp_rank)):
         raise AssertionError(f"rank {coords.rank} holds stages {sorted(stages)} but its schedule runs "
                              f"{schedule.local_stages(coords.pp_rank)}")
@@ -127,10 +128,10 @@ def build_rank_program(config: RunConfig, coords: Coords, device: str = "cpu",
     return rank_program
 
 
-def _lower(stage: Stage, recompute: bool, cache: BuildCache) -> LoweredStage:
+def _lower(stage: Stage, recompute: bool, split: bool, cache: BuildCache) -> LoweredStage:
     """Lower a stage, or reuse the lowering of an identical one (same code over the same input values)."""
-    key = (graph_key(stage.graph), recompute)
+    key = (graph_key(stage.graph), recompute, split)
     if key not in cache.lowered:
-        cache.lowered[key] = lower_stage(stage, recompute)
+        cache.lowered[key] = lower_stage(stage, recompute, split)
     return replace(cache.lowered[key], index=stage.index, params=list(stage.params), inputs=list(stage.inputs),
                    outputs=list(stage.outputs), rank_constants=dict(stage.rank_constants))

@@ -96,6 +96,12 @@ def propagate_shapes(gm: fx.GraphModule) -> None:
         FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*vals)
 
 
+def drop_dead_nodes(graph: fx.Graph) -> None:
+    """Remove the nodes nobody reads, collectives included: a collective nobody reads is dead on every rank alike."""
+    graph.eliminate_dead_code(is_impure_node=lambda node: node.is_impure()
+                              and getattr(node.target, "namespace", None) != "_c10d_functional")
+
+
 def format_stage(stage: Stage) -> str:
     """A stage as a person reads it: parameter table, then the graph as code with shapes."""
     lines = [f"# stage {stage.index}: inputs {stage.inputs} -> outputs {stage.outputs}", "# parameters:"]

@@ -54,7 +54,11 @@ class RankProgram:
             elif a.kind == Kind.B:
                 src = "loss_scale" if s == last else f"grad[s{s + 1},mb{mb}]"
                 dst = "param_grads" if s == 0 else f"param_grads,grad[s{s},mb{mb}]"
-                detail = f"in={src} out={dst}"
+                split = self.stages[s].backward_weight is not None
+                detail = f"in={src} out={dst}" + (f",for_w[s{s},mb{mb}]" if split else "")
+            elif a.kind == Kind.W:
+                split = self.stages[s].backward_weight is not None
+                detail = f"in=for_w[s{s},mb{mb}] out=param_grads" if split else "nothing left (B ran it all)"
             elif a.kind in (Kind.SEND_F, Kind.RECV_F):
                 peer = self.schedule.stage_rank(s + 1 if a.kind == Kind.SEND_F else s - 1)
                 detail = f"act[s{s if a.kind == Kind.SEND_F else s - 1},mb{mb}] {'to' if a.kind == Kind.SEND_F else 'from'} pp{peer}"

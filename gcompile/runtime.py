@@ -5,7 +5,10 @@ callable, or move activations/gradients to and from the neighbouring pipeline
 ranks; then run the optimizer step. Forward outputs a stage keeps for its
 backward ("saved") are held per (stage, microbatch) until that backward runs;
 the runtime counts them and stops if a stage or the rank holds more than the
-schedule promised (`in_flight_bound`, `rank_in_flight_bound`).
+schedule promised (`in_flight_bound`, `rank_in_flight_bound`). Zero-bubble
+schedules split a backward in two: B computes the input gradients and keeps
+what W reads, W the parameter gradients; a stage with no W graph (its inputs
+take no gradient) runs its whole backward in B, and its W does nothing.
 
 Communication: consecutive SEND/RECV instructions go out as one batched
 isend/irecv into freshly allocated contiguous buffers. A receive is waited for
@@ -25,7 +28,7 @@ import torch.distributed as dist
 
 from gcompile.mesh import Coords
 from gcompile.rank_program import RankProgram
-from gcompile.schedule import Action, Kind, in_flight_bound, rank_in_flight_bound
+from gcompile.schedule import COMPUTE, Action, Kind, in_flight_bound, rank_in_flight_bound
 from gcompile.state import TrainState
 
 
@@ -44,6 +47,7 @@ class StageFunctions:
     forward: Callable
     backward: Callable
     backward_last: Callable | None = None
+    backward_weight: Callable | None = None
 
 
 class InFlightError(RuntimeError):
@@ -103,13 +107,20 @@ class Runtime:
     def _run(self, microbatches, instructions, training: bool):
         self.batch = microbatches
         self.saved, self.acts, self.grads_in, self.losses = {}, {}, {}, []
+        self.weight_args = {}
+        """(stage, mb) -> what its W reads, kept by its B."""
         self.pending_recvs, self.sends = {}, []
         comm = []
         for action in instructions:
-            if action.kind in (Kind.F, Kind.B):
+            if action.kind in COMPUTE:
                 self._communicate(comm)
                 comm = []
-                self._forward(action, training) if action.kind == Kind.F else self._backward(action)
+                if action.kind == Kind.F:
+                    self._forward(action, training)
+                elif action.kind == Kind.B:
+                    self._backward(action)
+                else:
+                    self._weight_backward(action)
             else:
                 comm.append(action)
         self._communicate(comm)
@@ -154,10 +165,13 @@ class Runtime:
             grads = self.functions[a.stage].backward_last(*saved, *output_grads, *extra)
         else:
             grads = self.functions[a.stage].backward(*saved, *output_grads)
+        if stage.backward_weight is not None:
+            inputs = [*saved, *output_grads]
+            stash = grads[len(grads) - stage.num_stash:]
+            self.weight_args[(a.stage, a.mb)] = [inputs[i] for i in stage.weight_inputs] + list(stash)
+            grads = grads[:len(grads) - stage.num_stash]
         n = len(stage.params)
-        param_grads = [(acc, g) for acc, g in zip(self.grad_views[a.stage], grads[:n]) if g is not None]
-        if param_grads:
-            torch._foreach_add_([acc for acc, _ in param_grads], [g for _, g in param_grads])
+        self._accumulate(a.stage, grads[:n])
         if last:  # reduced buckets replace what they were reduced from
             reduced = grads[len(grads) - len(stage.last_outputs):]
             for (buffer, start, end), value in zip(stage.last_outputs, reduced):
@@ -167,6 +181,17 @@ class Runtime:
             acts = stage.activation_inputs()
             self.grads_in[(a.stage - 1, a.mb)] = [grads[n + i].contiguous()
                                                   for i, role in enumerate(stage.inputs) if role in acts]
+
+    def _weight_backward(self, a: Action):
+        if self.program.stages[a.stage].backward_weight is not None:
+            args = self.weight_args.pop((a.stage, a.mb))
+            self._accumulate(a.stage, self.functions[a.stage].backward_weight(*args))
+
+    def _accumulate(self, stage: int, param_grads):
+        """Add a stage's parameter gradients (None where this graph computes none) to the flat grad buffer."""
+        pairs = [(acc, g) for acc, g in zip(self.grad_views[stage], param_grads) if g is not None]
+        if pairs:
+            torch._foreach_add_([acc for acc, _ in pairs], [g for _, g in pairs])
 
     def _take(self, store: dict, key) -> list[torch.Tensor]:
         """A stage's inputs: produced locally, or received (waited for now)."""

@@ -1,7 +1,7 @@
 """Pipeline schedules as data: what each pipeline rank runs, in order.
 
 A schedule is, per pp rank, an ordered list of actions. Each action names a
-global stage, a kind and a microbatch, and prints as `2F0`, `1B3`, `0SEND_F1`,
+global stage, a kind and a microbatch, and prints as `2F0`, `1B3`, `1W3`, `0SEND_F1`,
 `1RECV_B2` (stage, kind, microbatch); `parse_action` reads that back.
 
 Placement follows Megatron's interleaving: stage s lives on rank s % pp, so
@@ -11,13 +11,21 @@ gradients s+1 -> s. `SEND_F` of (s, mb) is received by `RECV_F` of (s+1, mb),
 `SEND_B` of (s, mb) by `RECV_B` of (s-1, mb); stages on the same rank hand
 tensors over locally, with no communication action.
 
-All three schedules are Megatron's loop with a different warmup count:
+gpipe, 1f1b and interleaved are Megatron's loop with a different warmup count:
 
     for k in range(warmup):          forward(k)
     for k in range(total - warmup):  forward(warmup + k); backward(k)
     for k in range(total - warmup, total): backward(k)
 
 with total = m * vpp virtual microbatches; gpipe warms up with all of them.
+
+zb1f1b is ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", 2023): it splits
+each backward into B, the gradient of the stage's inputs that the stage before
+waits for, and W, the parameter gradients nobody waits for. It runs 1f1b's F and
+B order with each W right after its B, except that rank r keeps its first r W's
+for the end, where they fill the time its 1f1b twin spends waiting for gradients:
+the bubble drops from (pp-1)(F+B+W) to (pp-1)(F+B-W) with the same microbatches
+in flight (forward done, B pending) as 1f1b.
 `build_schedule` generates the compute actions, adds the communication and
 checks the result with `simulate`, which also predicts the bubble.
 `gcompile.schedule_render` draws a schedule as an SVG timeline.
@@ -29,7 +37,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1f1b")
+SPLIT_BACKWARD = ("zb1f1b",)
+"""Schedules that run each backward as B (input gradients) and W (parameter gradients)."""
 
 
 class ScheduleError(ValueError):
@@ -37,9 +47,11 @@ class ScheduleError(ValueError):
 
 
 class Kind(str, Enum):
-    """F and B compute (B: input and weight gradients together); SEND/RECV move an activation (_F) or gradient (_B)."""
+    """F and B compute (B: input and weight gradients together, or only input gradients where a W follows);
+    W computes parameter gradients; SEND/RECV move an activation (_F) or gradient (_B)."""
     F = "F"
     B = "B"
+    W = "W"
     SEND_F = "SEND_F"
     RECV_F = "RECV_F"
     SEND_B = "SEND_B"
@@ -58,7 +70,8 @@ class Action:
         return f"{self.stage}{self.kind.value}{self.mb}"
 
 
-_ACTION = re.compile(r"(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B)(\d+)")
+_ACTION = re.compile(r"(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|W)(\d+)")
+COMPUTE = (Kind.F, Kind.B, Kind.W)
 
 
 def parse_action(text: str) -> Action:
@@ -78,7 +91,7 @@ def stage_rank(stage: int, pp: int) -> int:
 @dataclass(frozen=True)
 class Schedule:
     name: str
-    """gpipe, 1f1b or interleaved: decides the in-flight bound the simulator holds it to."""
+    """gpipe, 1f1b, interleaved or zb1f1b: decides the in-flight bound the simulator holds it to."""
     pp: int
     """Pipeline ranks."""
     vpp: int
@@ -94,6 +107,11 @@ class Schedule:
     def stage_rank(self, stage: int) -> int:
         return stage_rank(stage, self.pp)
 
+    @property
+    def splits_backward(self) -> bool:
+        """Each backward runs as B then W (two instructions, two graphs)."""
+        return self.name in SPLIT_BACKWARD
+
     def local_stages(self, pp_rank: int) -> list[int]:
         return [chunk * self.pp + pp_rank for chunk in range(self.vpp)]
 
@@ -102,13 +120,13 @@ class Schedule:
 
 
 def format_table(schedule: Schedule, communication: bool = False) -> str:
-    """One row per rank, one column per compute slot (the rank's k-th F or B), or with
+    """One row per rank, one column per compute slot (the rank's k-th F, B or W), or with
     `communication` per instruction (its k-th action, sends and receives included).
 
     Columns follow each rank's own order, not time: `simulate` gives the timing
     and `render_svg` draws it.
     """
-    kinds = tuple(Kind) if communication else (Kind.F, Kind.B)
+    kinds = tuple(Kind) if communication else COMPUTE
     rows = [[str(a) for a in actions if a.kind in kinds] for actions in schedule.actions]
     width = max((len(cell) for row in rows for cell in row), default=1)
     head = (f"{schedule.name} pp={schedule.pp} vpp={schedule.vpp} m={schedule.num_microbatches}: "
@@ -122,8 +140,8 @@ def format_table(schedule: Schedule, communication: bool = False) -> str:
 def warmup_forwards(name: str, pp: int, vpp: int, m: int, rank: int) -> int:
     """Forwards a rank runs before its first forward-backward pair, as Megatron counts them.
 
-    1f1b: one per stage after the rank, so the last stage starts backward at
-    once. interleaved: pp microbatches through each chunk but the last, plus
+    1f1b (and zb1f1b): one per stage after the rank, so the last stage starts
+    backward at once. interleaved: pp microbatches through each chunk but the last, plus
     two per later rank, which keep the rank busy while its first gradient
     makes the round trip to the last rank. (This is Megatron-core's count with
     microbatch_group_size_per_vp_stage = pp; releases before it warmed up with
@@ -131,7 +149,7 @@ def warmup_forwards(name: str, pp: int, vpp: int, m: int, rank: int) -> int:
     """
     if name == "gpipe":
         return m * vpp
-    if name == "1f1b":
+    if name in ("1f1b", "zb1f1b"):
         return min(pp - rank - 1, m)
     if name == "interleaved":
         return min((pp - rank - 1) * 2 + (vpp - 1) * pp, m * vpp)
@@ -172,7 +190,7 @@ def check_sizes(name: str, pp: int, vpp: int, m: int) -> None:
     for what, value in (("pp", pp), ("vpp", vpp), ("num_microbatches", m)):
         if value < 1:
             raise ScheduleError(f"{name} schedule needs {what} >= 1, got {value}")
-    if name in ("gpipe", "1f1b") and vpp != 1:
+    if name in ("gpipe", "1f1b", "zb1f1b") and vpp != 1:
         raise ScheduleError(f"{name} schedule runs one stage per rank (vpp=1), got vpp={vpp}; "
                             f"use 'interleaved' for vpp > 1")
     if name == "interleaved":
@@ -183,10 +201,27 @@ def check_sizes(name: str, pp: int, vpp: int, m: int) -> None:
             raise ScheduleError(f"interleaved schedule needs num_microbatches ({m}) divisible by pp ({pp})")
 
 
+def _zero_bubble_h1_order(pp: int, m: int, rank: int) -> tuple[Action, ...]:
+    """1f1b's order with W(k) right after B(k), but W 0 .. rank-1 last.
+
+    pp=2, m=4, rank 1:  1F0 1B0 1F1 1B1 1W1 1F2 1B2 1W2 1F3 1B3 1W3 1W0
+    """
+    deferred = min(rank, m)
+    order = []
+    for a in _megatron_order(pp, 1, m, rank, warmup_forwards("zb1f1b", pp, 1, m, rank)):
+        order.append(a)
+        if a.kind == Kind.B and a.mb >= deferred:
+            order.append(Action(a.stage, Kind.W, a.mb))
+    return tuple(order + [Action(rank, Kind.W, mb) for mb in range(deferred)])
+
+
 def _compute_schedule(name: str, pp: int, vpp: int, m: int) -> Schedule:
     check_sizes(name, pp, vpp, m)
-    actions = tuple(_megatron_order(pp, vpp, m, rank, warmup_forwards(name, pp, vpp, m, rank))
-                    for rank in range(pp))
+    if name == "zb1f1b":
+        actions = tuple(_zero_bubble_h1_order(pp, m, rank) for rank in range(pp))
+    else:
+        actions = tuple(_megatron_order(pp, vpp, m, rank, warmup_forwards(name, pp, vpp, m, rank))
+                        for rank in range(pp))
     return Schedule(name, pp, vpp, m, actions)
 
 
@@ -205,11 +240,17 @@ def interleaved_1f1b(pp: int, vpp: int, m: int) -> Schedule:
     return _compute_schedule("interleaved", pp, vpp, m)
 
 
+def zero_bubble_h1(pp: int, m: int) -> Schedule:
+    """ZB-H1: 1F1B with B and W apart, rank r's first r W's moved to the end; compute actions only."""
+    return _compute_schedule("zb1f1b", pp, 1, m)
+
+
 def rank_in_flight_bound(schedule: Schedule, rank: int) -> int:
     """Most microbatches a rank may hold forward-done, backward-pending, over all its stages.
 
     Megatron's loop runs one more forward after the warmup before its first
-    backward, then trades one for one: gpipe m, 1f1b min(pp-rank, m).
+    backward, then trades one for one: gpipe m, 1f1b and zb1f1b min(pp-rank, m)
+    (zb1f1b's W's come after their B's and keep less, which this does not count).
     """
     m, vpp = schedule.num_microbatches, schedule.vpp
     return min(warmup_forwards(schedule.name, schedule.pp, vpp, m, rank) + 1, m * vpp)
@@ -254,11 +295,15 @@ def add_communication(schedule: Schedule) -> Schedule:
         return 0 <= neighbour < schedule.num_stages and schedule.stage_rank(neighbour) != schedule.stage_rank(stage)
 
     def receives(a: Action) -> list[Action]:
+        if a.kind == Kind.W:
+            return []
         forward = a.kind == Kind.F
         source = a.stage - 1 if forward else a.stage + 1
         return [Action(a.stage, Kind.RECV_F if forward else Kind.RECV_B, a.mb)] if remote(a.stage, source) else []
 
     def sends(a: Action) -> list[Action]:
+        if a.kind == Kind.W:
+            return []
         forward = a.kind == Kind.F
         target = a.stage + 1 if forward else a.stage - 1
         return [Action(a.stage, Kind.SEND_F if forward else Kind.SEND_B, a.mb)] if remote(a.stage, target) else []
@@ -293,13 +338,13 @@ class Span:
 @dataclass(frozen=True)
 class SimResult:
     makespan: float
-    """Time until the last rank finishes; compute costs f_time or b_time, communication nothing."""
+    """Time until the last rank finishes; compute costs f_time, b_time or w_time, communication nothing."""
     busy: tuple[float, ...]
     """Compute time per rank."""
     bubble_fraction: float
     """1 - sum(busy) / (pp * makespan): the share of rank-time spent waiting."""
     peak_in_flight: tuple[int, ...]
-    """Per stage: most microbatches at once whose F had run and whose B had not."""
+    """Per stage: most microbatches at once whose F had run and whose B had not (W's inputs not counted)."""
     rank_peak_in_flight: tuple[int, ...]
     """The same per rank, over all its stages."""
     steps: int
@@ -312,8 +357,11 @@ Cost = float | Sequence[float]
 """What one forward (or backward) takes: the same on every stage, or one number per stage."""
 
 
-def simulate(schedule: Schedule, f_time: Cost = 1.0, b_time: Cost = 2.0) -> SimResult:
+def simulate(schedule: Schedule, f_time: Cost = 1.0, b_time: Cost = 2.0, w_time: Cost = 1.0) -> SimResult:
     """Run every rank's list in one process; raise ScheduleError where a real run would fail or hang.
+
+    b_time is a whole backward; where the schedule splits it, B takes
+    b_time - w_time and W takes w_time (otherwise w_time is unused).
 
     Neither a send nor posting a receive blocks (the runtime waits for sends
     at the end of the step, for a received tensor when a compute uses it).
@@ -324,11 +372,12 @@ def simulate(schedule: Schedule, f_time: Cost = 1.0, b_time: Cost = 2.0) -> SimR
     there: a received tensor at the time its sender ran.
     """
     _check_actions(schedule)
-    return _Simulation(schedule, f_time, b_time).run()
+    return _Simulation(schedule, f_time, b_time, w_time).run()
 
 
 def _check_actions(schedule: Schedule) -> None:
-    """What can be judged without running: placement, each F and B once, every message paired.
+    """What can be judged without running: placement, each F and B (and W where the schedule
+    splits backward) once, every message paired.
 
     Every F and B fed from another rank needs its receive, so a send nobody
     receives shows up as that missing receive, named on the receiving rank.
@@ -344,7 +393,10 @@ def _check_actions(schedule: Schedule) -> None:
             if schedule.stage_rank(a.stage) != rank:
                 raise ScheduleError(f"rank {rank}: {a} belongs to stage {a.stage}, "
                                     f"which lives on rank {schedule.stage_rank(a.stage)}")
-            if a.kind not in (Kind.F, Kind.B):
+            if a.kind == Kind.W and not schedule.splits_backward:
+                raise ScheduleError(f"rank {rank}: {a} is a W, but the {schedule.name} schedule runs each "
+                                    f"backward whole in its B")
+            if a.kind not in COMPUTE:
                 peer = partner(a).stage
                 if not 0 <= peer < n:
                     raise ScheduleError(f"rank {rank}: {a} talks to stage {peer}, which does not exist")
@@ -357,7 +409,9 @@ def _check_actions(schedule: Schedule) -> None:
     for stage in range(n):
         rank = schedule.stage_rank(stage)
         for mb in range(m):
-            for kind, word in ((Kind.F, "forward"), (Kind.B, "backward")):
+            kinds = ((Kind.F, "forward"), (Kind.B, "backward"))
+            kinds += ((Kind.W, "parameter-gradient backward"),) if schedule.splits_backward else ()
+            for kind, word in kinds:
                 if Action(stage, kind, mb) not in rank_of:
                     raise ScheduleError(f"rank {rank}: {Action(stage, kind, mb)} is missing: stage {stage} "
                                         f"never runs the {word} of microbatch {mb}")
@@ -395,15 +449,17 @@ def _check_channel_order(schedule: Schedule) -> None:
 
 
 class _Simulation:
-    def __init__(self, schedule: Schedule, f_time: Cost, b_time: Cost):
+    def __init__(self, schedule: Schedule, f_time: Cost, b_time: Cost, w_time: Cost):
         self.schedule = schedule
         n = schedule.num_stages
         self.duration = {kind: list(cost) if isinstance(cost, Sequence) else [cost] * n
-                         for kind, cost in ((Kind.F, f_time), (Kind.B, b_time))}
+                         for kind, cost in ((Kind.F, f_time), (Kind.B, b_time), (Kind.W, w_time))}
         """Cost of each kind of compute, by stage."""
         if any(len(costs) != n for costs in self.duration.values()):
             raise ScheduleError(f"per-stage costs need {n} entries, got forward {len(self.duration[Kind.F])}, "
-                                f"backward {len(self.duration[Kind.B])}")
+                                f"backward {len(self.duration[Kind.B])}, weight {len(self.duration[Kind.W])}")
+        if schedule.splits_backward:
+            self.duration[Kind.B] = [b - w for b, w in zip(self.duration[Kind.B], self.duration[Kind.W])]
         self.position = [0] * schedule.pp
         """Index of each rank's next action."""
         self.clock = [0.0] * schedule.pp
@@ -460,6 +516,8 @@ class _Simulation:
         if a.kind == Kind.B:
             needs = [(Action(s, Kind.F, mb), "its own forward")]
             return needs if s == last else needs + [(source(s + 1, Kind.B, Kind.RECV_B), "its output gradient")]
+        if a.kind == Kind.W:
+            return [(Action(s, Kind.B, mb), "the gradients it continues from")]
         if a.kind == Kind.SEND_F:
             return [(Action(s, Kind.F, mb), "the activation it sends")]
         if a.kind == Kind.SEND_B:
@@ -489,6 +547,8 @@ class _Simulation:
         end = start + self.duration[a.kind][a.stage]
         self.clock[rank] = self.ready_at[a] = end
         self.spans[rank].append(Span(a, start, end))
+        if a.kind == Kind.W:
+            return
         change = 1 if a.kind == Kind.F else -1
         self.in_flight[a.stage] += change
         self.rank_in_flight[rank] += change

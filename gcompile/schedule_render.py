@@ -1,7 +1,7 @@
 """Draw a schedule as an SVG timeline: ranks as rows, simulated time left to right.
 
 Each F or B is a box at the time the simulator runs it, coloured by
-microbatch (F light, B dark and hatched) and labelled `stage kind mb`
+microbatch (F light, B dark and hatched, W in between) and labelled `stage kind mb`
 (`2F3`); the grey row behind the boxes is the bubble. Hand-written SVG,
 no dependencies, so a schedule can be looked at anywhere a browser runs.
 """
@@ -12,29 +12,35 @@ from xml.sax.saxutils import escape
 from gcompile.schedule import Kind, Schedule, SimResult, simulate
 
 BOX_WIDTH = 30
-"""Pixels for the shorter of f_time and b_time: room for a 4-character label."""
+"""Pixels for the shortest compute: room for a 4-character label."""
 ROW_HEIGHT, ROW_GAP = 30, 8
 LEFT, TOP, BOTTOM, RIGHT = 64, 52, 34, 16
 FONT = "ui-monospace, Menlo, Consolas, monospace"
 
 
-def render_svg(schedule: Schedule, path: str, f_time: float = 1.0, b_time: float = 2.0) -> None:
-    """Simulate `schedule` and write its timeline to `path`."""
-    result = simulate(schedule, f_time, b_time)
+def render_svg(schedule: Schedule, path: str, f_time: float = 1.0, b_time: float = 2.0, w_time: float = 1.0) -> None:
+    """Simulate `schedule` and write its timeline to `path` (b_time a whole backward, w_time its W share)."""
+    result = simulate(schedule, f_time, b_time, w_time)
     with open(path, "w") as f:
-        f.write(_svg(schedule, result, f_time, b_time))
+        f.write(_svg(schedule, result, f_time, b_time, w_time))
 
 
 def _colour(mb: int, kind: Kind) -> tuple[str, str]:
     """(fill, text) as hex, which every SVG reader takes; the golden-angle hue keeps neighbouring microbatches apart."""
     hue = (mb * 0.381966) % 1.0
-    lightness, saturation, ink = (0.80, 0.70, "#1f2937") if kind == Kind.F else (0.38, 0.55, "#ffffff")
+    lightness, saturation, ink = {Kind.F: (0.80, 0.70, "#1f2937"), Kind.B: (0.38, 0.55, "#ffffff"),
+                                  Kind.W: (0.58, 0.45, "#111827")}[kind]
     red, green, blue = colorsys.hls_to_rgb(hue, lightness, saturation)
     return f"#{round(red * 255):02x}{round(green * 255):02x}{round(blue * 255):02x}", ink
 
 
-def _svg(schedule: Schedule, result: SimResult, f_time: float, b_time: float) -> str:
-    scale = BOX_WIDTH / min(f_time, b_time)  # pixels per unit of simulated time
+def _svg(schedule: Schedule, result: SimResult, f_time: float, b_time: float, w_time: float) -> str:
+    if schedule.splits_backward:
+        costs = f"F={f_time:g} light, B={b_time - w_time:g} dark, W={w_time:g} mid"
+        shortest = min(f_time, b_time - w_time, w_time)
+    else:
+        costs, shortest = f"F={f_time:g} light, B={b_time:g} dark", min(f_time, b_time)
+    scale = BOX_WIDTH / shortest  # pixels per unit of simulated time
     width = LEFT + result.makespan * scale + RIGHT
     height = TOP + schedule.pp * (ROW_HEIGHT + ROW_GAP) + BOTTOM
     title = (f"{escape(schedule.name)}  pp={schedule.pp} vpp={schedule.vpp} m={schedule.num_microbatches}  "
@@ -47,7 +53,7 @@ def _svg(schedule: Schedule, result: SimResult, f_time: float, b_time: float) ->
         'stroke-opacity="0.3" stroke-width="2"/></pattern></defs>',
         f'<rect width="{width:.0f}" height="{height}" fill="#ffffff"/>',
         f'<text x="{LEFT}" y="20" font-size="14" font-weight="bold" fill="#111827">{title}</text>',
-        f'<text x="{LEFT}" y="38" font-size="11" fill="#6b7280">F={f_time:g} light, B={b_time:g} dark; '
+        f'<text x="{LEFT}" y="38" font-size="11" fill="#6b7280">{costs}; '
         f'label = stage, kind, microbatch; grey = idle</text>',
     ]
     for rank, spans in enumerate(result.spans):
@@ -62,7 +68,7 @@ def _svg(schedule: Schedule, result: SimResult, f_time: float, b_time: float) ->
             fill, ink = _colour(a.mb, a.kind)
             label = str(a)
             size = min(11.0, (w - 4) / (0.62 * len(label)))
-            word = "forward" if a.kind == Kind.F else "backward"
+            word = {Kind.F: "forward", Kind.B: "backward", Kind.W: "weight-gradient backward"}[a.kind]
             parts.append(f'<g><title>stage {a.stage} {word} mb {a.mb}: t={span.start:g} to {span.end:g}</title>'
                          f'<rect x="{x + 0.5:.1f}" y="{y + 0.5}" width="{w - 1:.1f}" height="{ROW_HEIGHT - 1}" '
                          f'fill="{fill}" stroke="#374151" stroke-width="0.6" rx="2"/>')

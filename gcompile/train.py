@@ -148,7 +148,7 @@ def dump_schedule(schedule: Schedule, run_dir: str, log=print) -> None:
     the simulated timeline in RUN_DIR/schedule.svg."""
     result = simulate(schedule)
     text = (f"{format_table(schedule, communication=True)}\n"
-            f"simulated with forward 1, backward 2: makespan {result.makespan:g}, "
+            f"simulated with forward 1, backward 2{' (W 1 of it)' if schedule.splits_backward else ''}: makespan {result.makespan:g}, "
             f"bubble {result.bubble_fraction:.1%}, saved-activation peak per rank {list(result.rank_peak_in_flight)}")
     log(text)
     dump_text(run_dir, "schedule.txt", text + "\n")

@@ -21,6 +21,7 @@ from torch.export.graph_signature import InputKind
 
 import run_gpt
 from gcompile.capture import capture
+from gcompile.check import check_plan, estimate_memory
 from gcompile.compile import Compiler, compile_rank_program
 from gcompile.config import build_config
 from gcompile.layout import Param
@@ -33,6 +34,7 @@ from gcompile.runtime import InFlightError, Runtime
 from gcompile.schedule import Schedule, build_schedule, gpipe, simulate
 from gcompile.state import TrainState
 from gcompile.train import split_microbatches
+from gcompile.world import build_world
 from tests.multirank import run_layouts
 from tests.reference import (ADAM_EPS, random_batches, reference_run, rel_err, without_key_bias)
 from tests.test_single_rank import run_gcompile
@@ -69,12 +71,16 @@ CASES = {
     "pp4-gpipe-m8": config(pp=4, schedule="gpipe", m=8),
     "tp2-pp2-1f1b-m4": config(tp=2, pp=2, schedule="1f1b", m=4),
     "tp2-pp2-interleaved-m4-sp": config(tp=2, pp=2, vpp=2, schedule="interleaved", m=4, sequence_parallel=True),
+    "pp2-zb1f1b-m4": config(pp=2, schedule="zb1f1b", m=4),
+    "pp4-zb1f1b-m8": config(pp=4, schedule="zb1f1b", m=8),
+    "tp2-pp2-zb1f1b-m4-sp": config(tp=2, pp=2, schedule="zb1f1b", m=4, sequence_parallel=True),
 }
 SLOW_CASES = {
     "pp2-1f1b-m4-compiled": config(pp=2, schedule="1f1b", m=4, compile=True),
     "pp2-interleaved-m4-compiled": config(pp=2, vpp=2, schedule="interleaved", m=4, compile=True),
     "pp4-interleaved-m8": config(pp=4, vpp=2, schedule="interleaved", m=8, n_layer=8),
     "tp2-pp2-1f1b-m4-compiled": config(tp=2, pp=2, schedule="1f1b", m=4, compile=True),
+    "pp2-zb1f1b-m4-compiled": config(pp=2, schedule="zb1f1b", m=4, compile=True),
 }
 ALL_CASES = {**CASES, **SLOW_CASES}
 CASE_PARAMS = list(CASES) + [pytest.param(case, marks=pytest.mark.slow) for case in SLOW_CASES]
@@ -129,8 +135,8 @@ def test_matches_single_device(case, launched):
 @pytest.mark.parametrize("case", CASE_PARAMS)
 def test_saved_activations_reach_the_schedule_bound(case, launched):
     """The runtime stops past the promised bound; here each stage and rank must also reach it.
-    Expected: GPipe holds all m, 1F1B min(pp - rank, m), interleaved Megatron's warmup + 1 per
-    rank and, per stage, what the simulator counts."""
+    Expected: GPipe holds all m, 1F1B and ZB-H1 min(pp - rank, m) (ZB-H1's W keeps less, counted
+    apart), interleaved Megatron's warmup + 1 per rank and, per stage, what the simulator counts."""
     cfg, result = ALL_CASES[case], launched(case)
     p, m = cfg.parallel, cfg.num_microbatches
     simulated = simulate(build_schedule(p.pipeline_schedule, p.pp, p.virtual_pipeline_size, m))
@@ -138,7 +144,7 @@ def test_saved_activations_reach_the_schedule_bound(case, launched):
         rank = report["coords"].pp_rank
         if p.pipeline_schedule == "gpipe":
             per_rank = m
-        elif p.pipeline_schedule == "1f1b":
+        elif p.pipeline_schedule in ("1f1b", "zb1f1b"):
             per_rank = min(p.pp - rank, m)
         else:
             per_rank = min((p.pp - rank - 1) * 2 + (p.virtual_pipeline_size - 1) * p.pp + 1,
@@ -269,6 +275,32 @@ def test_split_stages_compute_the_model():
         assert rel_err(params[name].grad, p.grad) < TOL, name
 
 
+def test_zero_bubble_backward_split():
+    """B keeps the input gradient and what it computes anyway (LayerNorm's weight and bias come out of
+    the op that makes its input gradient); each linear layer's weight gradient, one mm, is W's; the
+    first stage, whose input (token ids) takes no gradient, runs its whole backward in B."""
+    programs = build_world(config(pp=2, schedule="zb1f1b", m=4), log=lambda _: None)
+    assert programs[0].stages[0].backward_weight is None
+    stage = programs[1].stages[1]
+    b_out = stage.backward.graph.output_node().args[0]
+    w_out = stage.backward_weight.graph.output_node().args[0]
+    n = len(stage.params)
+    assert b_out[n] is not None and len(b_out) == n + 2 + stage.num_stash  # grads of act0 and targets (None)
+    for p, in_b, in_w in zip(stage.params, b_out, w_out):
+        assert (in_b is None) != (in_w is None), p.name
+        assert (in_w is not None) == (len(p.full_shape) == 2 or p.name.endswith(("c_attn.bias", "c_proj.bias",
+                                                                                  "c_fc.bias"))), p.name
+
+    def mms(gm):
+        return sum(node.target == torch.ops.aten.mm.default for node in gm.graph.nodes)
+    linears = sum(len(p.full_shape) == 2 for p in stage.params)
+    assert mms(stage.backward_weight) == linears
+    whole = build_world(config(pp=2, schedule="1f1b", m=4), log=lambda _: None)
+    assert mms(stage.backward) + linears == mms(whole[1].stages[1].backward)
+    assert "ranks agree" in check_plan(programs)  # the checker walks W's graphs too
+    assert estimate_memory(programs[1]).activations > estimate_memory(whole[1]).activations
+
+
 # --- the split refuses what it cannot do -----------------------------------------------------------
 
 class Chain(nn.Module):
@@ -387,7 +419,12 @@ def test_split_needs_blocks_and_one_stage():
     (["--pp", "4", "--virtual-pipeline-size", "2", "--n-layer", "8"],
      "interleaved schedule needs num_microbatches (2) divisible by pp (4), where num_microbatches = "
      "global_batch_size 16 / (micro_batch_size 8 * dp 1)"),
-    (["--pp", "2", "--pipeline-schedule", "zb"], "pipeline_schedule='zb' must be gpipe, 1f1b or interleaved"),
+    (["--pp", "2", "--pipeline-schedule", "zb"],
+     "pipeline_schedule='zb' must be gpipe, 1f1b, interleaved or zb1f1b"),
+    (["--pp", "2", "--virtual-pipeline-size", "2", "--pipeline-schedule", "zb1f1b"],
+     "zb1f1b schedule runs one stage per rank (vpp=1), got vpp=2"),
+    (["--pp", "2", "--dp", "2", "--pipeline-schedule", "zb1f1b", "--overlap-grad-reduce"],
+     "--overlap-grad-reduce and --pipeline-schedule zb1f1b do not combine yet"),
     (["--pp", "2", "--virtual-pipeline-size", "2", "--pipeline-schedule", "1f1b"],
      "1f1b schedule runs one stage per rank (vpp=1), got vpp=2"),
     (["--pp", "2", "--pipeline-schedule", "interleaved"], "interleaved schedule needs vpp >= 2, got vpp=1"),

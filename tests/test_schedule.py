@@ -1,7 +1,10 @@
 """Pipeline schedules: golden orders, Megatron's warmup counts, the simulator's checks, timing and drawing.
 
 Expected orders are written out by hand from Megatron's loops
-(forward_backward_pipelining_without_interleaving / _with_interleaving);
+(forward_backward_pipelining_without_interleaving / _with_interleaving) and, for
+ZB-H1, from the zero-bubble paper's figure as PaddlePaddle's ZBH1 job list spells
+it (rank r: pp-r forwards, then r times B F, then B W F pairs, the remaining B W,
+and the r held-back W's last);
 warmup counts, bubbles and in-flight peaks come from their formulas,
 computed here, never from the code under test.
 """
@@ -11,14 +14,14 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from gcompile.schedule import (SCHEDULES, Action, Kind, Schedule, ScheduleError, build_schedule, gpipe,
+from gcompile.schedule import (COMPUTE, SCHEDULES, Action, Kind, Schedule, ScheduleError, build_schedule, gpipe,
                                in_flight_bound, interleaved_1f1b, one_f_one_b, parse_action, simulate,
-                               warmup_forwards)
+                               warmup_forwards, zero_bubble_h1)
 from gcompile.schedule_render import render_svg
 
 
 def compute_order(schedule: Schedule) -> list[str]:
-    return [" ".join(str(a) for a in actions if a.kind in (Kind.F, Kind.B)) for actions in schedule.actions]
+    return [" ".join(str(a) for a in actions if a.kind in COMPUTE) for actions in schedule.actions]
 
 
 def from_strings(name: str, pp: int, vpp: int, m: int, rows: list[str]) -> Schedule:
@@ -68,6 +71,20 @@ def valid_configs():
                                  "1F0 1F1 3F0 3B0 3F1 3B1 1B0 1B1"]),
     # one rank: all chunks local, warmup vpp-1
     (interleaved_1f1b(1, 3, 2), ["0F0 1F0 2F0 2B0 0F1 1B0 1F1 0B0 2F1 2B1 1B1 0B1"]),
+    # ZB-H1: 1F1B's F and B order; rank r holds its first r W's back to the end
+    (zero_bubble_h1(2, 4), ["0F0 0F1 0B0 0W0 0F2 0B1 0W1 0F3 0B2 0W2 0B3 0W3",
+                            "1F0 1B0 1F1 1B1 1W1 1F2 1B2 1W2 1F3 1B3 1W3 1W0"]),
+    (zero_bubble_h1(4, 8), ["0F0 0F1 0F2 0F3 0B0 0W0 0F4 0B1 0W1 0F5 0B2 0W2 0F6 0B3 0W3 0F7 0B4 0W4 0B5 0W5 "
+                            "0B6 0W6 0B7 0W7",
+                            "1F0 1F1 1F2 1B0 1F3 1B1 1W1 1F4 1B2 1W2 1F5 1B3 1W3 1F6 1B4 1W4 1F7 1B5 1W5 1B6 1W6 "
+                            "1B7 1W7 1W0",
+                            "2F0 2F1 2B0 2F2 2B1 2F3 2B2 2W2 2F4 2B3 2W3 2F5 2B4 2W4 2F6 2B5 2W5 2F7 2B6 2W6 2B7 2W7 "
+                            "2W0 2W1",
+                            "3F0 3B0 3F1 3B1 3F2 3B2 3F3 3B3 3W3 3F4 3B4 3W4 3F5 3B5 3W5 3F6 3B6 3W6 3F7 3B7 3W7 "
+                            "3W0 3W1 3W2"]),
+    # fewer microbatches than ranks: at most m held back
+    (zero_bubble_h1(4, 2), ["0F0 0F1 0B0 0W0 0B1 0W1", "1F0 1F1 1B0 1B1 1W1 1W0", "2F0 2F1 2B0 2B1 2W0 2W1",
+                            "3F0 3B0 3F1 3B1 3W0 3W1"]),
 ])
 def test_golden_compute_order(schedule, expected):
     assert compute_order(schedule) == expected
@@ -141,10 +158,11 @@ def test_every_schedule_passes_the_simulator():
             for a in actions:
                 assert parse_action(str(a)) == a
         count += 1
-    assert count == 8 * 5 * 2 + sum(1 for pp in range(1, 9) for m in (1, 2, 4, 8, 12) if m % pp == 0) * 2
+    assert count == 8 * 5 * 3 + sum(1 for pp in range(1, 9) for m in (1, 2, 4, 8, 12) if m % pp == 0) * 2
 
 
 @pytest.mark.parametrize("text, action", [("2F0", Action(2, Kind.F, 0)), ("1B13", Action(1, Kind.B, 13)),
+                                          ("3W2", Action(3, Kind.W, 2)),
                                           ("0SEND_F1", Action(0, Kind.SEND_F, 1)),
                                           ("12RECV_B3", Action(12, Kind.RECV_B, 3))])
 def test_action_string_round_trip(text, action):
@@ -164,6 +182,7 @@ def test_parse_rejects(text):
     (("gpipe", 2, 2, 4), r"gpipe schedule runs one stage per rank \(vpp=1\), got vpp=2"),
     (("1f1b", 2, 3, 4), r"1f1b schedule runs one stage per rank \(vpp=1\), got vpp=3"),
     (("1f1b", 2, 1, 0), r"num_microbatches >= 1, got 0"),
+    (("zb1f1b", 2, 2, 4), r"zb1f1b schedule runs one stage per rank \(vpp=1\), got vpp=2"),
     (("zb", 2, 1, 4), r"unknown schedule 'zb'"),
 ])
 def test_invalid_sizes(args, message):
@@ -251,6 +270,18 @@ def test_duplicate_and_missing_compute():
         simulate(edited(base, 1, lambda row: [t for t in row if t != "1B3"]))
 
 
+def test_weight_backward_faults():
+    base = build_schedule("zb1f1b", 2, 1, 4)
+    with pytest.raises(ScheduleError, match="rank 1: 1W2 is missing: stage 1 never runs the parameter-gradient "
+                                            "backward of microbatch 2"):
+        simulate(edited(base, 1, lambda row: [t for t in row if t != "1W2"]))
+    with pytest.raises(ScheduleError, match="rank 1: 1W0 .instruction 3. runs before 1B0, which provides the "
+                                            "gradients it continues from"):
+        simulate(edited(base, 1, lambda row: row[:3] + ["1W0"] + [t for t in row[3:] if t != "1W0"]))
+    with pytest.raises(ScheduleError, match="rank 0: 0W0 is a W, but the 1f1b schedule runs each backward whole"):
+        simulate(edited(build_schedule("1f1b", 2, 1, 4), 0, lambda row: row + ["0W0"]))
+
+
 def test_action_on_the_wrong_rank():
     with pytest.raises(ScheduleError, match="rank 0: 1F0 belongs to stage 1, which lives on rank 1"):
         simulate(from_strings("1f1b", 2, 1, 1, ["1F0 0F0 0B0", "1B0"]))
@@ -291,11 +322,25 @@ def test_per_stage_costs():
 @pytest.mark.parametrize("f_time, b_time", [(1, 2), (1, 1), (1, 3)])
 def test_bubble_matches_the_formulas(f_time, b_time):
     for name, pp, vpp, m in valid_configs():
+        if name == "zb1f1b":
+            continue
         result = simulate(built(name, pp, vpp, m), f_time, b_time)
         # GPipe and 1F1B: (pp-1) idle slots of (m + pp - 1). Interleaved: Megatron's bubble over ideal time
         # (pp-1)/(vpp*m), as a share of the whole run (pp-1)/(vpp*m + pp-1); vpp=1 is the same formula.
         assert result.bubble_fraction == pytest.approx((pp - 1) / (vpp * m + pp - 1)), (name, pp, vpp, m)
         assert result.makespan == pytest.approx((vpp * m + pp - 1) * (f_time + b_time))
+
+
+@pytest.mark.parametrize("f_time, b_time, w_time", [(1, 2, 1), (1, 3, 1), (2, 3, 1), (1, 1, 0)])
+def test_zero_bubble_h1_bubble(f_time, b_time, w_time):
+    """The paper's ZB-H1 bubble, (pp-1)(F + B - W) with B the input-gradient part, where m >= pp and
+    W is no longer than F or B; W = 0 is 1F1B's (pp-1)(F + B)."""
+    for pp in range(1, 9):
+        for m in (pp, pp + 1, 2 * pp, 12):
+            result = simulate(built("zb1f1b", pp, 1, m), f_time, b_time, w_time)
+            b_input = b_time - w_time
+            assert result.makespan == pytest.approx(m * (f_time + b_time) + (pp - 1) * (f_time + b_input - w_time))
+    assert simulate(built("zb1f1b", 2, 1, 4)).bubble_fraction < simulate(built("1f1b", 2, 1, 4)).bubble_fraction
 
 
 def test_peak_in_flight_reaches_the_bound():
@@ -304,7 +349,7 @@ def test_peak_in_flight_reaches_the_bound():
         result = simulate(schedule)
         if name == "gpipe":
             expected = [m] * pp
-        elif name == "1f1b":
+        elif name in ("1f1b", "zb1f1b"):
             expected = [min(pp - rank, m) for rank in range(pp)]
         else:
             expected = [min((pp - rank - 1) * 2 + (vpp - 1) * pp + 1, m * vpp) for rank in range(pp)]
@@ -337,3 +382,8 @@ def test_render_svg(tmp_path):
     labels = {str(a) for actions in schedule.actions for a in actions if a.kind in (Kind.F, Kind.B)}
     assert labels <= set(texts)
     assert any("bubble 11.1%" in t for t in texts)  # (pp-1)/(vpp*m + pp-1) = 1/9
+    zero_bubble = build_schedule("zb1f1b", 2, 1, 4)
+    render_svg(zero_bubble, str(path))
+    texts = [t.text for t in ET.parse(path).getroot().iter("{http://www.w3.org/2000/svg}text")]
+    assert {str(a) for actions in zero_bubble.actions for a in actions if a.kind == Kind.W} <= set(texts)
+    assert any("bubble 7.7%" in t for t in texts)  # makespan 4*3 + (2-1)(1+1-1) = 13, busy 12 per rank
