@@ -387,7 +387,7 @@ def validate(config: RunConfig) -> None:
                       f"(the last backward is split in two); drop one of them")
     if p.overlap_grad_reduce and p.dp == 1:
         errors.append("overlap_grad_reduce overlaps the dp reduction with backward and needs dp > 1 (dp=1)")
-    elif t.global_batch_size % per_step == 0:  # the number of microbatches is whole
+    elif t.global_batch_size % per_step == 0 and p.pipeline_schedule in SCHEDULES:  # whole microbatches
         try:
             check_sizes(p.pipeline_schedule, p.pp, p.virtual_pipeline_size, config.num_microbatches)
         except ScheduleError as e:

@@ -419,8 +419,6 @@ def test_split_needs_blocks_and_one_stage():
     (["--pp", "4", "--virtual-pipeline-size", "2", "--n-layer", "8"],
      "interleaved schedule needs num_microbatches (2) divisible by pp (4), where num_microbatches = "
      "global_batch_size 16 / (micro_batch_size 8 * dp 1)"),
-    (["--pp", "2", "--pipeline-schedule", "zb"],
-     "pipeline_schedule='zb' must be gpipe, 1f1b, interleaved or zb1f1b"),
     (["--pp", "2", "--virtual-pipeline-size", "2", "--pipeline-schedule", "zb1f1b"],
      "zb1f1b schedule runs one stage per rank (vpp=1), got vpp=2"),
     (["--pp", "2", "--dp", "2", "--pipeline-schedule", "zb1f1b", "--overlap-grad-reduce"],
@@ -458,3 +456,10 @@ def test_run_gpt_pp2_trains_like_one_device(tmp_path):
     assert two == pytest.approx(one, rel=TOL)
     assert (tmp_path / "pp2" / "schedule.svg").exists()
     assert "rank1 | 1RECV_F0 1F0" in (tmp_path / "pp2" / "schedule.txt").read_text()
+
+
+def test_unknown_schedule_is_one_error(capsys):
+    """Not also a second complaint from the schedule's size check."""
+    assert run_gpt.main(["--pp", "2", "--pipeline-schedule", "zb"]) == 2
+    assert capsys.readouterr().err.strip() == \
+        "run_gpt.py: error: pipeline_schedule='zb' must be gpipe, 1f1b, interleaved or zb1f1b"
