@@ -34,6 +34,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import shutil
 import sys
@@ -249,9 +250,9 @@ class Checkpoint:
         flat = [torch.cat([values[key].reshape(-1) for key in keys[piece]]) if keys[piece] else torch.empty(0)
                 for piece in pieces]
         for piece, value in zip(pieces, flat):
-            if value.numel() != _numel(shape):
+            if value.numel() != math.prod(shape):
                 raise CheckpointError(f"{self.folder}: {state} of {name} piece {piece} holds {value.numel()} "
-                                      f"elements, its shape {list(shape)} needs {_numel(shape)}")
+                                      f"elements, its shape {list(shape)} needs {math.prod(shape)}")
         return full_value([value.view(shape) for value in flat], param, self.axis_sizes)
 
     def local(self, state: str, param: Param, coords: Coords) -> torch.Tensor:
@@ -280,8 +281,7 @@ class Checkpoint:
 
     def verify(self) -> None:
         """Read every key once (a parameter at a time), so a damaged file fails before any rank starts."""
-        states = ("model", "main", "exp_avg", "exp_avg_sq") if self.meta["layout"]["main"] else \
-            ("model", "exp_avg", "exp_avg_sq")
+        states = ("model", *(s for s in STATES if s != "main" or self.meta["layout"]["main"]))
         for name in self.params:
             for state in states:
                 self.full(state, name)
@@ -477,13 +477,6 @@ def _crc32(value: torch.Tensor) -> int:
 
 def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _reason(error: BaseException) -> str:
