@@ -22,7 +22,7 @@ import torch.fx as fx
 from gcompile.collectives import collective_nodes
 from gcompile.mesh import group_members
 from gcompile.rank_program import RankProgram
-from gcompile.schedule import COMPUTE, Kind, in_flight_bound, rank_in_flight_bound
+from gcompile.schedule import COMPUTE, Kind, in_flight_bound, rank_in_flight_bound, waiting_weight_bound
 
 
 class PlanError(ValueError):
@@ -195,7 +195,7 @@ def estimate_memory(program: RankProgram) -> MemoryEstimate:
     stacked = sum(b * in_flight_bound(program.schedule, s) for s, b in per_stage.items())
     bound = rank_in_flight_bound(program.schedule, program.coords.pp_rank)
     activations = min(stacked, bound * max(per_stage.values(), default=0))
-    waiting_w = min(program.coords.pp_rank + 1, program.schedule.num_microbatches)
+    waiting_w = waiting_weight_bound(program.schedule, program.coords.pp_rank)
     activations += waiting_w * sum(_weight_bytes(stage) for stage in program.stages.values())
     return MemoryEstimate(weights=layout.numel * settings.param_dtype.itemsize, grads=layout.numel * 4,
                           optimizer=optimizer, activations=activations)

@@ -256,6 +256,12 @@ def rank_in_flight_bound(schedule: Schedule, rank: int) -> int:
     return min(warmup_forwards(schedule.name, schedule.pp, vpp, m, rank) + 1, m * vpp)
 
 
+def waiting_weight_bound(schedule: Schedule, rank: int) -> int:
+    """Most microbatches a rank holds B-done, W-pending (what their W reads): zb1f1b's rank r holds back
+    its first r W's and runs each later W right after its B, so r + 1; none where backward is whole."""
+    return min(rank + 1, schedule.num_microbatches) if schedule.splits_backward else 0
+
+
 def in_flight_bound(schedule: Schedule, stage: int) -> int:
     """The per-stage share of `rank_in_flight_bound`, as the schedule promises it.
 
