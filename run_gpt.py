@@ -37,7 +37,8 @@ def error(message: str) -> int:
 def rank_main(config: RunConfig) -> int:
     try:
         if under_launcher():
-            coords, device = join_world(config.parallel.tp, config.parallel.pp, config.parallel.dp)
+            p = config.parallel
+            coords, device = join_world(p.tp, p.pp, p.dp, p.tp_comm_backend)
         else:
             coords, device = Coords(1, 1, 1), "cuda" if torch.cuda.is_available() else "cpu"
         train(config, coords, device)

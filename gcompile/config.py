@@ -25,6 +25,9 @@ from gcompile.tp_plan import MEGATRON_PLAN, plan_errors
 from gcompile.schedule import SCHEDULES, SPLIT_BACKWARD, ScheduleError, check_sizes
 
 
+TP_COMM_BACKENDS = ("auto", "shm", "gloo")
+"""Values of parallel.tp_comm_backend (gcompile.mesh.tp_group_backend)."""
+
 POINTS = ("capture", "tensor_parallel", "sequence_parallel", "pipeline_split", "lower", "data_parallel",
           "sharded_optimizer")
 """The named points of the compiler, in order; a user pass goes `before:` or `after:` one of them
@@ -49,6 +52,9 @@ class ParallelConfig:
     """Tensor-parallel plan: module-glob=placement (column, row, vocab, replicate), first match wins."""
     make_vocab_size_divisible_by: int = 128
     """A vocab-parallel embedding is padded to a multiple of this times tp (Megatron's flag)."""
+    tp_comm_backend: str = "auto"
+    """How CPU tp groups move tensors: shm (shared memory; ranks on one x86-64 Linux host), gloo, or auto
+    (shm where it applies). GPU ranks use nccl."""
     virtual_pipeline_size: int = 1
     """Model chunks per pipeline rank (interleaved 1F1B); 1 = no interleaving."""
     num_layers_per_virtual_pipeline_stage: int | None = None
@@ -374,6 +380,9 @@ def validate(config: RunConfig) -> None:
         errors.append(f"ddp_bucket_size={p.ddp_bucket_size} must be at least 1 element")
     if t.min_lr > t.lr:
         errors.append(f"min_lr={t.min_lr} is above lr={t.lr}")
+    if p.tp_comm_backend not in TP_COMM_BACKENDS:
+        errors.append(f"tp_comm_backend={p.tp_comm_backend!r} must be {', '.join(TP_COMM_BACKENDS[:-1])} "
+                      f"or {TP_COMM_BACKENDS[-1]}")
     if p.pipeline_schedule not in SCHEDULES:
         errors.append(f"pipeline_schedule={p.pipeline_schedule!r} must be {', '.join(SCHEDULES[:-1])} "
                       f"or {SCHEDULES[-1]}")

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from gcompile.config import ConfigError
-from gcompile.mesh import Coords, init_groups
+from gcompile.mesh import Coords, init_groups, tp_group_backend
 
 
 def under_launcher() -> bool:
@@ -47,7 +47,7 @@ def spawn_local(world_size: int, argv: list[str]) -> int:
     return 0
 
 
-def join_world(tp: int, pp: int, dp: int) -> tuple[Coords, str]:
+def join_world(tp: int, pp: int, dp: int, tp_comm_backend: str = "auto") -> tuple[Coords, str]:
     """Initialize this process as one rank of the launcher's world; (coords, device)."""
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     if world != tp * pp * dp:
@@ -60,7 +60,7 @@ def join_world(tp: int, pp: int, dp: int) -> tuple[Coords, str]:
         device, backend = "cpu", "gloo"
     dist.init_process_group(backend, rank=rank, world_size=world)
     coords = Coords.from_rank(rank, tp, pp, dp)
-    init_groups(coords)
+    init_groups(coords, tp_group_backend(tp_comm_backend, coords, "cpu" if device == "cpu" else "cuda"))
     return coords, device
 
 

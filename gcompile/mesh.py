@@ -4,10 +4,14 @@ Megatron's order, tp fastest: rank = tp_rank + tp * (dp_rank + dp * pp_rank).
 Passes see only `Coords` (plain numbers); process groups exist only at run time.
 """
 
+import socket
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from gcompile import shm_group
+from gcompile.config import ConfigError
 
 
 @dataclass(frozen=True)
@@ -68,14 +72,20 @@ def embedding_group_ranks(coords: Coords) -> list[int]:
                    for pp in (0, coords.pp - 1)})
 
 
-def init_groups(coords: Coords) -> dict[str, dist.ProcessGroup]:
+def init_groups(coords: Coords, tp_backend: str | None = None) -> dict[str, dist.ProcessGroup]:
     """Create every group (all ranks take part in each creation) and register this rank's
-    under its role name, so `all_reduce(x, "tp")` in a graph means this rank's tp group."""
+    under its role name, so `all_reduce(x, "tp")` in a graph means this rank's tp group.
+    `tp_backend` (tp_group_backend's choice) puts the tp groups on another backend than the world's."""
     mesh = dist.device_mesh.init_device_mesh(
         "cuda" if torch.cuda.is_available() else "cpu", (coords.pp, coords.dp, coords.tp),
         mesh_dim_names=("pp", "dp", "tp"))
     groups = {"tp": mesh["tp"].get_group(), "dp": mesh["dp"].get_group(),
               "mp": mesh["pp", "tp"]._flatten("mp").get_group(), "world": dist.group.WORLD}
+    if tp_backend is not None:
+        for first in range(0, coords.world_size, coords.tp):  # tp is the fastest axis: tp groups are runs of ranks
+            created = dist.new_group(list(range(first, first + coords.tp)), backend=tp_backend)
+            if first <= coords.rank < first + coords.tp:
+                groups["tp"] = created
     for name, group in groups.items():
         if sorted(dist.get_process_group_ranks(group)) != group_ranks(coords, GROUP_AXES[name]):
             raise AssertionError(f"group {name} of rank {coords.rank} has ranks "
@@ -86,15 +96,47 @@ def init_groups(coords: Coords) -> dict[str, dist.ProcessGroup]:
             created = dist.new_group(ranks)
             if coords.rank in ranks:
                 groups["embd"] = created
-    for name, group in groups.items():
-        if name in _registered:
-            torch._C._distributed_c10d._unregister_process_group(name)
-        torch._C._distributed_c10d._register_process_group(name, group)
-        _registered.add(name)
+    for name, created in groups.items():
+        register_group(name, created)
     return groups
 
 
+def register_group(name: str, group: dist.ProcessGroup) -> None:
+    """Make `name` in a graph's collectives mean `group` on this rank."""
+    if name in _registered:
+        torch._C._distributed_c10d._unregister_process_group(name)
+    torch._C._distributed_c10d._register_process_group(name, group)
+    _registered.add(name)
+
+
 _registered: set[str] = set()
+
+
+def tp_group_backend(requested: str, coords: Coords, device: str) -> str | None:
+    """The backend for the tp groups (parallel.tp_comm_backend), None for the world's.
+
+    auto picks shared memory for CPU ranks when every tp group sits on one host, since
+    gloo's loopback TCP costs a tensor-parallel layer several times its compute. The
+    choice is made from every rank's host name, so all ranks make the same one."""
+    if device != "cpu" or coords.tp == 1 or requested == "gloo":
+        if requested == "shm" and device != "cpu":
+            raise ConfigError("tp_comm_backend='shm' is for CPU ranks; on GPUs tp groups use nccl")
+        return None
+    if not shm_group.available():
+        if requested == "shm":
+            raise ConfigError("tp_comm_backend='shm' needs x86-64 Linux with /dev/shm; use gloo here")
+        return None
+    hosts = [None] * coords.world_size
+    dist.all_gather_object(hosts, socket.gethostname())
+    spread = [hosts[first:first + coords.tp] for first in range(0, coords.world_size, coords.tp)
+              if len(set(hosts[first:first + coords.tp])) > 1]
+    if spread:
+        if requested == "shm":
+            raise ConfigError(f"tp_comm_backend='shm' needs each tp group on one host, but one spans "
+                              f"{sorted(set(spread[0]))}; use gloo or place tp ranks together")
+        return None
+    shm_group.register()
+    return shm_group.BACKEND
 
 
 def group(name: str) -> dist.ProcessGroup:

@@ -3,6 +3,7 @@
 import json
 import os
 
+from gcompile import shm_group
 from gcompile.launch import spawn_local
 from gcompile.mesh import Coords, GROUP_AXES, group_ranks
 
@@ -26,6 +27,7 @@ def test_spawned_world_has_the_named_groups(tmp_path, monkeypatch):
         assert r["rank"] == r["env_rank"]
         coords = Coords.from_rank(r["rank"], tp, pp, dp)
         assert (r["tp_rank"], r["dp_rank"], r["pp_rank"]) == (coords.tp_rank, coords.dp_rank, coords.pp_rank)
+        assert r["tp_backend"] == (shm_group.BACKEND if shm_group.available() else "gloo")
         for name, axes in GROUP_AXES.items():
             expected = float(sum(group_ranks(coords, axes)))
             assert r["sums"][name] == [expected, expected], f"rank {r['rank']} group {name}"

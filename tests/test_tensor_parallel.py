@@ -1,6 +1,7 @@
 """Tensor and sequence parallelism: every tp layout trains the same model as one device.
 
-Numerics: real gloo ranks (tests/multirank.py) against single-device eager autograd +
+Numerics: real ranks (tests/multirank.py; tp groups in shared memory, one case over gloo)
+against single-device eager autograd +
 torch.optim.AdamW (tests/reference.py): the loss and gradient norm of every step and the
 final parameters, gathered to full shape, within 1e-5 relative (fp32, CPU); replicated
 parameters must be bitwise equal on all tp ranks (the harness checks). The vocab, 257,
@@ -15,6 +16,7 @@ import functools
 import pytest
 
 import run_gpt
+from gcompile import shm_group
 from gcompile.compile import graph_key
 from gcompile.config import build_config
 from gcompile.layout import Shard
@@ -71,7 +73,10 @@ def test_tp2(tmp_path, reference):
         "tp2 sequence-parallel inductor": small_config(tp=2, sequence_parallel=True, compile=True),
         "tp2 mlp-only plan": small_config(tp=2, tp_plan=MLP_ONLY),
         "tp2 sequence-parallel recompute": small_config(tp=2, sequence_parallel=True, recompute=True),
+        "tp2 sequence-parallel over gloo": small_config(tp=2, sequence_parallel=True, tp_comm_backend="gloo"),
     })
+    shm = shm_group.BACKEND if shm_group.available() else "gloo"
+    assert [r.ranks[0]["tp_backend"] for r in results] == [shm] * 5 + ["gloo"]
     compiled = results[2].ranks[1]["compile_stats"]
     assert compiled.distinct == 3 and compiled.cache_misses == 0, f"rank 1 should reuse rank 0's graphs: {compiled}"
     sharded = {p.name for p in results[3].ranks[0]["params"] if p.shards}

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from gcompile.compile import Compiler, compile_rank_program
-from gcompile.mesh import Coords, group, init_groups
+from gcompile.mesh import Coords, group, init_groups, tp_group_backend
 from gcompile.pipeline import build_rank_program
 from gcompile.runtime import Runtime
 from gcompile.state import TrainState
@@ -23,7 +23,7 @@ def run_case(config, batches, lrs, rank: int, inject_inf: dict) -> dict:
     """`inject_inf` {step: rank}: that rank's gradient gets an inf before that step's optimizer update."""
     p, t = config.parallel, config.train
     coords = Coords.from_rank(rank, p.tp, p.pp, p.dp)
-    init_groups(coords)
+    init_groups(coords, tp_group_backend(p.tp_comm_backend, coords, "cpu"))
     program = build_rank_program(config, coords, log=lambda _: None)
     compiler = Compiler(enabled=t.compile)
     for turn in range(coords.world_size):  # one rank compiles at a time; the rest hit Inductor's cache
@@ -55,7 +55,7 @@ def run_case(config, batches, lrs, rank: int, inject_inf: dict) -> dict:
                                     (state.main, state.exp_avg, state.exp_avg_sq) if b is not None),
                 params=program.layout.params,
                 values=params, peak_saved=dict(runtime.peak_saved), rank_peak_saved=runtime.rank_peak_saved,
-                compile_stats=compiler.stats)
+                compile_stats=compiler.stats, tp_backend=group("tp").name())
 
 
 def main(job_path: str, store_path: str) -> None:

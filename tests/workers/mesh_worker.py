@@ -22,7 +22,7 @@ def main(out_dir: str, tp: int, pp: int, dp: int) -> None:
         dist.all_reduce(via_group, group=group(name))
         sums[name] = [via_graph_op.item(), via_group.item()]
     record = dict(rank=coords.rank, env_rank=int(os.environ["RANK"]), tp_rank=coords.tp_rank,
-                  dp_rank=coords.dp_rank, pp_rank=coords.pp_rank, sums=sums)
+                  dp_rank=coords.dp_rank, pp_rank=coords.pp_rank, sums=sums, tp_backend=group("tp").name())
     with open(os.path.join(out_dir, f"rank{coords.rank}.json"), "w") as f:
         json.dump(record, f)
     dist.destroy_process_group()

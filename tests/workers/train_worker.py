@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from gcompile.checkpoint import TMP, iteration_dir
-from gcompile.mesh import Coords, init_groups
+from gcompile.mesh import Coords, init_groups, tp_group_backend
 from gcompile.train import train
 
 
@@ -46,7 +46,7 @@ def main(job_path: str, store_path: str) -> None:
     for config in job["configs"]:
         p = config.parallel
         coords = Coords.from_rank(rank, p.tp, p.pp, p.dp)
-        init_groups(coords)
+        init_groups(coords, tp_group_backend(p.tp_comm_backend, coords, "cpu"))
         train(config, coords, "cpu")
     dist.destroy_process_group()
 
