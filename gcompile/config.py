@@ -28,8 +28,8 @@ from gcompile.schedule import SCHEDULES, SPLIT_BACKWARD, ScheduleError, check_si
 TP_COMM_BACKENDS = ("auto", "shm", "gloo")
 """Values of parallel.tp_comm_backend (gcompile.mesh.tp_group_backend)."""
 
-POINTS = ("capture", "tensor_parallel", "sequence_parallel", "pipeline_split", "lower", "data_parallel",
-          "sharded_optimizer")
+POINTS = ("capture", "tensor_parallel", "sequence_parallel", "pipeline_split", "lower", "tp_comm_overlap",
+          "data_parallel", "sharded_optimizer")
 """The named points of the compiler, in order; a user pass goes `before:` or `after:` one of them
 (up to pipeline_split it sees the forward Program, after lower the lowered RankProgram)."""
 
@@ -52,6 +52,9 @@ class ParallelConfig:
     """Tensor-parallel plan: module-glob=placement (column, row, vocab, replicate), first match wins."""
     make_vocab_size_divisible_by: int = 128
     """A vocab-parallel embedding is padded to a multiple of this times tp (Megatron's flag)."""
+    overlap_tp_comm: bool = True
+    """Start each tp collective as soon as its input exists and wait where its result is first read
+    (backward: the input-gradient all-reduce runs during the weight-gradient matmul)."""
     tp_comm_backend: str = "auto"
     """How CPU tp groups move tensors: shm (shared memory; ranks on one x86-64 Linux host), gloo, or auto
     (shm where it applies). GPU ranks use nccl."""
@@ -75,7 +78,7 @@ class ParallelConfig:
     passes: tuple[str, ...] = ()
     """User passes: `pkg.module:function` (after pipeline_split, before lowering) or `after:POINT=pkg.module:function`
     / `before:POINT=...` with POINT one of capture, tensor_parallel, sequence_parallel, pipeline_split, lower,
-    data_parallel, sharded_optimizer."""
+    tp_comm_overlap, data_parallel, sharded_optimizer."""
 
 
 @dataclass(frozen=True)

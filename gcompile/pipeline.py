@@ -6,7 +6,8 @@
     lower            per stage: autograd -> forward graph + backward graph
     layout           the rank's parameters in flat buffers and reduction buckets
     optimizer        AdamW over the flat buffers, as a graph
-    rank passes      data_parallel or sharded_optimizer: how gradients cross dp
+    rank passes      tp_comm_overlap: tp collectives started early, waited late;
+                     data_parallel or sharded_optimizer: how gradients cross dp
 
 Every step can be dumped (`--dump-graphs DIR` -> DIR/rank{r}/NN_step.txt).
 """
@@ -40,6 +41,8 @@ def builtin_passes(config: RunConfig) -> list[str]:
         passes.append("sequence_parallel")
     if p.pp * p.virtual_pipeline_size > 1:
         passes.append("pipeline_split")
+    if p.tp > 1 and p.overlap_tp_comm:
+        passes.append("tp_comm_overlap")
     if p.use_distributed_optimizer:
         passes.append("sharded_optimizer")
     elif p.dp > 1:

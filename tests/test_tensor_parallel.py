@@ -14,6 +14,7 @@ compile costs ~20 s per graph on 2 cores.
 import functools
 
 import pytest
+import torch
 
 import run_gpt
 from gcompile import shm_group
@@ -135,6 +136,26 @@ OUTSIDE_LAYERS = {
     True: {"fwd reduce_scatter_tensor": 1, "fwd all_gather_into_tensor": 1, "fwd all_reduce": 3,
            "bwd all_gather_into_tensor": 1 + 1, "bwd reduce_scatter_tensor": 1, "bwd all_reduce": 2},
 }
+
+
+def matmuls_while_in_flight(gm) -> list[int]:
+    """For each all-reduce of the graph: the matmuls between its start and its wait."""
+    nodes = list(gm.graph.nodes)
+    windows = [(nodes.index(n), nodes.index(next(iter(n.users)))) for n in nodes
+               if n.target is torch.ops._c10d_functional.all_reduce.default]
+    return [sum(n.target is torch.ops.aten.mm.default for n in nodes[start:end]) for start, end in windows]
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_input_gradient_all_reduces_overlap_weight_gradients(overlap):
+    # Megatron's async input-gradient all-reduce: in the backward of each column-parallel
+    # linear (c_attn, c_fc, and the vocab-parallel head) the weight-gradient matmul runs
+    # while the input gradient's all-reduce is in flight; autograd's order has none there
+    config = small_config(tp=2, overlap_tp_comm=overlap)
+    (stage,) = build_rank_program(config, Coords(2, 1, 1), log=lambda _: None).stages.values()
+    in_flight = matmuls_while_in_flight(stage.backward)
+    assert len(in_flight) == 2 * 2 + 1
+    assert all(n >= 1 for n in in_flight) if overlap else in_flight == [0] * 5, in_flight
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
