@@ -4,12 +4,15 @@
     python bench/tensor_parallel.py --config configs/tiny.toml   # where per-op dispatch dominates
 
 (a) DTensor: torch.distributed.tensor.parallel.parallelize_module, Megatron's plan
-    (ColwiseParallel c_attn / c_fc, RowwiseParallel c_proj), eager
+    (ColwiseParallel c_attn / c_fc, RowwiseParallel c_proj), eager, on gloo (torch's CPU default)
 (b) the same model under torch.compile
-(c) gcompile --tp 2 with the same plan (embedding and head replicated), graphs run uncompiled
+(c) gcompile --tp 2 with the same plan (embedding and head replicated), graphs run uncompiled;
+    tp group in shared memory (gcompile's default for CPU ranks on one host)
 (d) the same, --compile
 (e) gcompile --tp 2 --compile with its default plan: embedding, head and loss vocab-parallel
     too (Megatron's), 5 more collectives per microbatch for 1/tp of the head's work
+(f) (b) on gcompile's shared-memory group: how much of (d) / (b) is the transport
+(g) (d) on gloo (--tp-comm-backend gloo)
 Same model, weights, batch and AdamW + clipping; the first step's loss is printed so
 one can see they train the same model. The variants take turns step by step, so that
 load from elsewhere on the machine hits them alike.
@@ -25,13 +28,16 @@ import types
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from gcompile import shm_group
 from gcompile.compile import Compiler, compile_rank_program
 from gcompile.config import build_config, load_toml
 from gcompile.launch import join_world, run_ranks
 from gcompile.layout import Param, Shard, local_value
+from gcompile.mesh import group, register_group
 from gcompile.model import build_model
 from gcompile.pipeline import build_rank_program
 from gcompile.runtime import Runtime
@@ -54,9 +60,8 @@ def local_attention(self, x):
     return self.resid_dropout(self.c_proj(y.transpose(1, 2).contiguous().view(B, T, -1)))
 
 
-def dtensor_model(config, compiled: bool):
+def dtensor_model(config, mesh: DeviceMesh, compiled: bool):
     model = build_model(config.model, config.train.seed)
-    mesh = dist.device_mesh.init_device_mesh("cpu", (TP,))
     plan = {}
     for i, block in enumerate(model.transformer.h):
         attn = block.attn
@@ -72,9 +77,9 @@ def dtensor_model(config, compiled: bool):
     return model, (torch.compile(model) if compiled else model)
 
 
-def dtensor_step_fn(config, compiled: bool):
+def dtensor_step_fn(config, mesh: DeviceMesh, compiled: bool):
     t = config.train
-    model, forward = dtensor_model(config, compiled)
+    model, forward = dtensor_model(config, mesh, compiled)
     named = list(model.named_parameters())
     # foreach kernels refuse a mix of DTensor and plain tensors: one AdamW for each kind
     optimizers = [adamw([(n, p) for n, p in named if isinstance(p, DTensor) == sharded], t) for sharded in (True, False)]
@@ -111,13 +116,18 @@ def clip_grad_norm(params, max_norm: float) -> None:
     torch._foreach_mul_(sharded + replicated, (max_norm / (norm + 1e-6)).clamp(max=1.0))
 
 
-def gcompile_step_fn(config, coords, compiled: bool):
+def gcompile_step_fn(config, coords, compiled: bool, tp_group: dist.ProcessGroup):
+    """Graphs name their group "tp": the step points that name at `tp_group` before it runs."""
     program = build_rank_program(config, coords, log=lambda _: None)
     functions, opt_step = compile_rank_program(program, Compiler(enabled=compiled))
     state = TrainState.initial(program, config.model, config.train.seed, "cpu")
     state.lr.fill_(config.train.lr)
     runtime = Runtime(program, functions, opt_step, state)
-    return lambda tokens: runtime.train_step(split_microbatches(tokens, config.train.micro_batch_size)).loss
+
+    def step(tokens):
+        register_group("tp", tp_group)
+        return runtime.train_step(split_microbatches(tokens, config.train.micro_batch_size)).loss
+    return step
 
 
 def bench_config(args, tp_plan: tuple[str, ...] = MEGATRON_PLAN):
@@ -130,17 +140,24 @@ def bench_config(args, tp_plan: tuple[str, ...] = MEGATRON_PLAN):
 
 def rank_main(args) -> int:
     coords, _ = join_world(TP, 1, 1)
+    shm, gloo = group("tp"), dist.group.WORLD  # the world is the one tp group
+    if shm.name() != shm_group.BACKEND:
+        raise SystemExit("bench/tensor_parallel.py compares against the shared-memory tp group, which needs "
+                         "x86-64 Linux")
     config = bench_config(args)
     same_plan = bench_config(args, DTENSOR_PLAN)
+    gloo_mesh, shm_mesh = (DeviceMesh.from_group(g, "cpu") for g in (gloo, shm))
     t = config.train
     tokens = torch.randint(0, config.model.vocab_size, (t.global_batch_size, t.seq_length + 1),
                            generator=torch.Generator().manual_seed(0))
     runs = {
-        "(a) DTensor eager": lambda: dtensor_step_fn(config, compiled=False),
-        "(b) DTensor torch.compile": lambda: dtensor_step_fn(config, compiled=True),
-        "(c) gcompile (FX graphs)": lambda: gcompile_step_fn(same_plan, coords, compiled=False),
-        "(d) gcompile --compile": lambda: gcompile_step_fn(same_plan, coords, compiled=True),
-        "(e) gcompile, vocab-parallel": lambda: gcompile_step_fn(config, coords, compiled=True),
+        "(a) DTensor eager": lambda: dtensor_step_fn(config, gloo_mesh, compiled=False),
+        "(b) DTensor torch.compile": lambda: dtensor_step_fn(config, gloo_mesh, compiled=True),
+        "(c) gcompile (FX graphs)": lambda: gcompile_step_fn(same_plan, coords, False, shm),
+        "(d) gcompile --compile": lambda: gcompile_step_fn(same_plan, coords, True, shm),
+        "(e) gcompile, vocab-parallel": lambda: gcompile_step_fn(config, coords, True, shm),
+        "(f) (b) on shared memory": lambda: dtensor_step_fn(config, shm_mesh, compiled=True),
+        "(g) (d) on gloo": lambda: gcompile_step_fn(same_plan, coords, True, gloo),
     }
     steps = {name: make() for name, make in runs.items()}
     first_loss = {name: step(tokens).item() for name, step in steps.items()}
@@ -156,8 +173,8 @@ def rank_main(args) -> int:
     if coords.rank == 0:
         m = config.model
         print(f"config: {m.n_layer} layers, {m.n_embd} wide, {m.n_head} heads, T={t.seq_length}, "
-              f"{t.global_batch_size // t.micro_batch_size} x {t.micro_batch_size} samples/step, tp={TP} on "
-              f"gloo, {torch.get_num_threads()} thread(s) per rank")
+              f"{t.global_batch_size // t.micro_batch_size} x {t.micro_batch_size} samples/step, tp={TP}, "
+              f"{torch.get_num_threads()} thread(s) per rank")
         eager, compiled = results["(a) DTensor eager"][0], results["(b) DTensor torch.compile"][0]
         print(f"{'':28s} {'tokens/s':>9s} {'vs (a)':>7s} {'vs (b)':>7s} {'step-1 loss':>12s}")
         for name, (median, loss) in results.items():
