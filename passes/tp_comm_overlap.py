@@ -62,15 +62,15 @@ def overlap_tp_comm(gm: fx.GraphModule, stage: int) -> fx.GraphModule:
 
 
 def _start_early(collective: fx.Node) -> None:
-    window = []
+    window = []  # the nodes since the previous collective, wait or side effect, nearest first
     node = collective.prev
-    while node.op == "call_function" and not _is_comm(node):
+    while node.op == "call_function" and not _is_comm(node) and not node.is_impure():
         window.append(node)
         node = node.prev
-    needed, todo = set(), list(collective.all_input_nodes)
+    in_window, needed, todo = set(window), set(), list(collective.all_input_nodes)
     while todo:
         node = todo.pop()
-        if node in window and node not in needed:
+        if node in in_window and node not in needed:
             needed.add(node)
             todo += node.all_input_nodes
     anchor = collective
