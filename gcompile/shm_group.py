@@ -69,7 +69,7 @@ class _Done(dist._Work):
 
     def __init__(self, tensors: list[torch.Tensor]):
         super().__init__()
-        self._tensors = tensors
+        self.tensors = tensors
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
         return True
@@ -78,27 +78,28 @@ class _Done(dist._Work):
         return True
 
     def result(self) -> list[torch.Tensor]:
-        return self._tensors
+        self.wait()
+        return self.tensors
 
     def get_future(self) -> torch.futures.Future:
+        self.wait()
         future = torch.futures.Future()
-        future.set_result(self._tensors)
+        future.set_result(self.tensors)
         return future
 
 
-class _Pending(dist._Work):
-    """An all-reduce whose input is published; it sums at `wait`."""
+class _Pending(_Done):
+    """An all-reduce of one slot's worth whose input is published; it sums at `wait`."""
 
     def __init__(self, group: "SharedMemoryGroup", tensor: torch.Tensor, combine, average: bool):
-        super().__init__()
-        self.group, self.tensor, self.combine, self.average = group, tensor, combine, average
+        super().__init__([tensor])
+        self.group, self.combine, self.average = group, combine, average
         self.step, self.slots, self.completed = 0, None, False
 
     def complete(self) -> None:
         self.group._wait_all(self.step)
-        n = self.tensor.numel()
-        out = self.tensor.view(-1)
-        _reduce(self.combine, [slot.view(self.tensor.dtype)[:n] for slot in self.slots], out=out)
+        out = self.tensors[0].view(-1)
+        _reduce(self.combine, [slot.view(out.dtype)[:out.numel()] for slot in self.slots], out=out)
         if self.average:
             out.div_(self.group.size())
         self.completed, self.slots = True, None
@@ -111,21 +112,10 @@ class _Pending(dist._Work):
     def is_completed(self) -> bool:
         return self.completed
 
-    def result(self) -> list[torch.Tensor]:
-        self.wait()
-        return [self.tensor]
-
-    def get_future(self) -> torch.futures.Future:
-        self.wait()
-        future = torch.futures.Future()
-        future.set_result([self.tensor])
-        return future
-
 
 class SharedMemoryGroup(dist.ProcessGroup):
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta):
         super().__init__(rank, size)
-        self._rank = rank
         self._timeout = timeout.total_seconds()
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", size)))
         self._spin_seconds = _SPIN_SECONDS if local_ranks <= len(os.sched_getaffinity(0)) else 0.0
@@ -147,19 +137,14 @@ class SharedMemoryGroup(dist.ProcessGroup):
         return self._group_name
 
     def allreduce(self, tensors, opts) -> dist._Work:
-        combine = _combine(opts.reduceOp)
-        if len(tensors) == 1 and tensors[0].is_contiguous() and tensors[0].numel() * tensors[0].element_size() <= SLOT_BYTES:
-            return self._start(_Pending(self, tensors[0], combine, opts.reduceOp == ReduceOp.AVG))
-        self._finish_pending()
-        for t in tensors:
-            flat = _flat(t)
-            per = SLOT_BYTES // t.element_size()
+        combine, average = _combine(opts.reduceOp), opts.reduceOp == ReduceOp.AVG
+        (t, *more) = tensors
+        if not more and t.is_contiguous() and t.numel() * t.element_size() <= SLOT_BYTES:
+            return self._start(_Pending(self, t, combine, average))
+        for t in tensors:  # in pieces, each finished before the next starts
+            flat, per = _flat(t), SLOT_BYTES // t.element_size()
             for start in range(0, flat.numel(), per):
-                piece = flat[start:start + per]
-                slots = self._exchange(piece)
-                _reduce(combine, [s[:piece.numel()] for s in slots], out=piece)
-            if opts.reduceOp == ReduceOp.AVG:
-                flat.div_(self.size())
+                self._start(_Pending(self, flat[start:start + per], combine, average)).wait()
             _restore(t, flat)
         return _Done(tensors)
 
@@ -180,7 +165,7 @@ class SharedMemoryGroup(dist.ProcessGroup):
         for start in range(0, n, per):
             pieces = flat_in[:, start:start + per]  # (size, piece): what each rank gets from this one
             slots = self._exchange(pieces)
-            mine = [s.view(size, -1)[self._rank] for s in (slot[:pieces.numel()] for slot in slots)]
+            mine = [s.view(size, -1)[self.rank()] for s in (slot[:pieces.numel()] for slot in slots)]
             _reduce(combine, mine, out=flat_out[start:start + pieces.size(1)])
         if opts.reduceOp == ReduceOp.AVG:
             flat_out.div_(size)
@@ -203,8 +188,8 @@ class SharedMemoryGroup(dist.ProcessGroup):
             flat, per = _flat(t), SLOT_BYTES // t.element_size()
             for start in range(0, flat.numel(), per):
                 piece = flat[start:start + per]
-                slots = self._exchange(piece if self._rank == root else None, t.dtype)
-                if self._rank != root:
+                slots = self._exchange(piece if self.rank() == root else None, t.dtype)
+                if self.rank() != root:
                     piece.copy_(slots[root][:piece.numel()])
             _restore(t, flat)
         return _Done(tensors)
@@ -213,11 +198,11 @@ class SharedMemoryGroup(dist.ProcessGroup):
         root, size = opts.rootRank, self.size()
         flat_out = _flat(outputs[0])
         n, per = flat_out.numel(), SLOT_BYTES // outputs[0].element_size() // size
-        sources = torch.stack([t.reshape(-1) for t in inputs[0]]) if self._rank == root else None  # (size, n)
+        sources = torch.stack([t.reshape(-1) for t in inputs[0]]) if self.rank() == root else None  # (size, n)
         for start in range(0, n, per):
             length = min(per, n - start)
             slots = self._exchange(sources[:, start:start + per] if sources is not None else None, flat_out.dtype)
-            flat_out[start:start + length].copy_(slots[root][:size * length].view(size, length)[self._rank])
+            flat_out[start:start + length].copy_(slots[root][:size * length].view(size, length)[self.rank()])
         _restore(outputs[0], flat_out)
         return _Done(outputs)
 
@@ -239,13 +224,13 @@ class SharedMemoryGroup(dist.ProcessGroup):
         self._step += 1
         slots = self._sets[self._step % 2]
         if mine is not None:
-            slots[self._rank, :mine.numel() * mine.element_size()].view(mine.dtype).view(mine.shape).copy_(mine)
+            slots[self.rank(), :mine.numel() * mine.element_size()].view(mine.dtype).view(mine.shape).copy_(mine)
         self._publish()
         return slots
 
     def _start(self, pending: "_Pending") -> "_Pending":
         self._finish_pending()
-        pending.step, pending.slots = self._step + 1, self._send(pending.tensor)
+        pending.step, pending.slots = self._step + 1, self._send(pending.tensors[0])
         self._pending = pending
         return pending
 
@@ -258,7 +243,7 @@ class SharedMemoryGroup(dist.ProcessGroup):
 
     def _publish(self) -> None:
         with _store_order:  # a locked instruction: the slot's bytes are visible before the counter is
-            self._counters[self._rank] = self._step
+            self._counters[self.rank()] = self._step
 
     def _wait_all(self, step: int) -> None:
         if (self._counters >= step).all():
@@ -274,7 +259,7 @@ class SharedMemoryGroup(dist.ProcessGroup):
                 time.sleep(5e-5)
             else:
                 late = [r for r in range(self.size()) if self._counters[r] < step]
-                raise RuntimeError(f"shared-memory collective {step} of rank {self._rank}: ranks {late} "
+                raise RuntimeError(f"shared-memory collective {step} of rank {self.rank()}: ranks {late} "
                                    f"of its group did not arrive within {self._timeout:.0f} s")
 
 
