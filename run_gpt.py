@@ -19,14 +19,15 @@ from gcompile.checkpoint import CheckpointError, check
 from gcompile.config import ConfigError, RunConfig, parse_args
 from gcompile.data import DataError, build_datasets
 from gcompile.check import PlanError, check_plan
+from gcompile.mesh import MeshError
 from gcompile.launch import join_world, rank_threads, run_ranks, under_launcher
-from gcompile.mesh import Coords
+from gcompile.axes import Coords
 from gcompile.pass_manager import PassError, clear_stale_dumps
 from gcompile.program import dump_text
 from gcompile.train import train
 from gcompile.world import build_world, prepare_launch
 
-USER_ERRORS = (ConfigError, DataError, PassError, PlanError, CheckpointError)
+USER_ERRORS = (ConfigError, DataError, PassError, PlanError, CheckpointError, MeshError)
 
 
 def error(message: str) -> int:
@@ -38,9 +39,9 @@ def rank_main(config: RunConfig) -> int:
     try:
         if under_launcher():
             p = config.parallel
-            coords, device = join_world(p.tp, p.pp, p.dp, p.tp_comm_backend)
+            coords, device = join_world(config.mesh_sizes, p.tp_comm_backend)
         else:
-            coords, device = Coords(1, 1, 1), "cuda" if torch.cuda.is_available() else "cpu"
+            coords, device = Coords.from_rank(0, {}), "cuda" if torch.cuda.is_available() else "cpu"
         train(config, coords, device)
     except USER_ERRORS as e:
         return error(str(e))

@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 
 from gcompile.config import build_config, load_toml
-from gcompile.mesh import Coords, init_groups
+from gcompile.axes import Coords
+from gcompile.mesh import init_groups
 from gcompile.model import build_model
 
 VARIANTS = {
@@ -71,7 +72,7 @@ def gcompile_step_fn(config, rank: int):
     from gcompile.state import TrainState
     from gcompile.train import split_microbatches
 
-    coords = Coords.from_rank(rank, 1, 1, config.parallel.dp)
+    coords = Coords.from_rank(rank, config.mesh_sizes)
     init_groups(coords)
     program = build_rank_program(config, coords, log=lambda _: None)
     for turn in range(coords.world_size):  # one rank compiles at a time; the others hit the cache
@@ -140,7 +141,7 @@ def optimizer_bytes_table(config_path: str) -> str:
             train = dict(overrides.get("train", {}), global_batch_size=overrides.get("train", {}).get(
                 "micro_batch_size", 8) * dp * 2)
             config = build_config(dict(overrides, parallel=parallel, train=train))
-            program = build_rank_program(config, Coords(1, 1, dp), log=lambda _: None)
+            program = build_rank_program(config, Coords.from_rank(0, {"dp": dp}), log=lambda _: None)
             numel = program.layout.shard_numel if sharded else program.layout.numel
             buffers = 3 if program.step_settings.separate_main else 2  # no main copy: fp32 weights updated in place
             row.append(buffers * 4 * numel)

@@ -16,7 +16,7 @@ from gcompile.compile import Compiler, compile_rank_program
 from gcompile.config import build_config, load_toml
 from gcompile.cuda_graphs import GraphedTrainStep
 from gcompile.log import num_floating_point_operations
-from gcompile.mesh import Coords
+from gcompile.axes import Coords
 from gcompile.model import build_model
 from gcompile.pipeline import build_rank_program
 from gcompile.runtime import Runtime
@@ -54,7 +54,7 @@ def torch_compile_step(config):
 
 
 def gcompile_step(config):
-    program = build_rank_program(config, Coords(1, 1, 1), device="cuda", log=lambda _: None)
+    program = build_rank_program(config, Coords.from_rank(0, {}), device="cuda", log=lambda _: None)
     functions, opt = compile_rank_program(program, Compiler(enabled=True))
     state = TrainState.initial(program, config.model, config.train.seed, "cuda")
     state.lr.fill_(config.train.lr)

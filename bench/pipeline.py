@@ -207,7 +207,7 @@ def main():
     if not under_launcher():
         sys.exit(spawn_local(PP, [os.path.abspath(__file__), *sys.argv[1:]]))
 
-    coords, _ = join_world(1, PP, 1)
+    coords, _ = join_world({"pp": PP})
     torch.set_num_threads(1)
     peak = torch.tensor(matmul_peak(1024))
     dist.all_reduce(peak, op=dist.ReduceOp.MIN)

@@ -21,7 +21,7 @@ from flags import add_model_flags, model_section  # bench/, first on sys.path wh
 from gcompile.compile import Compiler, compile_rank_program
 from gcompile.config import build_config
 from gcompile.log import num_floating_point_operations
-from gcompile.mesh import Coords
+from gcompile.axes import Coords
 from gcompile.model import build_model
 from gcompile.pipeline import build_rank_program
 from gcompile.runtime import Runtime
@@ -77,7 +77,7 @@ def torch_step_fn(config, compiled: bool):
 
 
 def gcompile_step_fn(config, compiled: bool):
-    program = build_rank_program(config, Coords(1, 1, 1), log=lambda _: None)
+    program = build_rank_program(config, Coords.from_rank(0, {}), log=lambda _: None)
     functions, opt_step = compile_rank_program(program, Compiler(enabled=compiled))
     state = TrainState.initial(program, config.model, config.train.seed, "cpu")
     state.lr.fill_(config.train.lr)

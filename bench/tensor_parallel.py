@@ -139,7 +139,7 @@ def bench_config(args, tp_plan: tuple[str, ...] = MEGATRON_PLAN):
 
 
 def rank_main(args) -> int:
-    coords, _ = join_world(TP, 1, 1)
+    coords, _ = join_world({"tp": TP})
     shm, gloo = group("tp"), dist.group.WORLD  # the world is the one tp group
     if shm.name() != shm_group.BACKEND:
         raise SystemExit("bench/tensor_parallel.py compares against the shared-memory tp group, which needs "

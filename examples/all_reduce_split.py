@@ -30,7 +30,7 @@ aten, c10d = torch.ops.aten, torch.ops._c10d_functional
 
 
 def all_reduce_as_reduce_scatter_all_gather(program: RankProgram, ctx: PassContext) -> RankProgram:
-    tp = ctx.coords.tp
+    tp = ctx.coords.size("tp")
     stages = {s: replace(stage, forward=_rewrite(stage.forward, tp), backward=_rewrite(stage.backward, tp),
                          backward_last=stage.backward_last and _rewrite(stage.backward_last, tp))
               for s, stage in program.stages.items()}

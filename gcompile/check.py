@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 
 from gcompile.collectives import collective_nodes
-from gcompile.mesh import group_members
+from gcompile.axes import group_members
 from gcompile.rank_program import RankProgram
 from gcompile.schedule import COMPUTE, Kind, in_flight_bound, rank_in_flight_bound, waiting_weight_bound
 
@@ -113,7 +113,7 @@ def pipeline_messages(program: RankProgram) -> tuple[list[Message], list[Message
         if a.kind in COMPUTE:
             continue
         toward = a.stage + 1 if a.kind in (Kind.SEND_F, Kind.RECV_B) else a.stage - 1
-        peer = type(c)(c.tp, c.pp, c.dp, c.tp_rank, schedule.stage_rank(toward), c.dp_rank).rank
+        peer = c.moved(pp=schedule.stage_rank(toward)).rank
         stage = program.stages[a.stage]
         if a.kind == Kind.SEND_F:
             msg = Message(c.rank, peer, f"act[s{a.stage},mb{a.mb}]", _output_shapes(stage), "")
@@ -193,9 +193,9 @@ def estimate_memory(program: RankProgram) -> MemoryEstimate:
     optimizer = state_numel * (4 * (2 + settings.separate_main) + 1)  # AdamW states, main weights, flags
     per_stage = {s: _saved_bytes(stage) for s, stage in program.stages.items()}
     stacked = sum(b * in_flight_bound(program.schedule, s) for s, b in per_stage.items())
-    bound = rank_in_flight_bound(program.schedule, program.coords.pp_rank)
+    bound = rank_in_flight_bound(program.schedule, program.coords.axis_rank("pp"))
     activations = min(stacked, bound * max(per_stage.values(), default=0))
-    waiting_w = waiting_weight_bound(program.schedule, program.coords.pp_rank)
+    waiting_w = waiting_weight_bound(program.schedule, program.coords.axis_rank("pp"))
     activations += waiting_w * sum(_weight_bytes(stage) for stage in program.stages.values())
     return MemoryEstimate(weights=layout.numel * settings.param_dtype.itemsize, grads=layout.numel * 4,
                           optimizer=optimizer, activations=activations)

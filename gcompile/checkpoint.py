@@ -48,8 +48,8 @@ import torch.distributed.checkpoint as dcp
 
 from gcompile.config import RunConfig
 from gcompile.flat import Span
-from gcompile.layout import Param, Shard, full_value, local_value
-from gcompile.mesh import Coords
+from gcompile.layout import Param, Shard, first_holder, full_value, local_value
+from gcompile.axes import AXES, Coords
 from gcompile.model import GPT, GPTConfig
 from gcompile.rank_program import RankProgram
 from gcompile.sample import generate_text
@@ -118,8 +118,7 @@ def save(root: str, progress: Progress, config: RunConfig, program: RankProgram,
         meta = dict(iteration=progress.iteration, consumed_samples=progress.consumed_samples,
                     step=state.step.item(),
                     scaler={n: getattr(state, n).item() for n in SCALER} if state.loss_scale is not None else None,
-                    layout=dict(tp=coords.tp, pp=coords.pp, dp=coords.dp,
-                                distributed_optimizer=program.grad_sync.sharded,
+                    layout=dict(coords.axis_sizes, distributed_optimizer=program.grad_sync.sharded,
                                 param_dtype=str(program.step_settings.param_dtype).removeprefix("torch."),
                                 main=state.main is not None),
                     config=dataclasses.asdict(config), params=params, keys=keys)
@@ -136,15 +135,15 @@ def _rank_tensors(program: RankProgram, state: TrainState) -> dict[str, torch.Te
     layout, coords, sharded = program.layout, program.coords, program.grad_sync.sharded
     views = layout.views(state.params)
     buffers = {name: getattr(state, name) for name in STATES if getattr(state, name) is not None}
-    spans = layout.spans(coords.dp_rank if sharded else None)
+    spans = layout.spans(coords.axis_rank("dp") if sharded else None)
     tensors = {}
     for param in layout.params:
-        if param.tied_copy or not (param.sharded_over("tp") or coords.tp_rank == 0):
-            continue  # another rank writes the same values
+        if param.tied_copy:
+            continue  # the first stage's copy is written
         piece = _piece_name(param, coords.axis_ranks)
-        if coords.dp_rank == 0:
+        if first_holder(param, coords.axis_ranks):
             tensors[f"model/{param.name}/{piece}"] = views[param.name]
-        if sharded or coords.dp_rank == 0:
+        if first_holder(param, coords.axis_ranks, apart=("pp", "dp") if sharded else ("pp",)):
             for name, buffer in buffers.items():
                 for s in spans[param.name]:
                     tensors[f"optim/{name}/{param.name}/{piece}/{s.start}-{s.end}"] = \
@@ -202,7 +201,7 @@ class Checkpoint:
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{path}: unreadable ({e})") from None
         layout = self.meta["layout"]
-        self.axis_sizes = dict(tp=layout["tp"], pp=layout["pp"], dp=layout["dp"])
+        self.axis_sizes = {axis: layout.get(axis, 1) for axis in AXES}  # cp came later: absent = 1
         self.params = {name: _param(name, d) for name, d in self.meta["params"].items()}
         self.ranges = {}  # (state, name, piece) -> [(start, key)]
         for key in self.meta["keys"]:
@@ -224,8 +223,9 @@ class Checkpoint:
 
     def describe_layout(self) -> str:
         layout = self.meta["layout"]
-        return (f"tp{layout['tp']} pp{layout['pp']} dp{layout['dp']}"
-                f"{', distributed optimizer' if layout['distributed_optimizer'] else ''}, {layout['param_dtype']}")
+        axes = " ".join(f"{axis}{self.axis_sizes[axis]}" for axis in ("tp", "cp", "pp", "dp")
+                        if axis != "cp" or self.axis_sizes[axis] > 1)
+        return (f"{axes}{', distributed optimizer' if layout['distributed_optimizer'] else ''}, {layout['param_dtype']}")
 
     def check_model(self, model: GPTConfig) -> None:
         saved = self.model_config
@@ -322,7 +322,7 @@ def load(folder: str, config: RunConfig, program: RankProgram, state: TrainState
     checkpoint.check_model(config.model)
     layout = program.layout
     views = layout.views(state.params)
-    spans = layout.spans(coords.dp_rank if program.grad_sync.sharded else None)
+    spans = layout.spans(coords.axis_rank("dp") if program.grad_sync.sharded else None)
     with torch.no_grad():
         for param in layout.params:  # one full parameter in memory at a time
             weights = checkpoint.local(checkpoint.master, param, coords)
@@ -337,7 +337,7 @@ def load(folder: str, config: RunConfig, program: RankProgram, state: TrainState
         for name in SCALER:
             getattr(state, name).fill_(meta["scaler"][name])
     saved = checkpoint.meta["layout"]
-    same_ranks = (saved["tp"], saved["pp"], saved["dp"]) == (coords.tp, coords.pp, coords.dp)
+    same_ranks = all(saved.get(axis, 1) == size for axis, size in coords.axis_sizes.items())
     if same_ranks:
         rng = checkpoint.read([k for k in meta["keys"] if k.startswith(f"rng/rank{coords.rank}/")])
         torch.set_rng_state(rng[f"rng/rank{coords.rank}/cpu"])

@@ -11,6 +11,7 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import math
 import textwrap
 import tomllib
 import types
@@ -46,6 +47,9 @@ class ParallelConfig:
     """Pipeline-parallel size: the layers split into this many stages."""
     dp: int = 1
     """Data-parallel size: replicas that each see 1/dp of the global batch."""
+    cp: int = 1
+    """Context-parallel size (mesh axis cp, between tp and dp). No built-in pass uses it yet: cp ranks
+    hold whole sequences, compute alike and average their gradients; a user pass may give them work."""
     sequence_parallel: bool = False
     """Shard LayerNorm/residual regions along the sequence across the tp ranks."""
     tp_plan: tuple[str, ...] = MEGATRON_PLAN
@@ -173,8 +177,14 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     @property
+    def mesh_sizes(self) -> dict[str, int]:
+        """Size per mesh axis (gcompile.axes)."""
+        p = self.parallel
+        return {"tp": p.tp, "cp": p.cp, "dp": p.dp, "pp": p.pp}
+
+    @property
     def world_size(self) -> int:
-        return self.parallel.tp * self.parallel.pp * self.parallel.dp
+        return math.prod(self.mesh_sizes.values())
 
     @property
     def param_dtype(self) -> "torch.dtype":
@@ -200,6 +210,7 @@ MEGATRON_ALIASES = {
     "tensor-model-parallel-size": "tp",
     "pipeline-model-parallel-size": "pp",
     "data-parallel-size": "dp",
+    "context-parallel-size": "cp",
     "virtual-pipeline-model-parallel-size": "virtual-pipeline-size",
 }
 
@@ -354,7 +365,7 @@ def validate(config: RunConfig) -> None:
                 errors.append(f"{_flag(name)}={getattr(obj, name)} must be at least 1")
 
     positive("model", m, "n_layer", "n_head", "n_embd", "block_size", "vocab_size")
-    positive("parallel", p, "tp", "pp", "dp", "virtual_pipeline_size", "make_vocab_size_divisible_by")
+    positive("parallel", p, "tp", "pp", "dp", "cp", "virtual_pipeline_size", "make_vocab_size_divisible_by")
     positive("train", t, "micro_batch_size", "global_batch_size", "seq_length", "train_iters")
     if errors:
         raise ConfigError("; ".join(errors))
@@ -417,6 +428,9 @@ def validate(config: RunConfig) -> None:
             errors.append(str(e))
     for entry in p.passes:
         errors += _user_pass_errors(entry)
+    if p.cp > 1 and not p.passes:
+        errors.append(f"cp={p.cp}: no built-in pass uses the cp axis yet (context parallel is to come); "
+                      f"give a pass that does with --passes, or drop --cp")
     if p.memory_budget_gb is not None and p.memory_budget_gb <= 0:
         errors.append(f"memory_budget_gb={p.memory_budget_gb} must be positive")
     if errors:

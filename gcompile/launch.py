@@ -6,6 +6,7 @@ on a free port means no fixed ports. Children of the elastic launcher share
 Inductor's on-disk cache with the parent and with each other.
 """
 
+import math
 import os
 import sys
 import uuid
@@ -15,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from gcompile.config import ConfigError
-from gcompile.mesh import Coords, init_groups, tp_group_backend
+from gcompile.axes import Coords
+from gcompile.mesh import init_groups
 
 
 def under_launcher() -> bool:
@@ -47,11 +49,12 @@ def spawn_local(world_size: int, argv: list[str]) -> int:
     return 0
 
 
-def join_world(tp: int, pp: int, dp: int, tp_comm_backend: str = "auto") -> tuple[Coords, str]:
-    """Initialize this process as one rank of the launcher's world; (coords, device)."""
+def join_world(mesh_sizes: dict[str, int], tp_comm_backend: str = "auto") -> tuple[Coords, str]:
+    """Initialize this process as one rank of the launcher's world of `mesh_sizes`; (coords, device)."""
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
-    if world != tp * pp * dp:
-        raise ConfigError(f"the launcher started {world} ranks but tp {tp} * pp {pp} * dp {dp} = {tp * pp * dp}")
+    if world != math.prod(mesh_sizes.values()):
+        factors = " * ".join(f"{axis} {size}" for axis, size in mesh_sizes.items() if size > 1) or "1"
+        raise ConfigError(f"the launcher started {world} ranks but {factors} = {math.prod(mesh_sizes.values())}")
     if torch.cuda.is_available():
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         torch.cuda.set_device(local_rank)
@@ -59,8 +62,8 @@ def join_world(tp: int, pp: int, dp: int, tp_comm_backend: str = "auto") -> tupl
     else:
         device, backend = "cpu", "gloo"
     dist.init_process_group(backend, rank=rank, world_size=world)
-    coords = Coords.from_rank(rank, tp, pp, dp)
-    init_groups(coords, tp_group_backend(tp_comm_backend, coords, "cpu" if device == "cpu" else "cuda"))
+    coords = Coords.from_rank(rank, mesh_sizes)
+    init_groups(coords, tp_comm_backend, "cpu" if device == "cpu" else "cuda")
     return coords, device
 
 

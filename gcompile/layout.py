@@ -68,6 +68,13 @@ def local_value(full: torch.Tensor, param: Param, coords: Mapping[str, int],
     return value.contiguous()
 
 
+def first_holder(param: Param, axis_ranks: Mapping[str, int], apart: tuple[str, ...] = ("pp",)) -> bool:
+    """Whether the rank at `axis_ranks` is the one that writes its piece of `param` (to a checkpoint, say):
+    position 0 on every axis that neither cuts the parameter nor is in `apart`, the axes whose ranks hold
+    different things (pipeline stages; dp ranks under a sharded optimizer)."""
+    return all(r == 0 for axis, r in axis_ranks.items() if axis not in apart and not param.sharded_over(axis))
+
+
 def full_value(pieces: Sequence[torch.Tensor], param: Param, axis_sizes: Mapping[str, int]) -> torch.Tensor:
     """Reassemble the full tensor from every rank's piece.
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from gcompile.config import RunConfig
-from gcompile.mesh import Coords
+from gcompile.axes import Coords
 from gcompile.program import Program, diff_counts, dump_text, op_counts, refresh_meta
 
 

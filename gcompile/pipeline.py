@@ -22,7 +22,7 @@ from gcompile.comm_summary import format_summary
 from gcompile.config import POINTS, RunConfig
 from gcompile.compile import graph_key
 from gcompile.lower import LoweredStage, lower_stage
-from gcompile.mesh import Coords
+from gcompile.axes import Coords
 from gcompile.flat import flat_layout
 from gcompile.optimizer import AdamWSettings, LocalGrads, LossScaling, StepSettings, tied_reductions
 from gcompile.pass_manager import PassContext, clear_rank_dump, rank_dump_dir, run_passes, run_rank_passes
@@ -102,18 +102,18 @@ def build_rank_program(config: RunConfig, coords: Coords, device: str = "cpu",
                 f"{', of it W 1' if cache.schedules[key].splits_backward else ''})")
     schedule = cache.schedules[key]
     stages = {s.index: _lower(s, t.recompute_activations, schedule.splits_backward, cache) for s in program.stages}
-    if sorted(stages) != sorted(schedule.local_stages(coords.pp_rank)):
+    if sorted(stages) != sorted(schedule.local_stages(coords.axis_rank("pp"))):
         raise AssertionError(f"rank {coords.rank} holds stages {sorted(stages)} but its schedule runs "
-                             f"{schedule.local_stages(coords.pp_rank)}")
+                             f"{schedule.local_stages(coords.axis_rank('pp'))}")
 
     finishing_order = sorted(program.stages, key=lambda s: -s.index)  # later stages' backwards end first
     layout = flat_layout([[(param, tuple(node.meta["val"].shape)) for param, node in
                            zip(stage.params, stage.placeholders())] for stage in finishing_order],
-                         dp=coords.dp, bucket_size=config.bucket_size)
+                         dp=coords.size("dp"), bucket_size=config.bucket_size)
     adamw = AdamWSettings(t.adam_beta1, t.adam_beta2, t.adam_eps, t.weight_decay, t.clip_grad)
     scaling = LossScaling(t.initial_loss_scale, t.min_loss_scale, t.loss_scale_window, t.hysteresis) \
         if t.fp16 else None
-    settings = StepSettings(adamw=adamw, tp=coords.tp, norm_group=None, loss_scaling=scaling,
+    settings = StepSettings(adamw=adamw, tp=coords.size("tp"), norm_group=None, loss_scaling=scaling,
                             reductions=tied_reductions(layout),
                             separate_main=config.param_dtype != torch.float32, param_dtype=config.param_dtype)
     rank_program = RankProgram(coords=coords, stages=stages, layout=layout, step_settings=settings,

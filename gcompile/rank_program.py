@@ -4,7 +4,7 @@ from dataclasses import dataclass, replace
 
 from gcompile.flat import FlatLayout
 from gcompile.lower import LoweredStage
-from gcompile.mesh import Coords
+from gcompile.axes import Coords
 from gcompile.optimizer import GradSync, OptimizerGraph, StepSettings, build_optimizer_graph
 from gcompile.program import format_graph
 from gcompile.schedule import Action, Kind, Schedule
@@ -25,7 +25,7 @@ class RankProgram:
 
     @property
     def instructions(self) -> tuple[Action, ...]:
-        return self.schedule.actions[self.coords.pp_rank]
+        return self.schedule.actions[self.coords.axis_rank("pp")]
 
     def with_grad_sync(self, grad_sync: GradSync) -> "RankProgram":
         """The same program with another dp strategy, its optimizer graph rebuilt to match."""
@@ -33,7 +33,7 @@ class RankProgram:
         if grad_sync.sharded:
             norm_group = "world" if c.world_size > 1 else None
         else:
-            norm_group = "mp" if c.tp * c.pp > 1 else None
+            norm_group = "mp" if c.size("tp") * c.size("pp") > 1 else None
         settings = replace(self.step_settings, norm_group=norm_group,
                            separate_main=self.step_settings.separate_main or grad_sync.sharded)
         return replace(self, step_settings=settings, grad_sync=grad_sync,

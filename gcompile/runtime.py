@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from gcompile.mesh import Coords
+from gcompile.axes import Coords
 from gcompile.rank_program import RankProgram
 from gcompile.schedule import COMPUTE, Action, Kind, in_flight_bound, rank_in_flight_bound
 from gcompile.state import TrainState
@@ -75,7 +75,7 @@ class Runtime:
         schedule = program.schedule
         self.last_backward = {a.stage: a for a in program.instructions if a.kind == Kind.B}
         self.bound = {s: in_flight_bound(schedule, s) for s in program.stages}
-        self.rank_bound = rank_in_flight_bound(schedule, program.coords.pp_rank)
+        self.rank_bound = rank_in_flight_bound(schedule, program.coords.axis_rank("pp"))
         self.peak_saved = defaultdict(int)
         """Most (stage, microbatch) saved-activation sets alive at once, per stage, over all iterations."""
         self.rank_peak_saved = 0
@@ -147,7 +147,7 @@ class Runtime:
         self.peak_saved[a.stage] = max(self.peak_saved[a.stage], live)
         self.rank_peak_saved = max(self.rank_peak_saved, len(self.saved))
         for count, bound, where in ((live, self.bound[a.stage], f"stage {a.stage}"),
-                                    (len(self.saved), self.rank_bound, f"pipeline rank {self.program.coords.pp_rank}")):
+                                    (len(self.saved), self.rank_bound, f"pipeline rank {self.program.coords.axis_rank('pp')}")):
             if count > bound:
                 raise InFlightError(f"{a}: {where} holds {count} saved-activation sets, more than the "
                                     f"{self.program.schedule.name} schedule's bound of {bound}")
@@ -229,7 +229,7 @@ class Runtime:
 
     def _peer(self, stage: int) -> int:
         c = self.program.coords
-        return Coords(c.tp, c.pp, c.dp, c.tp_rank, self.program.schedule.stage_rank(stage), c.dp_rank).rank
+        return c.moved(pp=self.program.schedule.stage_rank(stage)).rank
 
     def _empty_like_inputs(self, stage: int) -> list[torch.Tensor]:
         st = self.program.stages[stage]

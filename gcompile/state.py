@@ -50,11 +50,11 @@ class TrainState:
             for param in layout.params:
                 full = init_value(param.name, param.full_shape, model, seed)
                 views[param.name].copy_(local_value(full, param, coords.axis_ranks, coords.axis_sizes))
-        flags = layout.flags(coords.tp).to(device)
+        flags = layout.flags(coords.size("tp")).to(device)
         main = None
         if program.grad_sync.sharded:
-            flags = layout.shard_of(flags, coords.dp_rank)
-            main = layout.shard_of(params, coords.dp_rank).float()
+            flags = layout.shard_of(flags, coords.axis_rank("dp"))
+            main = layout.shard_of(params, coords.axis_rank("dp")).float()
         elif settings.separate_main:
             main = params.float()
         numel = flags.numel()

@@ -21,7 +21,8 @@ from gcompile.cuda_graphs import GraphedTrainStep
 from gcompile.config import ConfigError, RunConfig, TrainConfig
 from gcompile.data import GPTDataset, build_datasets
 from gcompile.log import MetricsLog, num_floating_point_operations
-from gcompile.mesh import Coords, group
+from gcompile.axes import Coords
+from gcompile.mesh import group
 from gcompile.pass_manager import rank_dump_dir
 from gcompile.pipeline import build_rank_program
 from gcompile.program import dump_text
@@ -49,8 +50,8 @@ def lr_at(iteration: int, t: TrainConfig) -> float:
 def microbatches(dataset: GPTDataset, consumed_samples: int, config: RunConfig, coords: Coords, device):
     """This dp rank's share of the global batch starting at `consumed_samples`, as (idx, targets) pairs."""
     t = config.train
-    per_rank = t.global_batch_size // coords.dp
-    tokens = dataset.batch(consumed_samples + coords.dp_rank * per_rank, per_rank).to(device)  # (B, T+1)
+    per_rank = t.global_batch_size // coords.size("dp")
+    tokens = dataset.batch(consumed_samples + coords.axis_rank("dp") * per_rank, per_rank).to(device)  # (B, T+1)
     return split_microbatches(tokens, t.micro_batch_size)
 
 
@@ -60,7 +61,8 @@ def split_microbatches(tokens: torch.Tensor, micro_batch_size: int) -> list[tupl
 
 
 def is_logging_rank(coords: Coords) -> bool:
-    return coords.pp_rank == coords.pp - 1 and coords.dp_rank == 0 and coords.tp_rank == 0
+    """The last pipeline stage's rank at position 0 on every other axis: it holds the loss."""
+    return coords == coords.moved(**dict({axis: 0 for axis, _ in coords.ranks}, pp=coords.size("pp") - 1))
 
 
 def train(config: RunConfig, coords: Coords, device: str = "cpu", log=print) -> list[dict]:
@@ -166,11 +168,11 @@ def evaluate(runtime: Runtime, valid_data: GPTDataset, config: RunConfig, coords
 
 
 def _mean_over_dp(loss: torch.Tensor | None, coords: Coords) -> torch.Tensor | None:
-    if loss is None or coords.dp == 1:
+    if loss is None or coords.size("dp") == 1:
         return loss
     loss = loss.clone()
     dist.all_reduce(loss, group=group("dp"))
-    return loss / coords.dp
+    return loss / coords.size("dp")
 
 
 def _check_vocab(dataset: GPTDataset, config: RunConfig) -> None:

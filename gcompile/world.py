@@ -21,7 +21,8 @@ import torch.distributed as dist
 from gcompile.check import check_plan, estimate_memory
 from gcompile.compile import Compiler, CompileStats, graph_key
 from gcompile.config import RunConfig
-from gcompile.mesh import Coords, init_fake_world
+from gcompile.axes import Coords
+from gcompile.mesh import init_fake_world
 from gcompile.pipeline import BuildCache, build_rank_program
 from gcompile.rank_program import RankProgram
 
@@ -31,7 +32,7 @@ def build_world(config: RunConfig, device: str = "cpu", dump_root: str | None = 
     p, cache = config.parallel, BuildCache()
     programs = {}
     for rank in range(config.world_size):
-        coords = Coords.from_rank(rank, p.tp, p.pp, p.dp)
+        coords = Coords.from_rank(rank, config.mesh_sizes)
         programs[rank] = build_rank_program(config, coords, device, dump_root,
                                             log if rank == 0 else (lambda _: None), cache)
     return programs

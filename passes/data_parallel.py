@@ -52,7 +52,7 @@ class BucketAllReduce:
 
 @register_pass("data_parallel")
 def data_parallel_pass(program: RankProgram, ctx: PassContext) -> RankProgram:
-    dp = ctx.coords.dp
+    dp = ctx.coords.size("dp")
     if not ctx.config.parallel.overlap_grad_reduce:
         return program.with_grad_sync(BucketAllReduce("dp", dp))
     buckets = overlappable_buckets(program)

@@ -18,7 +18,7 @@ Ensures
   - a parameter read on two pipeline ranks (the tied wte: embedding on the first, head on the last)
     is a copy on each, the later one `tied_copy`, both `tied_group="embd"` so the optimizer sums
     their gradients; two stages on one rank share one parameter;
-  - only the stages of ctx.coords.pp_rank are returned (stage s runs on rank s % pp), by index.
+  - only the stages of ctx.coords.axis_rank("pp") are returned (stage s runs on rank s % pp), by index.
 Rewrite (pp 2, 2 blocks)
   before  stage 0: (wte, wpe, h.0.*, h.1.*, ln_f.*, idx, targets) -> (loss,)
   after   stage 0: (wte, wpe, h.0.*, idx) -> (act0,)
@@ -61,7 +61,7 @@ def pipeline_split_pass(program: Program, ctx: PassContext) -> Program:
     crossing = _boundaries(whole, placed, num_stages)
     params = _stage_params(whole, placed, p.pp, num_stages)
     stages = [_build_stage(whole, s, placed, crossing, params[s], num_stages) for s in range(num_stages)]
-    mine = [st for st in stages if stage_rank(st.index, p.pp) == ctx.coords.pp_rank]
+    mine = [st for st in stages if stage_rank(st.index, p.pp) == ctx.coords.axis_rank("pp")]
     return Program(stages=mine, history=list(program.history))
 
 

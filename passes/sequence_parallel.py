@@ -56,7 +56,7 @@ def sequence_parallel_pass(program: Program, ctx: PassContext) -> Program:
 
 
 def _shard_sequence(stage: Stage, ctx: PassContext) -> None:
-    graph, tp = stage.graph.graph, ctx.coords.tp
+    graph, tp = stage.graph.graph, ctx.coords.size("tp")
     seq = ctx.config.train.seq_length
     sharded: set[fx.Node] = set()
     """Nodes whose output holds this rank's T/tp tokens."""
@@ -103,6 +103,6 @@ def _local_operand(arg, node: fx.Node, sharded: set[fx.Node], stage: Stage, ctx:
     out_ndim, shape = node.meta["val"].dim(), tuple(arg.meta["val"].shape)
     dim = SEQ_DIM - (out_ndim - len(shape))  # the operand's dim that broadcasts against the sequence
     if dim >= 0 and shape[dim] > 1:
-        tp_rank = rank_constant(stage, "tp_rank", ctx.coords.tp_rank)
-        return insert_call(node, tp_ops.scatter_to_sequence, (arg, dim, ctx.coords.tp, tp_rank), NAME, before=True)
+        tp_rank = rank_constant(stage, "tp_rank", ctx.coords.axis_rank("tp"))
+        return insert_call(node, tp_ops.scatter_to_sequence, (arg, dim, ctx.coords.size("tp"), tp_rank), NAME, before=True)
     return insert_call(node, tp_ops.copy_to_tp, (arg,), NAME, before=True)

@@ -65,7 +65,7 @@ def _piece_offsets(layout: FlatLayout) -> list[int]:
 
 @register_pass("sharded_optimizer")
 def sharded_optimizer_pass(program: RankProgram, ctx: PassContext) -> RankProgram:
-    dp = ctx.coords.dp
+    dp = ctx.coords.size("dp")
     if not ctx.config.parallel.overlap_grad_reduce:
         return program.with_grad_sync(BucketReduceScatter("dp", dp))
     buckets = overlappable_buckets(program)

@@ -83,7 +83,7 @@ def tensor_parallel_pass(program: Program, ctx: PassContext) -> Program:
 class _Sharder:
     def __init__(self, stage: Stage, plan: Plan, ctx: PassContext):
         self.stage, self.plan, self.ctx = stage, plan, ctx
-        self.tp = ctx.coords.tp
+        self.tp = ctx.coords.size("tp")
         self.graph = stage.graph.graph
         self.placement: dict[fx.Node, str] = {}
         """Placement of each sharded parameter placeholder."""
@@ -184,7 +184,7 @@ class _Sharder:
         weight, idx, *options = embedding.args
         if options not in ([], [-1], [-1, False], [-1, False, False]):
             raise GraphMismatch(NAME, embedding, f"has options {options} a vocab-parallel embedding does not support")
-        tp_rank = rank_constant(self.stage, "tp_rank", self.ctx.coords.tp_rank)
+        tp_rank = rank_constant(self.stage, "tp_rank", self.ctx.coords.axis_rank("tp"))
         partial = insert_call(embedding, tp_ops.vocab_parallel_embedding, (weight, idx, tp_rank), NAME)
         total = insert_call(partial, tp_ops.reduce_from_tp, (partial,), NAME)
         embedding.replace_all_uses_with(total)
@@ -268,7 +268,7 @@ class _Sharder:
         if cut.dim != 1 or len(full_shape(logits)) != 2 or weight is not None or reduction != 1 or smoothing:
             raise GraphMismatch(NAME, node, "is a cross-entropy the vocab-parallel loss cannot replace: it needs "
                                             "(N, V) logits cut on V, no class weights, mean reduction, no smoothing")
-        tp_rank = rank_constant(self.stage, "tp_rank", self.ctx.coords.tp_rank)
+        tp_rank = rank_constant(self.stage, "tp_rank", self.ctx.coords.axis_rank("tp"))
         loss = insert_call(node, tp_ops.vocab_parallel_cross_entropy,
                            (logits, targets, tp_rank, cut.full, ignore_index), NAME)
         node.replace_all_uses_with(loss)

@@ -11,7 +11,7 @@ from gcompile.rank_program import RankProgram
 
 def drop_one_all_reduce_on_tp_rank_1(program: RankProgram, ctx: PassContext) -> RankProgram:
     """On tp rank 1 only, the first all-reduce of the first stage's forward becomes the identity."""
-    if ctx.coords.tp_rank != 1:
+    if ctx.coords.axis_rank("tp") != 1:
         return program
     index = min(program.stages)
     forward = copy.deepcopy(program.stages[index].forward)

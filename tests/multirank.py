@@ -76,26 +76,29 @@ def assert_succeeded(tmp_path, codes: list[int | None]) -> None:
 def _collect(tmp_path, case: int, world: int) -> LayoutResult:
     ranks = [torch.load(os.path.join(tmp_path, f"case{case}_rank{r}.pt"), weights_only=False) for r in range(world)]
     last = next(r for r in ranks if r["losses"][0] is not None)
-    pieces, layout = {}, {}
-    for r in ranks:
-        c = r["coords"]
-        for param in r["params"]:
-            if param.tied_copy or c.dp_rank != 0:
-                continue
-            value = r["values"][param.name]
-            if not param.sharded_over("tp") and c.tp_rank != 0:  # a replica: it must equal tp rank 0's copy
-                if not torch.equal(value, _replica(ranks, c, param.name)):
-                    raise AssertionError(f"{param.name}: the copy on rank {c.rank} {c} differs from tp rank 0's")
-                continue
-            layout[param.name] = (param, c.axis_sizes)
-            pieces.setdefault(param.name, []).append((c.tp_rank, value))
-    params = {name: full_value([v for _, v in sorted(pieces[name], key=lambda x: x[0])], *layout[name])
-              for name in pieces}
+    params = reassemble([(r["coords"], r["params"], r["values"]) for r in ranks])
     return LayoutResult(losses=last["losses"], grad_norms=ranks[0]["grad_norms"], params=params, ranks=ranks)
 
 
-def _replica(ranks: list[dict], coords, name: str) -> torch.Tensor:
-    """`name` as held by tp rank 0 of the same (pp, dp) position."""
-    first = next(r for r in ranks if r["coords"].tp_rank == 0 and r["coords"].pp_rank == coords.pp_rank
-                 and r["coords"].dp_rank == coords.dp_rank)
-    return first["values"][name]
+def reassemble(ranks: list[tuple]) -> dict[str, torch.Tensor]:
+    """Full parameters from every rank's (coords, params, values by name), for cuts over any axes.
+
+    The first holder of each piece (position 0 on every axis that does not cut it; pipeline
+    stages apart) gives it; every other holder is a replica and must be bitwise equal to it."""
+    by_rank = {coords.rank: values for coords, _, values in ranks}
+    pieces, cuts = {}, {}
+    for coords, params, values in ranks:
+        for param in params:
+            if param.tied_copy:
+                continue
+            first = coords.moved(**{axis: 0 for axis, _ in coords.ranks if axis != "pp" and not param.sharded_over(axis)})
+            if first != coords:
+                if not torch.equal(values[param.name], by_rank[first.rank][param.name]):
+                    raise AssertionError(f"{param.name}: the copy on rank {coords.rank} {coords} differs from "
+                                         f"rank {first.rank}'s")
+                continue
+            cuts[param.name] = (param, coords.axis_sizes)
+            position = tuple(coords.axis_rank(s.axis) for s in param.shards)  # the first cut outermost
+            pieces.setdefault(param.name, []).append((position, values[param.name]))
+    return {name: full_value([v for _, v in sorted(found, key=lambda x: x[0])], *cuts[name])
+            for name, found in pieces.items()}

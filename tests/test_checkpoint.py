@@ -25,7 +25,7 @@ from gcompile.config import parse_args
 from gcompile.data import build_datasets
 from gcompile.flat import flat_layout
 from gcompile.layout import Param
-from gcompile.mesh import Coords
+from gcompile.axes import Coords
 from gcompile.model import GPT, build_model
 from gcompile.pipeline import build_rank_program
 from gcompile.sample import sample
@@ -128,14 +128,14 @@ def test_model_parallel_resume_is_exact_and_reshards(model_parallel):
 @pytest.mark.parametrize("runs", ["dp2", pytest.param("model_parallel", marks=pytest.mark.slow)])
 def test_reshard_to_one_rank(runs, request, tmp_path):
     dirs, run_dir = request.getfixturevalue(runs), tmp_path / "run"
-    train(config("--load", dirs["cut"] / "save", "--run-dir", run_dir), Coords(1, 1, 1), log=lambda _: None)
+    train(config("--load", dirs["cut"] / "save", "--run-dir", run_dir), Coords.from_rank(0, {}), log=lambda _: None)
     assert_close(losses(run_dir), losses(dirs["straight"] / "run")[N:], f"{runs} -> one rank")
 
 
 def loaded_state(folder, *flags) -> TrainState:
     """A one-rank state loaded from `folder` under the layout `flags` give."""
     cfg = config(*flags)
-    program = build_rank_program(cfg, Coords(1, 1, 1), log=lambda _: None)
+    program = build_rank_program(cfg, Coords.from_rank(0, {}), log=lambda _: None)
     state = TrainState.initial(program, cfg.model, cfg.train.seed, "cpu")
     checkpoint.load(folder, cfg, program, state, log=lambda _: None)
     return state

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gcompile.config import build_config
-from gcompile.mesh import Coords
+from gcompile.axes import Coords
 from gcompile.pipeline import build_rank_program
 from gcompile.state import TrainState
 from tests.multirank import run_layouts
@@ -85,7 +85,7 @@ def test_dp2_with_and_without_distributed_optimizer(tmp_path):
             assert_bf16_matches(result, bf16_expected, label)
         else:
             assert_matches(result, expected, 64, label)
-    assert len(build_rank_program(cases["dp2 distributed optimizer, buckets, compiled"], Coords(1, 1, 2),
+    assert len(build_rank_program(cases["dp2 distributed optimizer, buckets, compiled"], Coords.from_rank(0, {"dp": 2}),
                                   log=lambda _: None).layout.buckets) >= 3  # the case really has several buckets
 
 
@@ -118,7 +118,7 @@ def test_tp2_pp2_dp2(tmp_path):
 @pytest.mark.parametrize("sharded", [False, True], ids=["all_reduce", "reduce_scatter"])
 def test_overlapped_reduction_starts_inside_backward(sharded):
     config = small_config(dp=2, overlap_grad_reduce=True, use_distributed_optimizer=sharded, ddp_bucket_size=8000)
-    program = build_rank_program(config, Coords(1, 1, 2), log=lambda _: None)
+    program = build_rank_program(config, Coords.from_rank(0, {"dp": 2}), log=lambda _: None)
     stage = program.stages[0]
     kind = "reduce_scatter_tensor" if sharded else "all_reduce"
     nodes = list(stage.backward_last.graph.nodes)
@@ -132,7 +132,7 @@ def test_overlapped_reduction_starts_inside_backward(sharded):
 
 
 def optimizer_bytes(config, dp_rank: int) -> int:
-    program = build_rank_program(config, Coords(1, 1, config.parallel.dp, dp_rank=dp_rank), log=lambda _: None)
+    program = build_rank_program(config, Coords.from_rank(dp_rank, {"dp": config.parallel.dp}), log=lambda _: None)
     state = TrainState.initial(program, config.model, 0, "cpu")
     return sum(b.numel() * b.element_size() for b in (state.main, state.exp_avg, state.exp_avg_sq) if b is not None)
 
@@ -142,7 +142,7 @@ def test_optimizer_state_is_split_over_dp(bucket_size):
     unsharded = optimizer_bytes(small_config(ddp_bucket_size=bucket_size), 0)
     for dp in (2, 4):
         config = small_config(dp=dp, micro_batch_size=1, use_distributed_optimizer=True, ddp_bucket_size=bucket_size)
-        program = build_rank_program(config, Coords(1, 1, dp), log=lambda _: None)
+        program = build_rank_program(config, Coords.from_rank(0, {"dp": dp}), log=lambda _: None)
         padding_bytes = 3 * 4 * 16 * dp * len(program.layout.buckets)  # main + 2 states, fp32, per bucket
         for dp_rank in range(dp):
             sharded = optimizer_bytes(config, dp_rank)

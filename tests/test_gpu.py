@@ -6,7 +6,7 @@ import torch
 from gcompile.compile import Compiler, compile_rank_program
 from gcompile.config import build_config
 from gcompile.cuda_graphs import GraphedTrainStep
-from gcompile.mesh import Coords
+from gcompile.axes import Coords
 from gcompile.pipeline import build_rank_program
 from gcompile.runtime import Runtime
 from gcompile.state import TrainState
@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def runtime_for(config):
-    program = build_rank_program(config, Coords(1, 1, 1), device="cuda", log=lambda _: None)
+    program = build_rank_program(config, Coords.from_rank(0, {}), device="cuda", log=lambda _: None)
     functions, step = compile_rank_program(program, Compiler(enabled=config.train.compile))
     state = TrainState.initial(program, config.model, config.train.seed, "cuda")
     state.lr.fill_(config.train.lr)

@@ -5,7 +5,7 @@ import os
 
 from gcompile import shm_group
 from gcompile.launch import spawn_local
-from gcompile.mesh import Coords, GROUP_AXES, group_ranks
+from gcompile.axes import Coords, group_members
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "mesh_worker.py")
 
@@ -14,8 +14,8 @@ def test_rank_order_is_megatron():
     # rank = tp_rank + tp * (dp_rank + dp * pp_rank), written out for tp=2 dp=3 pp=2
     expected = {(tp, dp, pp): tp + 2 * (dp + 3 * pp) for pp in range(2) for dp in range(3) for tp in range(2)}
     for (tp, dp, pp), rank in expected.items():
-        c = Coords.from_rank(rank, tp=2, pp=2, dp=3)
-        assert (c.tp_rank, c.dp_rank, c.pp_rank, c.rank) == (tp, dp, pp, rank)
+        c = Coords.from_rank(rank, {"tp": 2, "pp": 2, "dp": 3})
+        assert (c.axis_rank("tp"), c.axis_rank("dp"), c.axis_rank("pp"), c.rank) == (tp, dp, pp, rank)
 
 
 def test_spawned_world_has_the_named_groups(tmp_path, monkeypatch):
@@ -25,12 +25,13 @@ def test_spawned_world_has_the_named_groups(tmp_path, monkeypatch):
     records = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(tp * pp * dp)]
     for r in records:
         assert r["rank"] == r["env_rank"]
-        coords = Coords.from_rank(r["rank"], tp, pp, dp)
-        assert (r["tp_rank"], r["dp_rank"], r["pp_rank"]) == (coords.tp_rank, coords.dp_rank, coords.pp_rank)
+        coords = Coords.from_rank(r["rank"], {"tp": tp, "pp": pp, "dp": dp})
+        assert (r["tp_rank"], r["dp_rank"], r["pp_rank"]) == (coords.axis_rank("tp"), coords.axis_rank("dp"), coords.axis_rank("pp"))
         assert r["tp_backend"] == (shm_group.BACKEND if shm_group.available() else "gloo")
-        for name, axes in GROUP_AXES.items():
-            expected = float(sum(group_ranks(coords, axes)))
-            assert r["sums"][name] == [expected, expected], f"rank {r['rank']} group {name}"
+        assert sorted(r["sums"]) == ["embd", "mp", "pp", "tp", "world"]  # roles of more than one rank
+        for name, sums in r["sums"].items():
+            expected = float(sum(group_members(coords, name)))
+            assert sums == [expected, expected], f"rank {r['rank']} group {name}"
 
 
 def test_failed_rank_is_reported(tmp_path, capsys):

@@ -25,7 +25,7 @@ from gcompile.check import check_plan, estimate_memory
 from gcompile.compile import Compiler, compile_rank_program
 from gcompile.config import build_config
 from gcompile.layout import Param
-from gcompile.mesh import Coords
+from gcompile.axes import Coords
 from gcompile.model import build_model
 from gcompile.pass_manager import PassContext, PassError, run_passes
 from gcompile.pipeline import build_rank_program
@@ -171,14 +171,14 @@ def test_interleaved_on_one_rank_matches_single_device():
     assert cfg.parallel.pipeline_schedule == "interleaved"
     results = run_gcompile(cfg, batches(), LRS, compile=False)
     assert_matches_reference(cfg, [r[0] for r in results], [r[1] for r in results], results[-1][3])
-    program = build_rank_program(cfg, Coords(1, 1, 1), log=lambda _: None)
+    program = build_rank_program(cfg, Coords.from_rank(0, {}), log=lambda _: None)
     assert [p.name for p in program.layout.params].count("transformer.wte.weight") == 1
     assert not any(p.tied_copy or p.tied_group for p in program.layout.params)
 
 
 def test_runtime_refuses_more_in_flight_than_promised():
     cfg = config(m=2)
-    program = build_rank_program(cfg, Coords(1, 1, 1), log=lambda _: None)
+    program = build_rank_program(cfg, Coords.from_rank(0, {}), log=lambda _: None)
     # GPipe's order under the 1f1b name: 1F1B on one rank promises one microbatch in flight
     program = dataclasses.replace(program, schedule=Schedule("1f1b", 1, 1, 2, gpipe(1, 2).actions))
     with pytest.raises(InFlightError, match=r"0F1: stage 0 holds 2 saved-activation sets, more than the 1f1b "
@@ -196,7 +196,7 @@ def run_gcompile_program(cfg, program):
 
 def split(cfg, pp_rank: int) -> Program:
     program = capture(cfg.model, cfg.train.micro_batch_size, cfg.train.seq_length)
-    return run_passes(program, ["pipeline_split"], PassContext(cfg, Coords(1, cfg.parallel.pp, 1, pp_rank=pp_rank)),
+    return run_passes(program, ["pipeline_split"], PassContext(cfg, Coords.from_rank(pp_rank, {"pp": cfg.parallel.pp})),
                       log=lambda _: None)
 
 
@@ -364,7 +364,7 @@ def test_rank_constants_and_wrapper_calls_follow_their_readers():
         with graph.inserting_after(value):
             wrapper = graph.call_function(tagged, (value,))
         value.replace_all_uses_with(wrapper, delete_user_cb=lambda user: user is not wrapper)
-    stages = [run_passes(program.clone(), ["pipeline_split"], PassContext(cfg, Coords(1, 2, 1, pp_rank=r)),
+    stages = [run_passes(program.clone(), ["pipeline_split"], PassContext(cfg, Coords.from_rank(r, {"pp": 2})),
                          log=lambda _: None).stages[0] for r in range(2)]
     assert [s.inputs for s in stages] == [["idx", "vocab_start"], ["act0", "targets", "vocab_start"]]
     assert [s.rank_constants for s in stages] == [{"vocab_start": 3}, {"vocab_start": 3}]
@@ -383,7 +383,7 @@ def test_rank_constants_and_wrapper_calls_follow_their_readers():
 def test_split_errors_name_the_node(variant, message):
     cfg = config(pp=3, n_layer=3, m=3)
     with pytest.raises(PassError, match=r"pass 1 'pipeline_split' failed \(after capture\): ValueError: " + message):
-        run_passes(program_of(Chain(variant)), ["pipeline_split"], PassContext(cfg, Coords(1, 3, 1)),
+        run_passes(program_of(Chain(variant)), ["pipeline_split"], PassContext(cfg, Coords.from_rank(0, {"pp": 3})),
                    log=lambda _: None)
 
 
@@ -397,7 +397,7 @@ def test_split_needs_blocks_and_one_stage():
             return F.cross_entropy(self.wte(idx).view(-1, 8), targets.view(-1) % 8)
 
     cfg = config(pp=2, m=4)
-    ctx = PassContext(cfg, Coords(1, 2, 1))
+    ctx = PassContext(cfg, Coords.from_rank(0, {"pp": 2}))
     with pytest.raises(PassError, match=r"expected the blocks <list>.0 .. <list>.N-1 of one module list"):
         run_passes(program_of(NoBlocks()), ["pipeline_split"], ctx, log=lambda _: None)
     with pytest.raises(PassError, match=r"pipeline_split expects the one-stage program, got 2 stages"):

@@ -12,7 +12,7 @@ from gcompile.check import PlanError, check_plan, estimate_memory
 from gcompile.compile import graph_key
 from gcompile.config import build_config, parse_args
 from gcompile.flops import graph_flops
-from gcompile.mesh import Coords
+from gcompile.axes import Coords
 from gcompile.schedule import Kind, Schedule
 from gcompile.train import train
 from gcompile.world import build_world, precompile, rank_graphs
@@ -82,7 +82,7 @@ def test_compiled_dump_holds_the_generated_code_and_flops(tmp_path):
     run_dir, dump = tmp_path / "run", tmp_path / "dump"
     config, _ = parse_args(["--config", os.path.join(ROOT, "configs", "tiny.toml"), "--compile", "--train-iters", "1", "--eval-interval", "0",
                             "--run-dir", str(run_dir), "--dump-graphs", str(dump)])
-    train(config, Coords(1, 1, 1), log=lambda _: None)
+    train(config, Coords.from_rank(0, {}), log=lambda _: None)
     for graph in ("stage0.forward", "stage0.backward", "optimizer"):
         assert "def call(" in (dump / "rank0" / f"inductor_{graph}.py").read_text(), graph
     summary = (dump / "rank0" / "summary.txt").read_text()

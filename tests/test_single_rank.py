@@ -11,7 +11,7 @@ import torch
 
 from gcompile.compile import Compiler, compile_rank_program
 from gcompile.config import build_config
-from gcompile.mesh import Coords
+from gcompile.axes import Coords
 from gcompile.pipeline import build_rank_program
 from gcompile.runtime import Runtime
 from gcompile.state import TrainState
@@ -32,7 +32,7 @@ def small_config(**train):
 
 
 def run_gcompile(config, batches, lrs, compile: bool):
-    program = build_rank_program(config, Coords(1, 1, 1), log=lambda _: None)
+    program = build_rank_program(config, Coords.from_rank(0, {}), log=lambda _: None)
     functions, step = compile_rank_program(program, Compiler(enabled=compile))
     state = TrainState.initial(program, config.model, config.train.seed, "cpu")
     runtime = Runtime(program, functions, step, state)

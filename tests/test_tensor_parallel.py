@@ -21,7 +21,7 @@ from gcompile import shm_group
 from gcompile.compile import graph_key
 from gcompile.config import build_config
 from gcompile.layout import Shard
-from gcompile.mesh import Coords
+from gcompile.axes import Coords
 from gcompile.pipeline import build_rank_program
 from gcompile.program import op_counts
 from tests.multirank import run_layouts
@@ -103,7 +103,7 @@ def test_tp8(tmp_path, reference):
 @functools.cache
 def rank_program(tp: int, tp_rank: int, sequence_parallel: bool, n_layer: int = 2):
     config = small_config(tp=tp, sequence_parallel=sequence_parallel, n_layer=n_layer)
-    return build_rank_program(config, Coords(tp, 1, 1, tp_rank=tp_rank), log=lambda _: None)
+    return build_rank_program(config, Coords.from_rank(tp_rank, {"tp": tp}), log=lambda _: None)
 
 
 def collective_counts(program) -> dict[str, int]:
@@ -152,7 +152,7 @@ def test_input_gradient_all_reduces_overlap_weight_gradients(overlap):
     # linear (c_attn, c_fc, and the vocab-parallel head) the weight-gradient matmul runs
     # while the input gradient's all-reduce is in flight; autograd's order has none there
     config = small_config(tp=2, overlap_tp_comm=overlap)
-    (stage,) = build_rank_program(config, Coords(2, 1, 1), log=lambda _: None).stages.values()
+    (stage,) = build_rank_program(config, Coords.from_rank(0, {"tp": 2}), log=lambda _: None).stages.values()
     in_flight = matmuls_while_in_flight(stage.backward)
     assert len(in_flight) == 2 * 2 + 1
     assert all(n >= 1 for n in in_flight) if overlap else in_flight == [0] * 5, in_flight
@@ -190,7 +190,7 @@ def test_plan_mismatch_names_the_node():
     config = small_config(tp=2, tp_plan=("transformer.h.*.mlp.c_fc=column",))
     with pytest.raises(Exception, match=r"node linear_3 \(aten.linear.default\) is a linear over a tensor cut by "
                                         r"transformer.h.0.mlp.c_fc.*model.py:\d+: return self.dropout"):
-        build_rank_program(config, Coords(2, 1, 1), log=lambda _: None)
+        build_rank_program(config, Coords.from_rank(0, {"tp": 2}), log=lambda _: None)
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 
 from gcompile.compile import Compiler, compile_rank_program
-from gcompile.mesh import Coords, group, init_groups, tp_group_backend
+from gcompile.axes import Coords
+from gcompile.mesh import group, init_groups
 from gcompile.pipeline import build_rank_program
 from gcompile.runtime import Runtime
 from gcompile.state import TrainState
@@ -22,8 +23,8 @@ from gcompile.train import split_microbatches
 def run_case(config, batches, lrs, rank: int, inject_inf: dict) -> dict:
     """`inject_inf` {step: rank}: that rank's gradient gets an inf before that step's optimizer update."""
     p, t = config.parallel, config.train
-    coords = Coords.from_rank(rank, p.tp, p.pp, p.dp)
-    init_groups(coords, tp_group_backend(p.tp_comm_backend, coords, "cpu"))
+    coords = Coords.from_rank(rank, config.mesh_sizes)
+    init_groups(coords, p.tp_comm_backend)
     program = build_rank_program(config, coords, log=lambda _: None)
     compiler = Compiler(enabled=t.compile)
     for turn in range(coords.world_size):  # one rank compiles at a time; the rest hit Inductor's cache
@@ -35,7 +36,7 @@ def run_case(config, batches, lrs, rank: int, inject_inf: dict) -> dict:
     per_rank = t.global_batch_size // p.dp
     losses, norms, skipped, scales, digests = [], [], [], [], []
     for i, (tokens, lr) in enumerate(zip(batches, lrs)):
-        mine = tokens[coords.dp_rank * per_rank:(coords.dp_rank + 1) * per_rank]
+        mine = tokens[coords.axis_rank("dp") * per_rank:(coords.axis_rank("dp") + 1) * per_rank]
         state.lr.fill_(lr)
         loss = runtime.forward_backward(split_microbatches(mine, t.micro_batch_size))
         if inject_inf.get(i) == rank:

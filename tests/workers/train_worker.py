@@ -16,7 +16,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from gcompile.checkpoint import TMP, iteration_dir
-from gcompile.mesh import Coords, init_groups, tp_group_backend
+from gcompile.axes import Coords
+from gcompile.mesh import init_groups
 from gcompile.train import train
 
 
@@ -45,8 +46,8 @@ def main(job_path: str, store_path: str) -> None:
         die_while_saving(job["kill"][1])
     for config in job["configs"]:
         p = config.parallel
-        coords = Coords.from_rank(rank, p.tp, p.pp, p.dp)
-        init_groups(coords, tp_group_backend(p.tp_comm_backend, coords, "cpu"))
+        coords = Coords.from_rank(rank, config.mesh_sizes)
+        init_groups(coords, p.tp_comm_backend)
         train(config, coords, "cpu")
     dist.destroy_process_group()
 
