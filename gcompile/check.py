@@ -22,7 +22,7 @@ import torch.fx as fx
 from gcompile.collectives import collective_nodes
 from gcompile.axes import group_members
 from gcompile.rank_program import RankProgram
-from gcompile.schedule import COMPUTE, Kind, in_flight_bound, rank_in_flight_bound, waiting_weight_bound
+from gcompile.schedule import Kind, in_flight_bound, rank_in_flight_bound, waiting_weight_bound
 
 
 class PlanError(ValueError):
@@ -40,22 +40,12 @@ class Call:
 
 def collective_calls(program: RankProgram) -> list[tuple[str, Call]]:
     """(group name, call) for every collective the rank issues in one iteration, in order."""
-    last_b = {a.stage: a for a in program.instructions if a.kind == Kind.B}
     calls = []
-    for i, a in enumerate(program.instructions):
-        if a.kind not in COMPUTE:
-            continue
-        stage = program.stages[a.stage]
-        graph, name = stage.forward, "forward"
-        if a.kind == Kind.W:
-            if stage.backward_weight is None:
-                continue
-            graph, name = stage.backward_weight, "backward_weight"
-        elif a.kind == Kind.B:
-            use_last = stage.backward_last is not None and last_b[a.stage] == a
-            graph, name = (stage.backward_last, "backward_last") if use_last else (stage.backward, "backward")
-        calls += _calls_in(graph, f"instruction {i:02d} {a.kind.value} stage={a.stage} mb={a.mb} ({name})")
-    calls += _calls_in(program.optimizer.graph, "OPT_STEP")
+    for i, instruction in enumerate(program.instructions):
+        if instruction.is_compute:
+            calls += _calls_in(program.graph(instruction), f"instruction {i:02d} {instruction.op}"
+                               + (f" stage={instruction.stage} mb={instruction.mb}" if instruction.stage is not None
+                                  else "") + f" ({instruction.graph})")
     return calls
 
 
@@ -107,24 +97,20 @@ class Message:
 
 def pipeline_messages(program: RankProgram) -> tuple[list[Message], list[Message]]:
     """(sends, receives) of one iteration, in posting order."""
-    c, schedule = program.coords, program.schedule
-    sends, recvs = [], []
+    rank, sends, recvs = program.coords.rank, [], []
     for i, a in enumerate(program.instructions):
-        if a.kind in COMPUTE:
+        if a.is_compute:
             continue
-        toward = a.stage + 1 if a.kind in (Kind.SEND_F, Kind.RECV_B) else a.stage - 1
-        peer = c.moved(pp=schedule.stage_rank(toward)).rank
         stage = program.stages[a.stage]
-        if a.kind == Kind.SEND_F:
-            msg = Message(c.rank, peer, f"act[s{a.stage},mb{a.mb}]", _output_shapes(stage), "")
-        elif a.kind == Kind.RECV_F:
-            msg = Message(peer, c.rank, f"act[s{a.stage - 1},mb{a.mb}]", _activation_input_shapes(stage), "")
-        elif a.kind == Kind.SEND_B:
-            msg = Message(c.rank, peer, f"grad[s{a.stage},mb{a.mb}]", _activation_input_shapes(stage), "")
+        where = f"rank {rank} instruction {i:02d} {a.action}"
+        if a.op == Kind.SEND_F:
+            sends.append(Message(rank, a.peer, a.reads[0], _output_shapes(stage), where))
+        elif a.op == Kind.RECV_F:
+            recvs.append(Message(a.peer, rank, a.writes[0], _activation_input_shapes(stage), where))
+        elif a.op == Kind.SEND_B:
+            sends.append(Message(rank, a.peer, a.reads[0], _activation_input_shapes(stage), where))
         else:
-            msg = Message(peer, c.rank, f"grad[s{a.stage + 1},mb{a.mb}]", _output_shapes(stage), "")
-        msg = Message(msg.src, msg.dst, msg.what, msg.shapes, f"rank {c.rank} instruction {i:02d} {a}")
-        (sends if a.kind in (Kind.SEND_F, Kind.SEND_B) else recvs).append(msg)
+            recvs.append(Message(a.peer, rank, a.writes[0], _output_shapes(stage), where))
     return sends, recvs
 
 

@@ -17,7 +17,6 @@ import torch.fx as fx
 from gcompile.collectives import collective_nodes
 from gcompile.flops import graph_flops
 from gcompile.rank_program import RankProgram
-from gcompile.schedule import Kind
 
 
 @dataclass(frozen=True)
@@ -39,19 +38,15 @@ def collectives_in(gm: fx.GraphModule) -> list[Collective]:
 
 
 def graph_runs(program: RankProgram) -> list[tuple[str, fx.GraphModule, int]]:
-    """(name, graph, runs per iteration) of every graph the rank runs."""
-    runs = Counter((a.kind, a.stage) for a in program.instructions)
-    graphs = []
-    for s, stage in program.stages.items():
-        graphs.append((f"stage{s}.forward", stage.forward, runs[(Kind.F, s)]))
-        last = 1 if stage.backward_last is not None else 0
-        graphs.append((f"stage{s}.backward", stage.backward, runs[(Kind.B, s)] - last))
-        if last:
-            graphs.append((f"stage{s}.backward_last", stage.backward_last, 1))
-        if stage.backward_weight is not None:
-            graphs.append((f"stage{s}.backward_weight", stage.backward_weight, runs[(Kind.W, s)]))
-    graphs.append(("optimizer", program.optimizer.graph, 1))
-    return graphs
+    """(name, graph, runs per iteration) of every graph the rank runs, counted from its instructions."""
+    runs, first = Counter(), {}
+    for instruction in program.instructions:
+        if instruction.is_compute:
+            key = (instruction.stage, instruction.graph)
+            runs[key] += 1
+            first.setdefault(key, instruction)
+    return [(graph if stage is None else f"stage{stage}.{graph}", program.graph(first[(stage, graph)]), n)
+            for (stage, graph), n in runs.items()]
 
 
 def format_summary(program: RankProgram) -> str:

@@ -80,9 +80,9 @@ class ParallelConfig:
     memory_budget_gb: float | None = None
     """Refuse to launch when a rank's estimated peak memory exceeds this many GiB (checked before launch)."""
     passes: tuple[str, ...] = ()
-    """User passes: `pkg.module:function` (after pipeline_split, before lowering) or `after:POINT=pkg.module:function`
-    / `before:POINT=...` with POINT one of capture, tensor_parallel, sequence_parallel, pipeline_split, lower,
-    tp_comm_overlap, data_parallel, sharded_optimizer."""
+    """User passes (this imports and runs their code in the launcher and every rank): `pkg.module:function` or
+    `path/to/file.py:function` (after pipeline_split, before lowering), or `after:POINT=...` / `before:POINT=...`
+    with POINT capture, lower, grad_sync (whichever dp strategy runs) or a built-in pass this run runs."""
 
 
 @dataclass(frozen=True)
@@ -440,11 +440,13 @@ def validate(config: RunConfig) -> None:
 def _user_pass_errors(entry: str) -> list[str]:
     where, _, spec = entry.rpartition("=") if "=" in entry else ("", "", entry)
     side, _, point = where.partition(":")
-    if where and (side not in ("before", "after") or point not in POINTS or (side, point) == ("before", "capture")):
+    if where and (side not in ("before", "after") or point not in POINTS + ("grad_sync",)
+                  or (side, point) == ("before", "capture")):
         return [f"passes entry {entry!r}: where must be before:POINT or after:POINT, POINT one of "
-                f"{', '.join(POINTS)} (not before capture)"]
-    if spec.count(":") != 1 or not all(spec.split(":")):
-        return [f"passes entry {entry!r}: a pass is named pkg.module:function"]
+                f"{', '.join(POINTS)} or grad_sync (not before capture)"]
+    module, _, function = spec.rpartition(":")
+    if not module or not function.isidentifier():
+        return [f"passes entry {entry!r}: a pass is named pkg.module:function or path/to/file.py:function"]
     return []
 
 

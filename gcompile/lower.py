@@ -68,6 +68,12 @@ class LoweredStage:
     def activation_inputs(self) -> list[str]:
         return activation_roles(self.inputs, self.rank_constants)
 
+    def graphs(self) -> dict[str, fx.GraphModule]:
+        """The graphs this stage holds, by the names instructions use (gcompile.instructions.STAGE_GRAPHS)."""
+        found = {"forward": self.forward, "backward": self.backward, "backward_last": self.backward_last,
+                 "backward_weight": self.backward_weight}
+        return {name: gm for name, gm in found.items() if gm is not None}
+
     def __str__(self) -> str:
         split = self.backward_weight is not None
         text = (f"# stage {self.index} forward: (*params[{len(self.params)}], *{self.inputs}) -> "

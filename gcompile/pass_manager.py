@@ -2,22 +2,29 @@
 
 A pass is `fn(program, ctx) -> program`, registered by name with
 `@register_pass("name")` (the built-in ones live in the top-level `passes`
-package) or given as `pkg.module:function`. After each pass every stage's
+package, which the compiler imports) or given as `pkg.module:function` or
+`path/to/file.py:function`. After each pass every stage's
 shapes are re-derived from its placeholders, so a pass that leaves the graph
 inconsistent fails right there, named, with the passes that ran before it.
 """
 
 import importlib
+import importlib.util
 import os
 import re
+import sys
 import time
+import typing
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+import torch.fx as fx
 
 from gcompile.config import RunConfig
 from gcompile.axes import Coords
-from gcompile.program import Program, diff_counts, dump_text, op_counts, refresh_meta
+from gcompile.program import Program, diff_counts, dump_text, op_counts, propagate_shapes, refresh_meta
+from gcompile.rank_program import RankProgram
 
 
 @dataclass(frozen=True)
@@ -45,18 +52,39 @@ def register_pass(name: str) -> Callable[[PassFn], PassFn]:
 
 
 def resolve_pass(spec: str) -> tuple[str, PassFn]:
-    """A registered name, or `pkg.module:function` for a user pass."""
+    """A registered name, `pkg.module:function` (importable from the working folder or PYTHONPATH), or
+    `path/to/file.py:function` for a user pass."""
     if ":" in spec:
-        module_name, _, fn_name = spec.partition(":")
+        module_name, _, fn_name = spec.rpartition(":")
         try:
-            fn = getattr(importlib.import_module(module_name), fn_name)
-        except (ImportError, AttributeError) as e:
-            raise PassError(f"pass {spec!r} cannot be loaded: {e}") from None
+            module = _load_file(module_name) if module_name.endswith(".py") else importlib.import_module(module_name)
+            fn = getattr(module, fn_name)
+        except FileNotFoundError:
+            raise PassError(f"pass {spec!r} cannot be loaded: no file {module_name}") from None
+        except ModuleNotFoundError as e:
+            raise PassError(f"pass {spec!r} cannot be loaded: {e}; name a module importable from this folder "
+                            f"or PYTHONPATH, or give the file: path/to/file.py:{fn_name}") from None
+        except AttributeError:
+            raise PassError(f"pass {spec!r} cannot be loaded: {module_name} has no {fn_name!r}") from None
+        except Exception as e:
+            raise PassError(f"pass {spec!r} cannot be loaded: {type(e).__name__}: {e}") from None
         return fn_name, fn
-    importlib.import_module("passes")  # registers the built-in passes
     if spec not in _REGISTRY:
         raise PassError(f"unknown pass {spec!r}; registered: {', '.join(sorted(_REGISTRY))}")
     return spec, _REGISTRY[spec]
+
+
+def _load_file(path: str):
+    """Import a user pass file by path (once per process)."""
+    name = "gcompile_user_pass_" + re.sub(r"\W", "_", os.path.abspath(path))
+    if name not in sys.modules:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(path)
+        module_spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+        sys.modules[name] = module
+    return sys.modules[name]
 
 
 def run_passes(program: Program, specs: list[str], ctx: PassContext, log: Callable[[str], None] = print) -> Program:
@@ -64,15 +92,21 @@ def run_passes(program: Program, specs: list[str], ctx: PassContext, log: Callab
         dump_text(ctx.dump_dir, "00_capture.txt", str(program))
     for number, spec in enumerate(specs, start=1):
         name, fn = resolve_pass(spec)
+        _check_takes(fn, name, Program, "before lowering, where passes get the forward Program; place it "
+                                         "after:lower=... (or after:grad_sync) to get the RankProgram")
         before = _op_counts(program)
         start = time.perf_counter()
         try:
-            program = fn(program, ctx)
-            for stage in program.stages:
+            result = fn(program, ctx)
+            _check_returns(result, name, Program)
+            for stage in result.stages:
                 refresh_meta(stage)
+        except PassError:
+            raise
         except Exception as e:
             raise PassError(f"pass {number} {name!r} failed (after {' -> '.join(program.history)}): "
                             f"{type(e).__name__}: {e}") from e
+        program = result
         program.history.append(name)
         after = _op_counts(program)
         log(f"pass {number:02d} {name} ({(time.perf_counter() - start) * 1e3:.0f} ms): "
@@ -82,20 +116,85 @@ def run_passes(program: Program, specs: list[str], ctx: PassContext, log: Callab
     return program
 
 
-def run_rank_passes(rank_program, specs: list[str], ctx: PassContext, log: Callable[[str], None] = print,
-                    first_number: int = 0):
-    """Passes over a lowered RankProgram (same registry, same contract, one level down); dumped whole."""
+def run_rank_passes(rank_program: RankProgram, specs: list[str], ctx: PassContext,
+                    log: Callable[[str], None] = print, first_number: int = 0) -> RankProgram:
+    """Passes over a lowered RankProgram, with what forward passes get: the op-count diff over all of the
+    rank's graphs, shapes re-derived for every graph a pass made, history, a numbered dump, and an
+    error naming the pass. A pass must not edit a graph of its input in place: ranks share them."""
     for number, spec in enumerate(specs, start=first_number):
         name, fn = resolve_pass(spec)
+        _check_takes(fn, name, RankProgram, "after lowering, where passes get the RankProgram; place it "
+                                             "before:lower=... to get the forward Program")
+        before = _rank_op_counts(rank_program)
+        fingerprints = {id(gm): str(gm.graph) for gm in _rank_graphs(rank_program)}
         start = time.perf_counter()
+        history = " -> ".join(rank_program.history)
         try:
-            rank_program = fn(rank_program, ctx)
+            result = fn(rank_program, ctx)
+            _check_returns(result, name, RankProgram)
+        except PassError:
+            raise
         except Exception as e:
-            raise PassError(f"rank pass {name!r} failed: {type(e).__name__}: {e}") from e
-        log(f"rank pass {name} ({(time.perf_counter() - start) * 1e3:.0f} ms)")
+            raise PassError(f"rank pass {number} {name!r} failed (after {history}): {type(e).__name__}: {e}") from e
+        edited = [gm for gm in _rank_graphs(rank_program) if str(gm.graph) != fingerprints[id(gm)]]
+        if edited:
+            raise PassError(f"rank pass {number} {name!r} edited a graph of the program it was given in place "
+                            f"(after {history}); ranks share those graphs, so other ranks would change too: "
+                            f"copy.deepcopy the GraphModule, edit the copy, and return it with dataclasses.replace")
+        for gm in _rank_graphs(result):
+            if id(gm) not in fingerprints:
+                _refresh(gm, name, number, history)
+        rank_program = replace(result, history=rank_program.history + (name,))
+        log(f"rank pass {number:02d} {name} ({(time.perf_counter() - start) * 1e3:.0f} ms): "
+            f"{diff_counts(before, _rank_op_counts(rank_program)).replace(chr(10), '; ')}")
         if ctx.dump_dir:
             dump_text(ctx.dump_dir, f"{number:02d}_{name}.txt", str(rank_program))
     return rank_program
+
+
+def _check_takes(fn: PassFn, name: str, expected: type, where: str) -> None:
+    """Refuse a pass whose first parameter is annotated with the other program type than it would get."""
+    try:
+        first = next(iter(typing.get_type_hints(fn).items()), (None, None))
+    except Exception:  # annotations that do not resolve say nothing either way
+        return
+    takes = first[1] if first[0] != "return" else None
+    other = RankProgram if expected is Program else Program
+    if takes is other:
+        raise PassError(f"pass {name!r} takes a {other.__name__} but is placed {where}")
+
+
+def _check_returns(result, name: str, expected: type) -> None:
+    if not isinstance(result, expected):
+        raise PassError(f"pass {name!r} returned {type(result).__name__}, not the {expected.__name__} it was given: "
+                        f"a pass returns the program, changed (e.g. dataclasses.replace(program, stages=...))")
+
+
+def _refresh(gm: fx.GraphModule, name: str, number: int, history: str) -> None:
+    """Re-derive the shapes of a graph a rank pass made; a placeholder without a fake value is named."""
+    for node in gm.graph.find_nodes(op="placeholder"):
+        if "val" not in node.meta:
+            raise PassError(f"rank pass {number} {name!r} (after {history}) added input {node.name} without "
+                            f"meta['val']: give a new placeholder a fake tensor of its shape")
+    try:
+        propagate_shapes(gm)
+    except Exception as e:
+        raise PassError(f"rank pass {number} {name!r} (after {history}) left a graph whose shapes do not "
+                        f"propagate: {type(e).__name__}: {e}") from e
+
+
+def _rank_graphs(program: RankProgram) -> list[fx.GraphModule]:
+    """Every graph a rank program holds, each once."""
+    graphs = {id(gm): gm for stage in program.stages.values() for gm in stage.graphs().values()}
+    graphs[id(program.optimizer.graph)] = program.optimizer.graph
+    return list(graphs.values())
+
+
+def _rank_op_counts(program: RankProgram) -> Counter:
+    total = Counter()
+    for gm in _rank_graphs(program):
+        total.update(op_counts(gm))
+    return total
 
 
 def _op_counts(program: Program) -> Counter:

@@ -24,8 +24,10 @@ from gcompile.compile import graph_key
 from gcompile.lower import LoweredStage, lower_stage
 from gcompile.axes import Coords
 from gcompile.flat import flat_layout
+from gcompile.instructions import lower_instructions
 from gcompile.optimizer import AdamWSettings, LocalGrads, LossScaling, StepSettings, tied_reductions
-from gcompile.pass_manager import PassContext, clear_rank_dump, rank_dump_dir, run_passes, run_rank_passes
+import passes  # noqa: F401  registers the built-in passes
+from gcompile.pass_manager import PassContext, PassError, clear_rank_dump, rank_dump_dir, run_passes, run_rank_passes
 from gcompile.program import Stage, dump_text
 from gcompile.rank_program import RankProgram
 from gcompile.schedule import build_schedule, simulate
@@ -34,36 +36,44 @@ from gcompile.schedule import build_schedule, simulate
 def builtin_passes(config: RunConfig) -> list[str]:
     """The built-in passes a config asks for, in the order they run."""
     p = config.parallel
-    passes = []
+    names = []
     if p.tp > 1:
-        passes.append("tensor_parallel")
+        names.append("tensor_parallel")
     if p.sequence_parallel:
-        passes.append("sequence_parallel")
+        names.append("sequence_parallel")
     if p.pp * p.virtual_pipeline_size > 1:
-        passes.append("pipeline_split")
+        names.append("pipeline_split")
     if p.tp > 1 and p.overlap_tp_comm:
-        passes.append("tp_comm_overlap")
+        names.append("tp_comm_overlap")
     if p.use_distributed_optimizer:
-        passes.append("sharded_optimizer")
+        names.append("sharded_optimizer")
     elif p.dp > 1:
-        passes.append("data_parallel")
-    return passes
+        names.append("data_parallel")
+    return names
 
 
-def user_pass_point(entry: str) -> tuple[float, str]:
-    """`[before:|after:]POINT=pkg.module:function` or a bare spec (after pipeline_split, before lowering)
-    -> (position among POINTS, spec)."""
+def user_pass_point(entry: str, config: RunConfig, builtin: list[str]) -> tuple[float, str]:
+    """`[before:|after:]POINT=SPEC` or a bare SPEC (after pipeline_split, before lowering) -> (position among
+    POINTS, spec). POINT is capture, lower, grad_sync (whichever dp strategy this run has) or a built-in
+    pass this run runs: a point that does not run would silently move the pass to another place."""
     where, _, spec = entry.rpartition("=") if "=" in entry else ("", "", entry)
     if not where:
         return POINTS.index("lower") - 0.5, spec
     side, _, point = where.partition(":")
+    if point == "grad_sync":
+        point = "sharded_optimizer" if config.parallel.use_distributed_optimizer else "data_parallel"
+    elif point not in ("capture", "lower") and point not in builtin:
+        raise PassError(f"passes entry {entry!r}: {point} does not run in this layout (it runs "
+                        f"{', '.join(builtin) or 'no built-in pass'}); place the pass at one of those, at capture "
+                        f"or lower, or at grad_sync (wherever gradients cross dp ranks)")
     return POINTS.index(point) + (0.5 if side == "after" else -0.5), spec
 
 
 def pass_lists(config: RunConfig) -> tuple[list[str], list[str]]:
     """(passes over the forward program, passes over the lowered rank program), built-in and user, in order."""
-    placed = [(float(POINTS.index(name)), name) for name in builtin_passes(config)]
-    placed += [user_pass_point(entry) for entry in config.parallel.passes]
+    builtin = builtin_passes(config)
+    placed = [(float(POINTS.index(name)), name) for name in builtin]
+    placed += [user_pass_point(entry, config, builtin) for entry in config.parallel.passes]
     placed.sort(key=lambda item: item[0])
     lower = POINTS.index("lower")
     return [name for at, name in placed if at < lower], [name for at, name in placed if at > lower]
@@ -116,8 +126,11 @@ def build_rank_program(config: RunConfig, coords: Coords, device: str = "cpu",
     settings = StepSettings(adamw=adamw, tp=coords.size("tp"), norm_group=None, loss_scaling=scaling,
                             reductions=tied_reductions(layout),
                             separate_main=config.param_dtype != torch.float32, param_dtype=config.param_dtype)
+    split = frozenset(s for s, stage in stages.items() if stage.backward_weight is not None)
     rank_program = RankProgram(coords=coords, stages=stages, layout=layout, step_settings=settings,
-                               grad_sync=None, optimizer=None, schedule=schedule).with_grad_sync(LocalGrads())
+                               grad_sync=None, optimizer=None, schedule=schedule,
+                               instructions=lower_instructions(schedule, coords, split),
+                               history=(*program.history, "lower")).with_grad_sync(LocalGrads())
     number = len(program.history)
     if dump_dir:
         for s, stage in stages.items():

@@ -26,9 +26,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from gcompile.axes import Coords
 from gcompile.rank_program import RankProgram
-from gcompile.schedule import COMPUTE, Action, Kind, in_flight_bound, rank_in_flight_bound
+from gcompile.instructions import OPT_STEP, OPTIMIZER, Instruction
+from gcompile.schedule import Kind, in_flight_bound, rank_in_flight_bound
 from gcompile.state import TrainState
 
 
@@ -73,7 +73,6 @@ class Runtime:
         """The gradient of the step's loss (the mean over microbatches, times the fp16 loss scale)
         w.r.t. one microbatch's fp32 loss."""
         schedule = program.schedule
-        self.last_backward = {a.stage: a for a in program.instructions if a.kind == Kind.B}
         self.bound = {s: in_flight_bound(schedule, s) for s in program.stages}
         self.rank_bound = rank_in_flight_bound(schedule, program.coords.axis_rank("pp"))
         self.peak_saved = defaultdict(int)
@@ -82,52 +81,62 @@ class Runtime:
         """The same over all of this rank's stages together."""
 
     def train_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
-        """One optimizer step over this rank's microbatches."""
-        loss = self.forward_backward(microbatches)
-        grad_norm, skipped = self.optimizer_step()
-        return StepResult(loss, grad_norm, skipped)
+        """One optimizer step over this rank's microbatches: the whole instruction list."""
+        self._prepare_loss_grad()
+        self._run(microbatches, self.program.instructions, training=True)
+        return StepResult(self._mean_loss(), *self.step_result)
 
     def forward_backward(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
-        """Run the instruction list: gradients accumulate into the state's flat grad buffer."""
-        if self.state.loss_scale is not None:
-            torch.div(self.state.loss_scale, self.program.schedule.num_microbatches, out=self.loss_grad)
-        self._run(microbatches, self.program.instructions, training=True)
-        return torch.stack(self.losses).mean() if self.losses else None
+        """The instructions before the optimizer step: gradients accumulate into the state's flat grad buffer."""
+        self._prepare_loss_grad()
+        self._run(microbatches, [i for i in self.program.instructions if i.op != OPT_STEP], training=True)
+        return self._mean_loss()
 
     def optimizer_step(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """AdamW on the accumulated gradients (then zeroed); (global grad norm, 1 if the step was skipped)."""
-        return self.step_fn(*self.optimizer_args)
+        """The optimizer step instruction: AdamW on the accumulated gradients (then zeroed);
+        (global grad norm, 1 if the step was skipped)."""
+        self._run([], [i for i in self.program.instructions if i.op == OPT_STEP], training=True)
+        return self.step_result
 
     def eval_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
         """Mean loss of the forwards alone (the training instruction list without backward)."""
-        forward_only = [a for a in self.program.instructions if a.kind in (Kind.F, Kind.SEND_F, Kind.RECV_F)]
+        forward_only = [i for i in self.program.instructions if i.op in (Kind.F, Kind.SEND_F, Kind.RECV_F)]
         self._run(microbatches, forward_only, training=False)
+        return self._mean_loss()
+
+    def _prepare_loss_grad(self):
+        if self.state.loss_scale is not None:
+            torch.div(self.state.loss_scale, self.program.schedule.num_microbatches, out=self.loss_grad)
+
+    def _mean_loss(self) -> torch.Tensor | None:
         return torch.stack(self.losses).mean() if self.losses else None
 
-    def _run(self, microbatches, instructions, training: bool):
+    def _run(self, microbatches, instructions: list[Instruction], training: bool):
         self.batch = microbatches
         self.saved, self.acts, self.grads_in, self.losses = {}, {}, {}, []
         self.weight_args = {}
         """(stage, mb) -> what its W reads, kept by its B."""
         self.pending_recvs, self.sends = {}, []
         comm = []
-        for action in instructions:
-            if action.kind in COMPUTE:
-                self._communicate(comm)
-                comm = []
-                if action.kind == Kind.F:
-                    self._forward(action, training)
-                elif action.kind == Kind.B:
-                    self._backward(action)
-                else:
-                    self._weight_backward(action)
+        for instruction in instructions:
+            if not instruction.is_compute:
+                comm.append(instruction)
+                continue
+            self._communicate(comm)
+            comm = []
+            if instruction.graph == "forward":
+                self._forward(instruction, training)
+            elif instruction.graph == "backward_weight":
+                self._weight_backward(instruction)
+            elif instruction.graph == OPTIMIZER:
+                self.step_result = self.step_fn(*self.optimizer_args)
             else:
-                comm.append(action)
+                self._backward(instruction)
         self._communicate(comm)
         for work, _ in self.sends:
             work.wait()
 
-    def _forward(self, a: Action, training: bool):
+    def _forward(self, a: Instruction, training: bool):
         stage = self.program.stages[a.stage]
         acts = iter(self._take(self.acts, (a.stage, a.mb)) if a.stage > 0 else [])
         fixed = dict(zip(("idx", "targets"), self.batch[a.mb]), **self.constants[a.stage])
@@ -142,24 +151,24 @@ class Runtime:
         else:
             self.acts[(a.stage + 1, a.mb)] = [t.contiguous() for t in outputs]  # as the next stage was traced
 
-    def _count_saved(self, a: Action):
+    def _count_saved(self, a: Instruction):
         live = sum(1 for s, _ in self.saved if s == a.stage)
         self.peak_saved[a.stage] = max(self.peak_saved[a.stage], live)
         self.rank_peak_saved = max(self.rank_peak_saved, len(self.saved))
         for count, bound, where in ((live, self.bound[a.stage], f"stage {a.stage}"),
                                     (len(self.saved), self.rank_bound, f"pipeline rank {self.program.coords.axis_rank('pp')}")):
             if count > bound:
-                raise InFlightError(f"{a}: {where} holds {count} saved-activation sets, more than the "
+                raise InFlightError(f"{a.action}: {where} holds {count} saved-activation sets, more than the "
                                     f"{self.program.schedule.name} schedule's bound of {bound}")
 
-    def _backward(self, a: Action):
+    def _backward(self, a: Instruction):
         stage = self.program.stages[a.stage]
         saved = self.saved.pop((a.stage, a.mb))
         if a.stage == self.last_stage:
             output_grads = [self.loss_grad]
         else:
             output_grads = self._take(self.grads_in, (a.stage, a.mb))
-        last = stage.backward_last is not None and self.last_backward[a.stage] == a
+        last = a.graph == "backward_last"
         if last:
             extra = [getattr(self.state, buffer)[start:end] for buffer, start, end in stage.last_inputs]
             grads = self.functions[a.stage].backward_last(*saved, *output_grads, *extra)
@@ -182,10 +191,9 @@ class Runtime:
             self.grads_in[(a.stage - 1, a.mb)] = [grads[n + i].contiguous()
                                                   for i, role in enumerate(stage.inputs) if role in acts]
 
-    def _weight_backward(self, a: Action):
-        if self.program.stages[a.stage].backward_weight is not None:
-            args = self.weight_args.pop((a.stage, a.mb))
-            self._accumulate(a.stage, self.functions[a.stage].backward_weight(*args))
+    def _weight_backward(self, a: Instruction):
+        args = self.weight_args.pop((a.stage, a.mb))
+        self._accumulate(a.stage, self.functions[a.stage].backward_weight(*args))
 
     def _accumulate(self, stage: int, param_grads):
         """Add a stage's parameter gradients (None where this graph computes none) to the flat grad buffer."""
@@ -200,36 +208,30 @@ class Runtime:
                 work.wait()
         return store.pop(key)
 
-    def _communicate(self, actions: list[Action]):
-        if not actions:
+    def _communicate(self, instructions: list[Instruction]):
+        if not instructions:
             return
-        ops, recv_keys = [], []
-        for a in actions:
-            if a.kind == Kind.SEND_F:
-                peer, tensors = self._peer(a.stage + 1), self.acts.pop((a.stage + 1, a.mb))
-            elif a.kind == Kind.SEND_B:
-                peer, tensors = self._peer(a.stage - 1), self.grads_in.pop((a.stage - 1, a.mb))
-            elif a.kind == Kind.RECV_F:
-                peer, tensors = self._peer(a.stage - 1), self._empty_like_inputs(a.stage)
-                self.acts[(a.stage, a.mb)] = tensors
+        ops, posted = [], []
+        for a in instructions:
+            if a.op == Kind.SEND_F:
+                tensors = self.acts.pop((a.stage + 1, a.mb))
+            elif a.op == Kind.SEND_B:
+                tensors = self.grads_in.pop((a.stage - 1, a.mb))
+            elif a.op == Kind.RECV_F:
+                tensors = self.acts[(a.stage, a.mb)] = self._empty_like_inputs(a.stage)
             else:  # RECV_B
-                peer, tensors = self._peer(a.stage + 1), self._empty_like_outputs(a.stage)
-                self.grads_in[(a.stage, a.mb)] = tensors
-            op = dist.isend if a.kind in (Kind.SEND_F, Kind.SEND_B) else dist.irecv
-            ops += [dist.P2POp(op, t, peer) for t in tensors]
-            recv_keys.append(((a.stage, a.mb), a.kind, tensors))
+                tensors = self.grads_in[(a.stage, a.mb)] = self._empty_like_outputs(a.stage)
+            sends = a.op in (Kind.SEND_F, Kind.SEND_B)
+            ops += [dist.P2POp(dist.isend if sends else dist.irecv, t, a.peer) for t in tensors]
+            posted.append(((a.stage, a.mb), sends, tensors))
         works = dist.batch_isend_irecv(ops)
         i = 0
-        for key, kind, tensors in recv_keys:
-            if kind in (Kind.RECV_F, Kind.RECV_B):
-                self.pending_recvs[key] = works[i:i + len(tensors)]
-            else:  # keep the sent tensors alive until their sends are done
+        for key, sends, tensors in posted:
+            if sends:  # keep the sent tensors alive until their sends are done
                 self.sends += [(work, t) for work, t in zip(works[i:i + len(tensors)], tensors)]
+            else:
+                self.pending_recvs[key] = works[i:i + len(tensors)]
             i += len(tensors)
-
-    def _peer(self, stage: int) -> int:
-        c = self.program.coords
-        return c.moved(pp=self.program.schedule.stage_rank(stage)).rank
 
     def _empty_like_inputs(self, stage: int) -> list[torch.Tensor]:
         st = self.program.stages[stage]

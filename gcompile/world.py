@@ -41,8 +41,7 @@ def build_world(config: RunConfig, device: str = "cpu", dump_root: str | None = 
 def rank_graphs(program: RankProgram) -> list:
     graphs = [program.optimizer.graph]
     for stage in program.stages.values():
-        graphs += [g for g in (stage.forward, stage.backward, stage.backward_last, stage.backward_weight)
-                   if g is not None]
+        graphs += list(stage.graphs().values())
     return graphs
 
 

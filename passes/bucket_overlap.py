@@ -7,7 +7,8 @@ Ensures:  each local stage whose last-microbatch backward finishes some buckets 
           computed, adds it to the accumulated gradients and starts the bucket's
           collective; the waits come at the end of that graph, so the collective runs
           while backward computes the earlier layers. The results are copied into the
-          state buffers the optimizer reads. Buckets holding a tied parameter are left
+          state buffers the optimizer reads; the stage's last B instruction runs `backward_last`.
+          Buckets holding a tied parameter are left
           to the optimizer step (their pipeline-stage sum must come first).
 
 Rewrite (backward of the last microbatch, per finished bucket b):
@@ -52,7 +53,7 @@ def overlap_buckets(program: RankProgram, buckets: frozenset[int], start: StartR
                     destination: Callable[[int, Bucket], tuple[str, int, int]]) -> RankProgram:
     """Move the reduction of `buckets` into the backward graphs that finish them."""
     layout = program.layout
-    last_b = {a.stage: i for i, a in enumerate(program.instructions) if a.kind == Kind.B}
+    last_b = {a.stage: i for i, a in enumerate(program.instructions) if a.op == Kind.B}
     holders = {name: [s for s, st in program.stages.items() if name in {p.name for p in st.params}]
                for name in (p.name for p in layout.params)}
     finished_by = {}
@@ -60,10 +61,11 @@ def overlap_buckets(program: RankProgram, buckets: frozenset[int], start: StartR
         b = layout.buckets[i]
         stages = {s for p, o in zip(layout.params, layout.offsets) if b.start <= o < b.end for s in holders[p.name]}
         finished_by.setdefault(max(stages, key=last_b.__getitem__), []).append(i)
-    stages = dict(program.stages)
+    stages, instructions = dict(program.stages), list(program.instructions)
     for s, bucket_ids in finished_by.items():
         stages[s] = _with_reductions(stages[s], program, bucket_ids, start, finish, destination)
-    return replace(program, stages=stages)
+        instructions[last_b[s]] = replace(instructions[last_b[s]], graph="backward_last")
+    return replace(program, stages=stages, instructions=tuple(instructions))
 
 
 def _with_reductions(stage: LoweredStage, program: RankProgram, bucket_ids: list[int], start: StartReduction,

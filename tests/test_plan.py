@@ -13,7 +13,7 @@ from gcompile.compile import graph_key
 from gcompile.config import build_config, parse_args
 from gcompile.flops import graph_flops
 from gcompile.axes import Coords
-from gcompile.schedule import Kind, Schedule
+from gcompile.schedule import Kind
 from gcompile.train import train
 from gcompile.world import build_world, precompile, rank_graphs
 from tests.multirank import run_layouts
@@ -103,12 +103,8 @@ def test_checker_refuses_a_rank_that_drops_a_collective():
 def test_checker_refuses_a_missing_receive():
     programs = build_world(config(pp=2), log=lambda _: None)
     rank1 = programs[1]
-    actions = list(rank1.schedule.actions)
-    dropped = next(a for a in actions[1] if a.kind == Kind.RECV_F)
-    actions[1] = tuple(a for a in actions[1] if a != dropped)
-    schedule = Schedule(rank1.schedule.name, rank1.schedule.pp, rank1.schedule.vpp,
-                        rank1.schedule.num_microbatches, tuple(actions))
-    programs[1] = dataclasses.replace(rank1, schedule=schedule)
+    dropped = next(i for i in rank1.instructions if i.op == Kind.RECV_F)
+    programs[1] = dataclasses.replace(rank1, instructions=tuple(i for i in rank1.instructions if i != dropped))
     with pytest.raises(PlanError, match=r"rank 0 sends act\[s0,mb0\] to rank 1 .* but rank 1 has no matching receive"):
         check_plan(programs)
 
