@@ -26,6 +26,9 @@ from gcompile.tp_plan import plan_errors
 from gcompile.schedule import SCHEDULES, SPLIT_BACKWARD, ScheduleError, check_sizes
 
 
+ModelConfig = model_spec(DEFAULT_MODEL).config
+"""The `[model]` section: the config of the default model's spec (GPT-2's); its fields are the model flags."""
+
 TP_COMM_BACKENDS = ("auto", "shm", "gloo")
 """Values of parallel.tp_comm_backend (gcompile.mesh.tp_group_backend)."""
 
@@ -167,7 +170,7 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class RunConfig:
-    model: model_spec(DEFAULT_MODEL).config = field(default_factory=model_spec(DEFAULT_MODEL).config)
+    model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -176,6 +179,7 @@ class RunConfig:
 
     @property
     def model_spec(self) -> ModelSpec:
+        """The spec of the `[model]` section's model, by its config's type."""
         return spec_of(self.model)
 
     @property

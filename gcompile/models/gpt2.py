@@ -134,7 +134,7 @@ def init_value(name: str, shape, config: GPTConfig, seed: int) -> torch.Tensor:
 
 
 def module(config: GPTConfig) -> GPT:
-    """Train mode only with dropout: a dropout of p=0 would still leave its op in the captured graph."""
+    """Eval mode unless dropout is on, so that a capture without dropout holds no dropout op."""
     return GPT(config).train(config.dropout > 0)
 
 

@@ -20,7 +20,9 @@ class Input:
     role: str
     """Its name in forward and in the compiled graphs: "idx" (token ids) or "targets" (labels)."""
     shape: tuple[int, ...]
+    """(micro_batch_size, seq_length) for token ids and labels."""
     dtype: torch.dtype
+    """torch.long for token ids and labels."""
 
 
 @dataclass(frozen=True)
