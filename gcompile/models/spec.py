@@ -27,6 +27,8 @@ class Input:
 
 @dataclass(frozen=True)
 class ModelSpec:
+    """One model's facts; the compiler and the tools read these instead of the model's names."""
+
     name: str
     """Registry name, as in gcompile.models.MODELS: "gpt2"."""
     config: type
