@@ -25,7 +25,7 @@ import torch.distributed as dist
 from gcompile.config import build_config, load_toml
 from gcompile.axes import Coords
 from gcompile.mesh import init_groups
-from gcompile.model import build_model
+from gcompile.models.gpt2 import GPT2
 
 VARIANTS = {
     "torch DDP + AdamW (eager)": dict(kind="ddp"),
@@ -49,7 +49,7 @@ def make_config(args, dp: int, **train):
 
 def ddp_step_fn(config, rank: int):
     t = config.train
-    model = build_model(config.model, t.seed)
+    model = GPT2.build(config.model, t.seed)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     decay = [p for n, p in model.named_parameters() if p.dim() == 2 and "wte" not in n and "wpe" not in n]
     rest = [p for n, p in model.named_parameters() if not (p.dim() == 2 and "wte" not in n and "wpe" not in n)]

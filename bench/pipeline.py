@@ -5,7 +5,7 @@ measured pipeline bubble against the schedule simulator's prediction.
     python bench/pipeline.py --n-layer 2 --n-embd 64 --seq-length 64 --rounds 1
 
 Two gloo ranks on this machine, one thread each, started by the elastic launcher (so
-Inductor's cache is shared). Every contender trains the same GPT (gcompile/model.py)
+Inductor's cache is shared). Every contender trains the same GPT (gcompile/models/gpt2.py)
 split after block n_layer/2 (embedding with the first half, final LayerNorm, head and
 loss with the second), on the same 4 microbatches, AdamW step and gradient clipping
 over the global norm included:
@@ -53,7 +53,7 @@ from single_rank import matmul_peak
 from gcompile.compile import Compiler, compile_rank_program
 from gcompile.config import build_config
 from gcompile.launch import join_world, spawn_local, under_launcher
-from gcompile.model import build_model
+from gcompile.models.gpt2 import GPT2
 from gcompile.pipeline import build_rank_program
 from gcompile.runtime import Runtime, StageFunctions
 from gcompile.schedule import simulate
@@ -123,7 +123,7 @@ class TorchPipelining:
         from torch.distributed.pipelining import SplitPoint, pipeline
 
         t = config.train
-        model = build_model(config.model, t.seed)
+        model = GPT2.build(config.model, t.seed)
         self.idx, self.targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
         per_stage = config.model.n_layer // (PP * vpp)
         split = {f"transformer.h.{per_stage * s}": SplitPoint.BEGINNING for s in range(1, PP * vpp)}

@@ -20,9 +20,8 @@ import torch
 from flags import add_model_flags, model_section  # bench/, first on sys.path when run as a script
 from gcompile.compile import Compiler, compile_rank_program
 from gcompile.config import build_config
-from gcompile.log import num_floating_point_operations
 from gcompile.axes import Coords
-from gcompile.model import build_model
+from gcompile.models.gpt2 import GPT2
 from gcompile.pipeline import build_rank_program
 from gcompile.runtime import Runtime
 from gcompile.state import TrainState
@@ -59,7 +58,7 @@ def time_round_robin(steps: dict, tokens, warmup: int, iters: int) -> dict[str, 
 
 def torch_step_fn(config, compiled: bool):
     t = config.train
-    model = build_model(config.model, t.seed)
+    model = GPT2.build(config.model, t.seed)
     decay = [p for n, p in model.named_parameters() if p.dim() == 2 and "wte" not in n and "wpe" not in n]
     rest = [p for n, p in model.named_parameters() if not (p.dim() == 2 and "wte" not in n and "wpe" not in n)]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
@@ -101,7 +100,7 @@ def main():
     t = config.train
     tokens = torch.randint(0, config.model.vocab_size, (t.global_batch_size, t.seq_length + 1),
                            generator=torch.Generator().manual_seed(0))
-    flops = num_floating_point_operations(config.model, t.global_batch_size, t.seq_length)
+    flops = GPT2.flops(config.model, t.global_batch_size, t.seq_length)
     peak = matmul_peak()
     print(f"config: {args.n_layer} layers, {args.n_embd} wide, {args.n_head} heads, T={t.seq_length}, "
           f"{t.global_batch_size // t.micro_batch_size} x {t.micro_batch_size} samples/step, "

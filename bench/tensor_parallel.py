@@ -38,11 +38,10 @@ from gcompile.config import build_config, load_toml
 from gcompile.launch import join_world, run_ranks
 from gcompile.layout import Param, Shard, local_value
 from gcompile.mesh import group, register_group
-from gcompile.model import build_model
+from gcompile.models.gpt2 import GPT2, MEGATRON_PLAN
 from gcompile.pipeline import build_rank_program
 from gcompile.runtime import Runtime
 from gcompile.state import TrainState
-from gcompile.tp_plan import MEGATRON_PLAN
 from gcompile.train import split_microbatches
 
 TP = 2
@@ -61,7 +60,7 @@ def local_attention(self, x):
 
 
 def dtensor_model(config, mesh: DeviceMesh, compiled: bool):
-    model = build_model(config.model, config.train.seed)
+    model = GPT2.build(config.model, config.train.seed)
     plan = {}
     for i, block in enumerate(model.transformer.h):
         attn = block.attn

@@ -1,35 +1,40 @@
-"""torch.export of the single-device GPT + loss into a one-stage Program.
+"""torch.export of a single-device model + loss into a one-stage Program.
 
 The model is built and traced under a fake tensor mode, so capture allocates no
 weights: a 1.3B-parameter layout can be inspected on a laptop. Capture runs on the
 device the program will run on, because attention lowers differently per device
 (on CPU, SDPA becomes `_scaled_dot_product_flash_attention_for_cpu`).
 
-Tied `wte`/`lm_head`: export may show the tied weight as two placeholders. We keep
-one, named `transformer.wte.weight`, used by both the embedding and the head;
-autograd then sums the two gradient contributions as eager does.
+Tied parameters (e.g. GPT-2's embedding and head): export may show a tied weight as
+two placeholders. We keep one, under the name the module's state dict lists first,
+used by every reader; autograd then sums the gradient contributions as eager does.
 """
 
 import contextlib
+from collections.abc import Callable
 
 import torch
+import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.export.graph_signature import InputKind
 
 from gcompile.layout import Param
-from gcompile.model import GPT, GPTConfig
+from gcompile.models.spec import Input
 from gcompile.program import Program, Stage, refresh_meta
 
 
-def capture(config: GPTConfig, micro_batch_size: int, seq_length: int,
+def capture(build: Callable[[], nn.Module], batch: tuple[Input, ...], decays: Callable[[str, tuple[int, ...]], bool],
             device: str = "cpu", dtype: torch.dtype = torch.float32) -> Program:
-    """The forward+loss program of one microbatch: forward(*params, idx, targets) -> (loss,)."""
+    """The forward+loss program of one microbatch: forward(*params, *batch) -> (loss,).
+
+    `build` makes the module (called under the fake mode); `batch` is forward's inputs by role;
+    `decays(name, full_shape)` says which parameters take weight decay (`Param.decays`).
+    """
     fake_mode = FakeTensorMode()
     with fake_mode, torch.device(device), _default_dtype(dtype):
-        model = GPT(config).train(config.dropout > 0)
-        idx = torch.empty((micro_batch_size, seq_length), dtype=torch.long)
-        targets = torch.empty((micro_batch_size, seq_length), dtype=torch.long)
-    exported = torch.export.export(model, (idx, targets))
+        model = build()
+        example = tuple(torch.empty(i.shape, dtype=i.dtype) for i in batch)
+    exported = torch.export.export(model, example)
     graph = exported.graph_module
 
     canonical = _canonical_names(model)
@@ -46,20 +51,19 @@ def capture(config: GPTConfig, micro_batch_size: int, seq_length: int,
             graph.graph.erase_node(node)
             continue
         kept[name] = node
-        params.append(Param(name=name, full_shape=tuple(node.meta["val"].shape)))
-    inputs = [n.name for n in placeholders if n.name in ("idx", "targets")]
-    if inputs != ["idx", "targets"]:
-        raise AssertionError(f"capture: expected user inputs idx, targets; got {inputs}")
+        shape = tuple(node.meta["val"].shape)
+        params.append(Param(name=name, full_shape=shape, decays=decays(name, shape)))
+    roles = [i.role for i in batch]
     # Parameter placeholders must come first; export orders parameters before user inputs.
     order = [n.target for n in graph.graph.find_nodes(op="placeholder")]
-    if order[-2:] != ["idx", "targets"]:
-        raise AssertionError(f"capture: unexpected placeholder order {order}")
+    if order[len(params):] != roles:
+        raise AssertionError(f"capture: expected parameters, then the user inputs {roles}; got {order}")
 
     for node in list(graph.graph.find_nodes(op="call_function", target=torch.ops.aten._assert_tensor_metadata.default)):
         graph.graph.erase_node(node)  # export's dtype/device checks: nothing for a pass to carry around
     graph.graph.eliminate_dead_code()
     graph.recompile()
-    stage = Stage(index=0, graph=graph, params=params, inputs=inputs, outputs=["loss"])
+    stage = Stage(index=0, graph=graph, params=params, inputs=roles, outputs=["loss"])
     refresh_meta(stage)
     return Program(stages=[stage], history=["capture"])
 
@@ -75,7 +79,7 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(saved)
 
 
-def _canonical_names(model: GPT) -> dict[str, str]:
-    """Every parameter name, tied aliases included -> the name nanoGPT's state dict uses first."""
+def _canonical_names(model: nn.Module) -> dict[str, str]:
+    """Every parameter name, tied aliases included -> the name the module's state dict uses first."""
     first_name = {id(p): name for name, p in reversed(list(model.named_parameters(remove_duplicate=False)))}
     return {name: first_name[id(p)] for name, p in model.named_parameters(remove_duplicate=False)}

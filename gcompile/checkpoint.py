@@ -4,7 +4,7 @@ On disk (Megatron's folders, torch.distributed.checkpoint files inside):
 
     SAVE/latest_checkpointed_iteration.txt      "100": the last committed save
     SAVE/iter_0000100/.metadata, __R_0.distcp   DCP: one file per rank, plain tensors by key
-    SAVE/iter_0000100/gcompile.json             what the keys mean (below), the run config, progress
+    SAVE/iter_0000100/gcompile.json             what the keys mean (below), the model, the run config, progress
     SAVE/iter_0000200.tmp/                      a save in progress (or killed): never read
 
 Keys. A parameter's piece is named by the ranks it was cut for (`tp1`; `full` when uncut);
@@ -28,6 +28,10 @@ a barrier rank 0 renames the folder into place and then replaces the tracker fil
 
     python -m gcompile.checkpoint export SAVE --output model.pt
     python -m gcompile.checkpoint generate model.pt --prompt "def " --max-new-tokens 200
+
+An export is nanoGPT's file ({"model": state dict, "model_args": config}) with the model
+module's own names (GPT-2: nanoGPT's, the tied head included); it does not say which model
+it holds, so `generate --model` does.
 """
 
 import argparse
@@ -50,7 +54,8 @@ from gcompile.config import RunConfig
 from gcompile.flat import Span
 from gcompile.layout import Param, Shard, first_holder, full_value, local_value
 from gcompile.axes import AXES, Coords
-from gcompile.model import GPT, GPTConfig
+from gcompile.models import DEFAULT_MODEL, MODELS, model_spec, spec_of
+from gcompile.models.spec import ModelSpec
 from gcompile.rank_program import RankProgram
 from gcompile.sample import generate_text
 from gcompile.state import TrainState
@@ -121,7 +126,7 @@ def save(root: str, progress: Progress, config: RunConfig, program: RankProgram,
                     layout=dict(coords.axis_sizes, distributed_optimizer=program.grad_sync.sharded,
                                 param_dtype=str(program.step_settings.param_dtype).removeprefix("torch."),
                                 main=state.main is not None),
-                    config=dataclasses.asdict(config), params=params, keys=keys)
+                    model=config.model_spec.name, config=dataclasses.asdict(config), params=params, keys=keys)
         _write_durably(os.path.join(tmp, METADATA), json.dumps(meta, indent=1))
     _barrier()  # every rank's files are complete
     if coords.rank == 0:
@@ -213,8 +218,12 @@ class Checkpoint:
         self.files = None  # key -> file name, read on the first failure
 
     @property
-    def model_config(self) -> GPTConfig:
-        return GPTConfig(**self.meta["config"]["model"])
+    def model_spec(self) -> ModelSpec:
+        return model_spec(self.meta["model"])
+
+    @property
+    def model_config(self):
+        return self.model_spec.config(**self.meta["config"]["model"])
 
     @property
     def master(self) -> str:
@@ -227,10 +236,14 @@ class Checkpoint:
                         if axis != "cp" or self.axis_sizes[axis] > 1)
         return (f"{axes}{', distributed optimizer' if layout['distributed_optimizer'] else ''}, {layout['param_dtype']}")
 
-    def check_model(self, model: GPTConfig) -> None:
+    def check_model(self, model) -> None:
+        """`model` (a model config) is the model saved here, up to dropout."""
+        if spec_of(model) is not self.model_spec:
+            raise CheckpointError(f"{self.folder} holds a {self.model_spec.name} model "
+                                  f"(this run: {spec_of(model).name})")
         saved = self.model_config
         diffs = [f"{f.name}={getattr(saved, f.name)} (this run: {getattr(model, f.name)})"
-                 for f in dataclasses.fields(GPTConfig) if f.name != "dropout"
+                 for f in dataclasses.fields(saved) if f.name != "dropout"
                  and getattr(saved, f.name) != getattr(model, f.name)]
         if diffs:
             raise CheckpointError(f"{self.folder} holds a different model: {', '.join(diffs)}")
@@ -382,38 +395,40 @@ def export(path: str, output: str) -> str:
     checkpoint = Checkpoint(resolve(path))
     config = checkpoint.model_config
     with torch.device("meta"):
-        model = GPT(config)
+        model = checkpoint.model_spec.module(config)
     names = {id(p): name for name, p in model.named_parameters()}
     weights = {name: checkpoint.full("model", name) for name in names.values()}
-    # every state-dict key, the tied lm_head.weight included, as the same tensor as its parameter
+    # every state-dict key, a tied alias included, as the same tensor as its parameter
     state_dict = {key: weights[names[id(p)]] for key, p in model.state_dict(keep_vars=True).items()}
     torch.save(dict(model=state_dict, model_args=dataclasses.asdict(config),
                     iter_num=checkpoint.meta["iteration"]), output)
     return checkpoint.folder
 
 
-def load_exported(path: str) -> GPT:
-    """The single-device model of a file `export` wrote."""
+def load_exported(path: str, spec: ModelSpec) -> tuple[torch.nn.Module, object]:
+    """The single-device model of a file `export` wrote (or nanoGPT saved), of the model `spec`, and its config."""
     if not os.path.isfile(path):
         raise CheckpointError(f"{path}: no such file")
     try:
         exported = torch.load(path, map_location="cpu", weights_only=True)
-        model = GPT(GPTConfig(**exported["model_args"]))
+        config = spec.config(**exported["model_args"])
+        model = spec.module(config)
         model.load_state_dict(exported["model"])
     except Exception as e:  # anything torch.load or load_state_dict refuses
         raise CheckpointError(f"{path}: not a model exported by gcompile.checkpoint ({_reason(e)})") from None
-    return model
+    return model, config
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gcompile.checkpoint",
                                      description="Export a distributed checkpoint, or sample from an export.")
     commands = parser.add_subparsers(dest="command", required=True)
-    ex = commands.add_parser("export", help="write a single-device state dict with nanoGPT's names")
+    ex = commands.add_parser("export", help="write a single-device state dict with the model's names")
     ex.add_argument("checkpoint", help="SAVE folder (its latest checkpoint) or one SAVE/iter_N folder")
     ex.add_argument("--output", required=True, help="file to write (torch.save)")
     gen = commands.add_parser("generate", help="sample text from an exported model")
     gen.add_argument("model", help="a file written by export")
+    gen.add_argument("--model-name", choices=sorted(MODELS), default=DEFAULT_MODEL, help="the model the file holds")
     gen.add_argument("--prompt", default="", help="text to continue; empty = a new document")
     gen.add_argument("--max-new-tokens", type=int, default=200)
     gen.add_argument("--temperature", type=float, default=0.8, help="above 0; lower = more likely tokens")
@@ -427,9 +442,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             if args.temperature <= 0:
                 raise CheckpointError(f"--temperature {args.temperature} must be above 0")
-            model = load_exported(args.model)
-            print(generate_text(model, args.prompt, args.max_new_tokens, args.temperature, args.top_k or None,
-                                args.seed))
+            spec = model_spec(args.model_name)
+            model, model_config = load_exported(args.model, spec)
+            print(generate_text(model, spec.context_length(model_config), args.prompt, args.max_new_tokens,
+                                args.temperature, args.top_k or None, args.seed))
     except CheckpointError as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return 2

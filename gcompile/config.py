@@ -21,10 +21,14 @@ import torch
 from dataclasses import dataclass, field, fields
 
 from gcompile.data import DataConfig
-from gcompile.model import GPTConfig
-from gcompile.tp_plan import MEGATRON_PLAN, plan_errors
+from gcompile.models import DEFAULT_MODEL, model_spec, spec_of
+from gcompile.models.spec import ModelSpec
+from gcompile.tp_plan import plan_errors
 from gcompile.schedule import SCHEDULES, SPLIT_BACKWARD, ScheduleError, check_sizes
 
+
+ModelConfig = model_spec(DEFAULT_MODEL).config
+"""The `[model]` section: the config of the default model's spec (GPT-2's); its fields are the model flags."""
 
 TP_COMM_BACKENDS = ("auto", "shm", "gloo")
 """Values of parallel.tp_comm_backend (gcompile.mesh.tp_group_backend)."""
@@ -52,8 +56,9 @@ class ParallelConfig:
     hold whole sequences, compute alike and average their gradients; a user pass may give them work."""
     sequence_parallel: bool = False
     """Shard LayerNorm/residual regions along the sequence across the tp ranks."""
-    tp_plan: tuple[str, ...] = MEGATRON_PLAN
-    """Tensor-parallel plan: module-glob=placement (column, row, vocab, replicate), first match wins."""
+    tp_plan: tuple[str, ...] = ()
+    """Tensor-parallel plan: module-glob=placement (column, row, vocab, replicate), first match wins;
+    empty = the model's default plan (GPT-2: Megatron's)."""
     make_vocab_size_divisible_by: int = 128
     """A vocab-parallel embedding is padded to a multiple of this times tp (Megatron's flag)."""
     overlap_tp_comm: bool = True
@@ -169,7 +174,7 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class RunConfig:
-    model: GPTConfig = field(default_factory=GPTConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -181,6 +186,16 @@ class RunConfig:
         """Size per mesh axis (gcompile.axes)."""
         p = self.parallel
         return {"tp": p.tp, "cp": p.cp, "dp": p.dp, "pp": p.pp}
+
+    @property
+    def model_spec(self) -> ModelSpec:
+        """The spec of the `[model]` section's model, by its config's type."""
+        return spec_of(self.model)
+
+    @property
+    def tp_plan(self) -> tuple[str, ...]:
+        """The tensor-parallel plan in force: parallel.tp_plan, or the model's default when it is empty."""
+        return self.parallel.tp_plan or self.model_spec.tp_plan
 
     @property
     def world_size(self) -> int:
@@ -400,7 +415,7 @@ def validate(config: RunConfig) -> None:
     if p.pipeline_schedule not in SCHEDULES:
         errors.append(f"pipeline_schedule={p.pipeline_schedule!r} must be {', '.join(SCHEDULES[:-1])} "
                       f"or {SCHEDULES[-1]}")
-    errors += plan_errors(m, p.tp_plan, p.tp)
+    errors += plan_errors(config.model_spec, m, config.tp_plan, p.tp)
     if p.sequence_parallel and p.tp == 1:
         errors.append("sequence_parallel shards the sequence over the tp ranks and needs tp > 1 (tp=1)")
     if p.sequence_parallel and t.seq_length % p.tp:

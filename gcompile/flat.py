@@ -97,18 +97,13 @@ class FlatLayout:
         """Per-element optimizer flags for the whole buffer (uint8)."""
         flags = torch.full((self.numel,), NORM_NONE, dtype=torch.uint8)
         for param, shape, offset in zip(self.params, self.shapes, self.offsets):
-            value = (DECAY if decays(param) else 0)
+            value = DECAY if param.decays else 0
             if param.tied_copy:
                 value |= NORM_NONE
             elif tp > 1 and not param.sharded_over("tp"):
                 value |= NORM_REPLICATED
             flags[offset:offset + _numel(shape)] = value
         return flags
-
-
-def decays(param: Param) -> bool:
-    """Weight decay on matmul weights only: not on biases, LayerNorm, or the embeddings."""
-    return len(param.full_shape) == 2 and "wte" not in param.name and "wpe" not in param.name
 
 
 def flat_layout(stage_params: list[list[tuple[Param, tuple[int, ...]]]], dp: int, bucket_size: int) -> FlatLayout:

@@ -31,13 +31,15 @@ class Param:
     """One parameter placeholder of a stage graph."""
 
     name: str
-    """nanoGPT name of the full parameter: transformer.h.0.attn.c_attn.weight."""
+    """The model's name of the full parameter (its state-dict key, e.g. h.0.attn.c_attn.weight)."""
     full_shape: tuple[int, ...]
     """Shape on a single device."""
     shards: tuple[Shard, ...] = ()
     """Cuts, applied in order; empty = replicated."""
+    decays: bool = False
+    """AdamW decays it: the model spec's rule, applied at capture."""
     tied_copy: bool = False
-    """A second copy of a tied parameter (the last stage's wte): left out of the gradient
+    """A second copy of a tied parameter (e.g. GPT-2's embedding on the last stage): left out of the gradient
     norm so the norm counts it once."""
     tied_group: str | None = None
     """Process group whose ranks each hold a copy of this parameter and sum their gradients

@@ -5,22 +5,6 @@ import math
 import os
 import time
 
-from gcompile.model import GPTConfig
-
-
-def num_floating_point_operations(model: GPTConfig, batch_size: int, seq_length: int,
-                                  padded_vocab_size: int | None = None) -> float:
-    """Megatron-LM's FLOPs per training step (forward + backward), GPT without GQA or SwiGLU.
-
-    12 = 3 (forward, wgrad, dgrad) * 2 (two GEMMs per block part) * 2 (multiply-add).
-    """
-    h, layers, vocab = model.n_embd, model.n_layer, padded_vocab_size or model.vocab_size
-    return 12 * batch_size * seq_length * layers * h * h * (
-        (1 + 1 + seq_length / h)                # attention: QKV and projection, scores
-        + model.ffn_hidden_size / h             # MLP
-        + vocab / (2 * layers * h)              # logits
-    )
-
 
 class MetricsLog:
     """Everything one step or validation reports, to every sink at once (one rank calls it)."""

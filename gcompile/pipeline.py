@@ -12,6 +12,7 @@
 Every step can be dumped (`--dump-graphs DIR` -> DIR/rank{r}/NN_step.txt).
 """
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -101,7 +102,10 @@ def build_rank_program(config: RunConfig, coords: Coords, device: str = "cpu",
 
     key = (config.model, t.micro_batch_size, t.seq_length, device, config.param_dtype)
     if key not in cache.captured:
-        cache.captured[key] = capture(*key)
+        spec = config.model_spec
+        cache.captured[key] = capture(functools.partial(spec.module, config.model),
+                                      spec.example_batch(t.micro_batch_size, t.seq_length), spec.decays,
+                                      device, config.param_dtype)
     program = run_passes(cache.captured[key].clone(), forward_passes, ctx, log)
     key = (p.pipeline_schedule, p.pp, p.virtual_pipeline_size, config.num_microbatches)
     if key not in cache.schedules:

@@ -117,7 +117,7 @@ def format_stage(stage: Stage) -> str:
 
 
 def node_origin(node: fx.Node) -> str:
-    """`add_4 (aten.add.Tensor) at gcompile/model.py:89: x = x + ...`, what an error about a node says.
+    """`add_4 (aten.add.Tensor) at gcompile/models/gpt2.py:89: x = x + ...`, what an error about a node says.
 
     The source line is the innermost frame of node.meta["stack_trace"] outside torch itself.
     """

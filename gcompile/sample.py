@@ -1,18 +1,20 @@
-"""Sample text from the single-device GPT (nanoGPT's generate, with a seeded generator)."""
+"""Sample text from a single-device model (nanoGPT's generate, with a seeded generator)."""
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 from gcompile.data import EOD, decode, encode
-from gcompile.model import GPT
 
 
 @torch.no_grad()
-def sample(model: GPT, ids: torch.Tensor, max_new_tokens: int, temperature: float, top_k: int | None,
-           generator: torch.Generator) -> torch.Tensor:
-    """`ids` (B, T) continued by `max_new_tokens` sampled tokens -> (B, T + max_new_tokens)."""
+def sample(model: nn.Module, context_length: int, ids: torch.Tensor, max_new_tokens: int, temperature: float,
+           top_k: int | None, generator: torch.Generator) -> torch.Tensor:
+    """`ids` (B, T) continued by `max_new_tokens` sampled tokens -> (B, T + max_new_tokens).
+
+    `model(ids)` gives logits (B, T, V); it sees the last `context_length` tokens (ModelSpec.context_length)."""
     for _ in range(max_new_tokens):
-        context = ids[:, -model.config.block_size:]  # (B, <= block_size)
+        context = ids[:, -context_length:]  # (B, <= context_length)
         logits = model(context)[:, -1, :].float() / temperature  # (B, V)
         if top_k is not None:
             kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]  # (B, 1)
@@ -22,12 +24,12 @@ def sample(model: GPT, ids: torch.Tensor, max_new_tokens: int, temperature: floa
     return ids
 
 
-def generate_text(model: GPT, prompt: str, max_new_tokens: int, temperature: float, top_k: int | None,
-                  seed: int) -> str:
+def generate_text(model: nn.Module, context_length: int, prompt: str, max_new_tokens: int, temperature: float,
+                  top_k: int | None, seed: int) -> str:
     """The prompt and its continuation. An empty prompt starts a new document (EOD)."""
     ids = encode(prompt.encode())[:-1] if prompt else [EOD]  # encode ends the document; a prompt goes on
     device = next(model.parameters()).device
     start = torch.tensor([list(ids)], dtype=torch.long, device=device)  # (1, T)
     generator = torch.Generator(device=device).manual_seed(seed)
-    out = sample(model.eval(), start, max_new_tokens, temperature, top_k, generator)
+    out = sample(model.eval(), context_length, start, max_new_tokens, temperature, top_k, generator)
     return decode(out[0].tolist()[0 if prompt else 1:])

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from gcompile.layout import local_value
-from gcompile.model import GPTConfig, init_value
+from gcompile.models import spec_of
 from gcompile.rank_program import RankProgram
 
 
@@ -41,14 +41,15 @@ class TrainState:
     during the last microbatch's backward."""
 
     @classmethod
-    def initial(cls, program: RankProgram, model: GPTConfig, seed: int, device) -> "TrainState":
-        """Initial weights: each full parameter made from the seed, then cut to this rank's piece."""
+    def initial(cls, program: RankProgram, model, seed: int, device) -> "TrainState":
+        """Initial weights: each full parameter made from the seed by the model's spec (`model` is its
+        config), then cut to this rank's piece."""
         layout, coords, settings = program.layout, program.coords, program.step_settings
         params = torch.zeros(layout.numel, device=device, dtype=settings.param_dtype)
         views = layout.views(params)
         with torch.no_grad():
             for param in layout.params:
-                full = init_value(param.name, param.full_shape, model, seed)
+                full = spec_of(model).init_value(param.name, param.full_shape, model, seed)
                 views[param.name].copy_(local_value(full, param, coords.axis_ranks, coords.axis_sizes))
         flags = layout.flags(coords.size("tp")).to(device)
         main = None

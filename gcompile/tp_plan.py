@@ -1,8 +1,8 @@
 """The tensor-parallel sharding plan: which module is cut how, as data.
 
 A plan is a list of `pattern=placement` entries (`[parallel] tp_plan`, flag
-`--tp-plan`). A pattern is an `fnmatch` glob over module names
-(`transformer.h.*.mlp.c_fc`); the first entry that matches a module decides its
+`--tp-plan`; empty = the model spec's default plan). A pattern is an `fnmatch` glob
+over module names (`*.mlp.c_fc`); the first entry that matches a module decides its
 placement, and a module no entry matches is replicated:
 
     column     Linear: output features cut over tp (a fused QKV weight is cut per
@@ -13,7 +13,8 @@ placement, and a module no entry matches is replicated:
                linear whose loss is a vocab-parallel cross-entropy
     replicate  every tp rank holds the whole module (to carve out an exception)
 
-Here the plan is checked against the model's modules before any rank starts;
+Here the plan is checked against the model's modules (built on meta) before any
+rank starts, the sizes a cut needs by the model's own rule (`ModelSpec.tp_errors`);
 the tensor_parallel pass checks it against the captured graph.
 """
 
@@ -23,11 +24,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from gcompile.model import GPT, CausalSelfAttention, GPTConfig
+from gcompile.models.spec import ModelSpec
 
 PLACEMENTS = ("column", "row", "vocab", "replicate")
-MEGATRON_PLAN = ("transformer.h.*.attn.c_attn=column", "transformer.h.*.attn.c_proj=row",
-                 "transformer.h.*.mlp.c_fc=column", "transformer.h.*.mlp.c_proj=row", "transformer.wte=vocab")
 
 
 @dataclass(frozen=True)
@@ -53,20 +52,20 @@ def parse_plan(entries: tuple[str, ...]) -> Plan:
 
 
 def module_of(param_name: str) -> str:
-    """transformer.h.0.mlp.c_fc.weight -> transformer.h.0.mlp.c_fc."""
+    """h.0.mlp.c_fc.weight -> h.0.mlp.c_fc."""
     return param_name.rpartition(".")[0]
 
 
-def plan_errors(model: GPTConfig, entries: tuple[str, ...], tp: int) -> list[str]:
-    """Every reason this plan cannot shard this model over tp ranks."""
+def plan_errors(spec: ModelSpec, config, entries: tuple[str, ...], tp: int) -> list[str]:
+    """Every reason this plan cannot shard the model of `spec` and `config` over tp ranks."""
     try:
         plan = parse_plan(entries)
     except ValueError as e:
         return [str(e)]
     with torch.device("meta"):
-        gpt = GPT(model)
-    modules = dict(gpt.named_modules())
-    owners = list(dict.fromkeys(module_of(name) for name, _ in gpt.named_parameters()))  # tied head: wte
+        model = spec.module(config)
+    modules = dict(model.named_modules())
+    owners = list(dict.fromkeys(module_of(name) for name, _ in model.named_parameters()))  # a tied name once
     errors = [f"tp_plan entry '{pattern}={placement}' matches no module; modules with parameters: "
               f"{', '.join(owners[:6])}, ..." for pattern, placement in plan.entries
               if not any(fnmatch.fnmatchcase(name, pattern) for name in owners)]
@@ -77,20 +76,8 @@ def plan_errors(model: GPTConfig, entries: tuple[str, ...], tp: int) -> list[str
         elif placement == "vocab" and not isinstance(module, nn.Embedding):
             errors.append(f"tp_plan: {name} is {type(module).__name__}, but vocab applies to Embedding")
         elif placement in ("column", "row"):
-            errors += _divisibility_errors(model, name, placement, module, modules[name.rpartition(".")[0]], tp)
+            errors += spec.tp_errors(model, name, placement, tp)
     return list(dict.fromkeys(errors))
-
-
-def _divisibility_errors(model: GPTConfig, name: str, placement: str, linear: nn.Linear,
-                         parent: nn.Module, tp: int) -> list[str]:
-    if isinstance(parent, CausalSelfAttention):  # attention is cut by whole heads
-        return [f"n_head={model.n_head} is not divisible by tp={tp}"] if model.n_head % tp else []
-    size = linear.out_features if placement == "column" else linear.in_features
-    if size % tp == 0:
-        return []
-    what = {model.ffn_hidden_size: "ffn hidden size 4*n_embd", model.n_embd: "hidden size n_embd"}.get(
-        size, f"{name} {'out' if placement == 'column' else 'in'}_features")
-    return [f"{what}={size} is not divisible by tp={tp}"]
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:

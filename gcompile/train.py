@@ -20,7 +20,7 @@ from gcompile.compile import Compiler, compile_rank_program, dump_generated_code
 from gcompile.cuda_graphs import GraphedTrainStep
 from gcompile.config import ConfigError, RunConfig, TrainConfig
 from gcompile.data import GPTDataset, build_datasets
-from gcompile.log import MetricsLog, num_floating_point_operations
+from gcompile.log import MetricsLog
 from gcompile.axes import Coords
 from gcompile.mesh import group
 from gcompile.pass_manager import rank_dump_dir
@@ -94,7 +94,7 @@ def train(config: RunConfig, coords: Coords, device: str = "cpu", log=print) -> 
 
     metrics = MetricsLog(config.log.run_dir, config.log.tensorboard_dir, t.train_iters, coords.world_size) \
         if logging else None
-    flops = num_floating_point_operations(config.model, t.global_batch_size, t.seq_length)
+    flops = config.model_spec.flops(config.model, t.global_batch_size, t.seq_length)
     records, skipped, consumed = [], 0, progress.consumed_samples
     c = config.checkpoint
     for iteration in range(progress.iteration + 1, t.train_iters + 1):

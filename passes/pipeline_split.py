@@ -15,9 +15,9 @@ Ensures
   - a stage graph's placeholders are its own parameters (in the program's order), then its
     activations, then the batch inputs and rank constants it uses (so stage 0 takes "idx", the last
     stage "targets", and each stage a rank constant exactly when it reads it);
-  - a parameter read on two pipeline ranks (the tied wte: embedding on the first, head on the last)
-    is a copy on each, the later one `tied_copy`, both `tied_group="embd"` so the optimizer sums
-    their gradients; two stages on one rank share one parameter;
+  - a parameter read on two pipeline ranks (e.g. GPT-2's tied embedding: embedding on the first,
+    head on the last) is a copy on each, the later one `tied_copy`, both `tied_group="embd"` so
+    the optimizer sums their gradients; two stages on one rank share one parameter;
   - only the stages of ctx.coords.axis_rank("pp") are returned (stage s runs on rank s % pp), by index.
 Rewrite (pp 2, 2 blocks)
   before  stage 0: (wte, wpe, h.0.*, h.1.*, ln_f.*, idx, targets) -> (loss,)

@@ -74,7 +74,7 @@ class Cut:
 @register_pass(NAME)
 def tensor_parallel_pass(program: Program, ctx: PassContext) -> Program:
     program = program.clone()
-    plan = parse_plan(ctx.config.parallel.tp_plan)
+    plan = parse_plan(ctx.config.tp_plan)
     for stage in program.stages:
         _Sharder(stage, plan, ctx).run()
     return program

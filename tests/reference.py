@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from gcompile.config import RunConfig
-from gcompile.model import build_model
+from gcompile.models.gpt2 import GPT2
 
 DECAYED = ("c_attn.weight", "c_proj.weight", "c_fc.weight")
 
@@ -53,7 +53,7 @@ def reference_run(config: RunConfig, batches: list[torch.Tensor], lrs: list[floa
     """Eager training; with a low-precision `dtype`, Megatron's recipe: weights and activations in
     `dtype`, fp32 main weights updated by AdamW from fp32 copies of the gradients."""
     t = config.train
-    model = build_model(config.model, t.seed).train(config.model.dropout > 0).to(dtype)
+    model = GPT2.build(config.model, t.seed).train(config.model.dropout > 0).to(dtype)
     named = dict(model.named_parameters())
     main = {n: torch.nn.Parameter(p.detach().float().clone()) if dtype != torch.float32 else p
             for n, p in named.items()}

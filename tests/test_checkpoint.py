@@ -26,7 +26,7 @@ from gcompile.data import build_datasets
 from gcompile.flat import flat_layout
 from gcompile.layout import Param
 from gcompile.axes import Coords
-from gcompile.model import GPT, build_model
+from gcompile.models.gpt2 import GPT, GPT2
 from gcompile.pipeline import build_rank_program
 from gcompile.sample import sample
 from gcompile.state import TrainState
@@ -205,7 +205,7 @@ def test_export_gives_the_distributed_loss(runs, request, tmp_path):
 def test_generate_is_seeded_and_top_1_is_greedy(tmp_path, capsys):
     cfg = config()
     output = tmp_path / "model.pt"
-    model = build_model(cfg.model, seed=0)
+    model = GPT2.build(cfg.model, seed=0)
     torch.save(dict(model=model.state_dict(), model_args=dataclasses.asdict(cfg.model)), output)
     texts = []
     for seed in (1, 1, 2):
@@ -218,7 +218,7 @@ def test_generate_is_seeded_and_top_1_is_greedy(tmp_path, capsys):
     with torch.no_grad():
         for _ in range(5):
             greedy = torch.cat([greedy, model(greedy)[:, -1].argmax(-1, keepdim=True)], dim=1)
-    assert torch.equal(sample(model, ids, 5, 1.0, 1, torch.Generator()), greedy)
+    assert torch.equal(sample(model, cfg.model.block_size, ids, 5, 1.0, 1, torch.Generator()), greedy)
 
 
 def flip_tensor_bytes(folder) -> None:

@@ -26,7 +26,7 @@ from gcompile.compile import Compiler, compile_rank_program
 from gcompile.config import build_config
 from gcompile.layout import Param
 from gcompile.axes import Coords
-from gcompile.model import build_model
+from gcompile.models.gpt2 import GPT2
 from gcompile.pass_manager import PassContext, PassError, run_passes
 from gcompile.pipeline import build_rank_program
 from gcompile.program import Program, Stage
@@ -194,8 +194,13 @@ def run_gcompile_program(cfg, program):
 
 # --- the split, in one process ---------------------------------------------------------------------
 
+def capture_gpt(cfg, micro_batch_size: int, seq_length: int) -> Program:
+    return capture(functools.partial(GPT2.module, cfg.model), GPT2.example_batch(micro_batch_size, seq_length),
+                   GPT2.decays)
+
+
 def split(cfg, pp_rank: int) -> Program:
-    program = capture(cfg.model, cfg.train.micro_batch_size, cfg.train.seq_length)
+    program = capture_gpt(cfg, cfg.train.micro_batch_size, cfg.train.seq_length)
     return run_passes(program, ["pipeline_split"], PassContext(cfg, Coords.from_rank(pp_rank, {"pp": cfg.parallel.pp})),
                       log=lambda _: None)
 
@@ -219,7 +224,7 @@ def test_stage_boundaries(pp, vpp, layers, expected):
     n_layer = sum(len(v) for v in expected.values())
     cfg = config(pp=pp, vpp=vpp, layers=layers, n_layer=n_layer, m=4)
     last = pp * vpp - 1
-    order = [p.name for p in capture(cfg.model, 2, 32).stages[0].params]
+    order = [p.name for p in capture_gpt(cfg, 2, 32).stages[0].params]
     for rank in range(pp):
         program = split(cfg, rank)
         assert [s.index for s in program.stages] == [s for s in range(pp * vpp) if s % pp == rank]
@@ -258,7 +263,7 @@ def test_split_stages_compute_the_model():
     stages = sorted((s for r in range(2) for s in split(cfg, r).stages), key=lambda s: s.index)
     tokens = batches()[0][:2]
     idx, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-    chained, eager = build_model(cfg.model, cfg.train.seed), build_model(cfg.model, cfg.train.seed)
+    chained, eager = GPT2.build(cfg.model, cfg.train.seed), GPT2.build(cfg.model, cfg.train.seed)
     params = dict(chained.named_parameters())
     acts = []
     for stage in stages:
@@ -324,7 +329,7 @@ class Chain(nn.Module):
 
 
 def program_of(module: nn.Module, rank_constants: dict[str, int] | None = None) -> Program:
-    """Capture `module(idx, targets, *rank constants)` as capture() does GPT (no tied weights here)."""
+    """Capture `module(idx, targets, *rank constants)` as capture() does a model (no tied weights here)."""
     idx = torch.zeros(2, 4, dtype=torch.long)
     constants = [torch.tensor(v) for v in (rank_constants or {}).values()]
     exported = torch.export.export(module, (idx, idx.clone(), *constants))  # distinct, or export merges them

@@ -189,7 +189,7 @@ def test_shards_follow_megatron():
 def test_plan_mismatch_names_the_node():
     config = small_config(tp=2, tp_plan=("transformer.h.*.mlp.c_fc=column",))
     with pytest.raises(Exception, match=r"node linear_3 \(aten.linear.default\) is a linear over a tensor cut by "
-                                        r"transformer.h.0.mlp.c_fc.*model.py:\d+: return self.dropout"):
+                                        r"transformer.h.0.mlp.c_fc.*gpt2.py:\d+: return self.dropout"):
         build_rank_program(config, Coords.from_rank(0, {"tp": 2}), log=lambda _: None)
 
 

@@ -1,4 +1,4 @@
-"""The single-device GPT: the only model definition in gcompile.
+"""GPT-2 as nanoGPT writes it, and its ModelSpec: what the compiler needs to know about it.
 
 It is what torch.export captures, and it is the eager reference that every
 parallel layout is tested against. Nothing in it knows about ranks: tensor,
@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from gcompile.models.spec import Input, ModelSpec
 
 
 @dataclass(frozen=True)
@@ -131,20 +133,62 @@ def init_value(name: str, shape, config: GPTConfig, seed: int) -> torch.Tensor:
     return torch.randn(shape, generator=generator) * std
 
 
-def parameter_shapes(config: GPTConfig) -> dict[str, torch.Size]:
-    """Full parameter shapes by nanoGPT name, without allocating (the tied head is `transformer.wte.weight`)."""
-    with torch.device("meta"):
-        model = GPT(config)
-    return {name: p.shape for name, p in model.named_parameters()}
+def module(config: GPTConfig) -> GPT:
+    """Eval mode unless dropout is on, so that a capture without dropout holds no dropout op."""
+    return GPT(config).train(config.dropout > 0)
 
 
-def build_model(config: GPTConfig, seed: int, device="cpu", dtype=torch.float32) -> GPT:
-    """The eager single-device model on its initial weights."""
-    with torch.device("meta"):
-        model = GPT(config)
-    model.to_empty(device=device)
-    model.transformer.wte.weight = model.lm_head.weight  # to_empty unties
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(init_value(name, p.shape, config, seed))
-    return model.to(dtype)
+def example_batch(micro_batch_size: int, seq_length: int) -> tuple[Input, ...]:
+    return (Input("idx", (micro_batch_size, seq_length), torch.long),
+            Input("targets", (micro_batch_size, seq_length), torch.long))
+
+
+MEGATRON_PLAN = ("transformer.h.*.attn.c_attn=column", "transformer.h.*.attn.c_proj=row",
+                 "transformer.h.*.mlp.c_fc=column", "transformer.h.*.mlp.c_proj=row", "transformer.wte=vocab")
+"""Megatron-LM's layout: attention and MLP as column-then-row pairs, the (tied) embedding by vocabulary."""
+
+
+def tp_errors(model: GPT, name: str, placement: str, tp: int) -> list[str]:
+    """Attention is cut by whole heads; any other Linear by its cut features, named as in the config."""
+    config, linear = model.config, model.get_submodule(name)
+    if isinstance(model.get_submodule(name.rpartition(".")[0]), CausalSelfAttention):
+        return [f"n_head={config.n_head} is not divisible by tp={tp}"] if config.n_head % tp else []
+    size = linear.out_features if placement == "column" else linear.in_features
+    if size % tp == 0:
+        return []
+    what = {config.ffn_hidden_size: "ffn hidden size 4*n_embd", config.n_embd: "hidden size n_embd"}.get(
+        size, f"{name} {'out' if placement == 'column' else 'in'}_features")
+    return [f"{what}={size} is not divisible by tp={tp}"]
+
+
+def decays(name: str, full_shape: tuple[int, ...]) -> bool:
+    """Weight decay on matmul weights only: not on biases, LayerNorm, or the embeddings."""
+    return len(full_shape) == 2 and not name.startswith(("transformer.wte.", "transformer.wpe."))
+
+
+def num_floating_point_operations(config: GPTConfig, batch_size: int, seq_length: int) -> float:
+    """Megatron-LM's FLOPs per training step (forward + backward), GPT without GQA or SwiGLU.
+
+    12 = 3 (forward, wgrad, dgrad) * 2 (two GEMMs per block part) * 2 (multiply-add).
+    """
+    h, layers, vocab = config.n_embd, config.n_layer, config.vocab_size
+    return 12 * batch_size * seq_length * layers * h * h * (
+        (1 + 1 + seq_length / h)                # attention: QKV and projection, scores
+        + config.ffn_hidden_size / h            # MLP
+        + vocab / (2 * layers * h)              # logits
+    )
+
+
+GPT2 = ModelSpec(
+    name="gpt2",
+    config=GPTConfig,
+    module=module,
+    init_value=init_value,
+    tied=(("transformer.wte.weight", "lm_head.weight"),),
+    example_batch=example_batch,
+    tp_plan=MEGATRON_PLAN,
+    tp_errors=tp_errors,
+    decays=decays,
+    context_length=lambda config: config.block_size,
+    flops=num_floating_point_operations,
+)
