@@ -166,7 +166,8 @@ def _check_takes(fn: PassFn, name: str, expected: type, where: str) -> None:
 
 def _check_returns(result, name: str, expected: type) -> None:
     if not isinstance(result, expected):
-        raise PassError(f"pass {name!r} returned {type(result).__name__}, not the {expected.__name__} it was given: "
+        got = "a GraphModule" if isinstance(result, fx.GraphModule) else type(result).__name__
+        raise PassError(f"pass {name!r} returned {got}, not the {expected.__name__} it was given: "
                         f"a pass returns the program, changed (e.g. dataclasses.replace(program, stages=...))")
 
 

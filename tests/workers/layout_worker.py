@@ -56,7 +56,7 @@ def run_case(config, batches, lrs, rank: int, inject_inf: dict) -> dict:
                                     (state.main, state.exp_avg, state.exp_avg_sq) if b is not None),
                 params=program.layout.params,
                 values=params, peak_saved=dict(runtime.peak_saved), rank_peak_saved=runtime.rank_peak_saved,
-                compile_stats=compiler.stats, tp_backend=group("tp").name())
+                compile_stats=compiler.stats, tp_backend=group("tp").name() if p.tp > 1 else None)
 
 
 def main(job_path: str, store_path: str) -> None:
