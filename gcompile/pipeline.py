@@ -24,10 +24,11 @@ from gcompile.compile import graph_key
 from gcompile.lower import LoweredStage, lower_stage
 from gcompile.mesh import Coords
 from gcompile.flat import flat_layout
-from gcompile.optimizer import AdamWSettings, LocalGrads, LossScaling, StepSettings, tied_reductions
+from gcompile.lower_rank import lower_rank
+from gcompile.optimizer import tied_reductions
 from gcompile.pass_manager import PassContext, clear_rank_dump, rank_dump_dir, run_passes, run_rank_passes
 from gcompile.program import Stage, dump_text
-from gcompile.rank_program import RankProgram
+from gcompile.rank_program import AdamWSettings, LossScaling, RankProgram, StepSettings
 from gcompile.schedule import build_schedule, simulate
 
 
@@ -113,11 +114,10 @@ def build_rank_program(config: RunConfig, coords: Coords, device: str = "cpu",
     adamw = AdamWSettings(t.adam_beta1, t.adam_beta2, t.adam_eps, t.weight_decay, t.clip_grad)
     scaling = LossScaling(t.initial_loss_scale, t.min_loss_scale, t.loss_scale_window, t.hysteresis) \
         if t.fp16 else None
-    settings = StepSettings(adamw=adamw, tp=coords.tp, norm_group=None, loss_scaling=scaling,
-                            reductions=tied_reductions(layout),
-                            separate_main=config.param_dtype != torch.float32, param_dtype=config.param_dtype)
-    rank_program = RankProgram(coords=coords, stages=stages, layout=layout, step_settings=settings,
-                               grad_sync=None, optimizer=None, schedule=schedule).with_grad_sync(LocalGrads())
+    settings = StepSettings(adamw=adamw, tp=coords.tp, loss_scaling=scaling, reductions=tied_reductions(layout),
+                            separate_main=config.param_dtype != torch.float32 or p.use_distributed_optimizer,
+                            param_dtype=config.param_dtype)
+    rank_program = lower_rank(coords, stages, layout, schedule, settings)
     number = len(program.history)
     if dump_dir:
         for s, stage in stages.items():
