@@ -175,8 +175,8 @@ def estimate_memory(program: RankProgram) -> MemoryEstimate:
     """Peak bytes of what a rank holds at once; saved activations at the schedule's in-flight bound, and
     under zero-bubble schedules what W reads for the microbatches whose W waits (rank r holds back r)."""
     layout, settings = program.layout, program.step_settings
-    state_numel = layout.shard_numel if program.grad_sync.sharded else layout.numel
-    optimizer = state_numel * (4 * (2 + settings.separate_main) + 1)  # AdamW states, main weights, flags
+    optimizer = sum(v.numel() * v.element_size() for name, v in program.optimizer.values().items()
+                    if name not in ("params", "grads"))  # main weights, AdamW states, flags, as the step reads them
     per_stage = {s: _saved_bytes(stage) for s, stage in program.stages.items()}
     stacked = sum(b * in_flight_bound(program.schedule, s) for s, b in per_stage.items())
     bound = rank_in_flight_bound(program.schedule, program.coords.axis_rank("pp"))

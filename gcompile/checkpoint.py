@@ -123,7 +123,7 @@ def save(root: str, progress: Progress, config: RunConfig, program: RankProgram,
         meta = dict(iteration=progress.iteration, consumed_samples=progress.consumed_samples,
                     step=state.step.item(),
                     scaler={n: getattr(state, n).item() for n in SCALER} if state.loss_scale is not None else None,
-                    layout=dict(coords.axis_sizes, distributed_optimizer=program.grad_sync.sharded,
+                    layout=dict(coords.axis_sizes, distributed_optimizer=program.optimizer_shard is not None,
                                 param_dtype=str(program.step_settings.param_dtype).removeprefix("torch."),
                                 main=state.main is not None),
                     model=config.model_spec.name, config=dataclasses.asdict(config), params=params, keys=keys)
@@ -137,10 +137,10 @@ def save(root: str, progress: Progress, config: RunConfig, program: RankProgram,
 
 def _rank_tensors(program: RankProgram, state: TrainState) -> dict[str, torch.Tensor]:
     """What this rank writes, by key (views of its buffers)."""
-    layout, coords, sharded = program.layout, program.coords, program.grad_sync.sharded
+    layout, coords, sharded = program.layout, program.coords, program.shard_rank is not None
     views = layout.views(state.params)
     buffers = {name: getattr(state, name) for name in STATES if getattr(state, name) is not None}
-    spans = layout.spans(coords.axis_rank("dp") if sharded else None)
+    spans = layout.spans(program.shard_rank)
     tensors = {}
     for param in layout.params:
         if param.tied_copy:
@@ -335,7 +335,7 @@ def load(folder: str, config: RunConfig, program: RankProgram, state: TrainState
     checkpoint.check_model(config.model)
     layout = program.layout
     views = layout.views(state.params)
-    spans = layout.spans(coords.axis_rank("dp") if program.grad_sync.sharded else None)
+    spans = layout.spans(program.shard_rank)
     with torch.no_grad():
         for param in layout.params:  # one full parameter in memory at a time
             weights = checkpoint.local(checkpoint.master, param, coords)

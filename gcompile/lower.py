@@ -26,7 +26,7 @@ they read.
 """
 
 import contextlib
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 import torch.fx as fx
@@ -34,62 +34,8 @@ from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from gcompile.backward_split import split_backward
-from gcompile.layout import Param
-from gcompile.program import Stage, activation_roles, drop_dead_nodes, format_graph
-
-
-@dataclass
-class LoweredStage:
-    index: int
-    forward: fx.GraphModule
-    backward: fx.GraphModule
-    params: list[Param]
-    inputs: list[str]
-    outputs: list[str]
-    num_saved: int
-    """Tensors forward saves for backward, per microbatch."""
-    rank_constants: dict[str, int]
-    backward_last: fx.GraphModule | None = None
-    """The backward of the stage's last microbatch when it also starts dp reductions of finished buckets:
-    backward_last(*saved, *output_grads, *last_inputs) -> (*param_grads, *input_grads, *last_outputs)."""
-    last_inputs: tuple[tuple[str, int, int], ...] = ()
-    """(TrainState buffer, start, end) slices fed to backward_last after the output gradients."""
-    last_outputs: tuple[tuple[str, int, int], ...] = ()
-    """(TrainState buffer, start, end) slices that backward_last's extra outputs are copied into."""
-    backward_weight: fx.GraphModule | None = None
-    """Zero-bubble schedules: W, the parameter gradients `backward` (then B) leaves (gcompile/backward_split.py):
-    backward(*saved, *output_grads) -> (*param_grads, *input_grads, *stash);
-    backward_weight(*[backward's inputs at weight_inputs], *stash) -> (*param_grads)."""
-    weight_inputs: tuple[int, ...] = ()
-    """Indices into backward's inputs that backward_weight reads (saved activations, output gradients)."""
-    num_stash: int = 0
-    """Tensors backward returns last, for backward_weight."""
-
-    def activation_inputs(self) -> list[str]:
-        return activation_roles(self.inputs, self.rank_constants)
-
-    def graphs(self) -> dict[str, fx.GraphModule]:
-        """The graphs this stage holds, by the names instructions use (gcompile.instructions.STAGE_GRAPHS)."""
-        found = {"forward": self.forward, "backward": self.backward, "backward_last": self.backward_last,
-                 "backward_weight": self.backward_weight}
-        return {name: gm for name, gm in found.items() if gm is not None}
-
-    def __str__(self) -> str:
-        split = self.backward_weight is not None
-        text = (f"# stage {self.index} forward: (*params[{len(self.params)}], *{self.inputs}) -> "
-                f"(*{self.outputs}, *saved[{self.num_saved}])\n{format_graph(self.forward)}\n"
-                f"# stage {self.index} backward{' B' if split else ''}: (*saved[{self.num_saved}], "
-                f"*grad{self.outputs}) -> (*param_grads, *input_grads{f', *stash[{self.num_stash}]' if split else ''})"
-                f"\n{format_graph(self.backward)}")
-        if split:
-            text += (f"\n# stage {self.index} backward W: (*backward B's inputs {list(self.weight_inputs)}, "
-                     f"*stash[{self.num_stash}]) -> (*param_grads)\n{format_graph(self.backward_weight)}")
-        if self.backward_last is not None:
-            text += (f"\n# stage {self.index} backward of the last microbatch, starting dp reductions: "
-                     f"(*saved, *grad{self.outputs}, *{[f'{b}[{a}:{e}]' for b, a, e in self.last_inputs]}) -> "
-                     f"(*param_grads, *input_grads, *{[f'{b}[{a}:{e}]' for b, a, e in self.last_outputs]})\n"
-                     f"{format_graph(self.backward_last)}")
-        return text
+from gcompile.program import Stage, drop_dead_nodes
+from gcompile.rank_program import LoweredStage
 
 
 def lower_stage(stage: Stage, recompute: bool = False, split: bool = False) -> LoweredStage:

@@ -1,70 +1,50 @@
-"""The optimizer step as one graph: gradient reduction, global norm, clipping, AdamW, weight sync.
+"""The optimizer step of one rank as one graph, as if it were alone in its dp group (dp = 1).
 
     step(*inputs) -> (grad_norm, found_inf)     inputs named by OptimizerGraph.inputs
 
 The graph reads the flat fp32 gradient accumulator (and zeroes it for the next
-step), sums tied-weight copies across stages, hands the gradient to a GradSync
-(how data parallelism reduces it: nothing, bucketed all-reduce, or bucketed
-reduce-scatter onto this rank's shard), computes the norm over every parameter
-once, clips, runs AdamW on the fp32 main weights, and writes the result back
-into the model's weights (through the GradSync: a copy, or an all-gather of the
-shards). With fp16 loss scaling it first unscales; a non-finite gradient on
-any rank makes every rank skip the step (found_inf = 1) and adjusts the scale,
-all on device. Everything is elementwise over flat buffers, steered by per-element
-flags (gcompile.flat), so it compiles to a few kernels whatever the model.
+step), sums tied-weight copies across stages, computes the norm over every
+parameter once, clips, runs AdamW on the fp32 main weights, and (with separate
+main weights) writes the result back into the model's weights. With fp16 loss
+scaling it first unscales; a non-finite gradient on any rank makes every rank
+skip the step (found_inf = 1) and adjusts the scale, all on device. Everything
+is elementwise over flat buffers, steered by per-element flags (gcompile.flat),
+so it compiles to a few kernels whatever the model.
+
+Data parallelism is not here: dp strategies are rank passes that rewrite this
+graph (passes/data_parallel.py, passes/sharded_optimizer.py). The places they
+act on carry a mark, node.meta["custom"][MARK], so that they find them by name:
+
+    GRAD        aten.alias of the gradient, complete on this rank (tied copies summed), read by
+                the unscaling, the norm and the update: where a dp reduction goes
+    NORM_SQ     this rank's sum of squared gradients, before any cross-rank sum
+    FOUND_INF   fp16: this rank's overflow flag, before any cross-rank max
+    WRITE_BACK  params.copy_(main), with separate main weights: where the weights go back to the model
 """
 
 import functools
 import math
-from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 import torch.fx as fx
+import torch.fx.traceback as fx_traceback
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from gcompile import collectives
 from gcompile.flat import DECAY, NORM_NONE, NORM_REPLICATED, FlatLayout
+from gcompile.rank_program import GradReduction, LossScaling, OptimizerGraph, StepSettings
+
+MARK = "optimizer"
+GRAD, NORM_SQ, FOUND_INF, WRITE_BACK = "grad", "norm_sq", "found_inf", "write_back"
 
 
-@dataclass(frozen=True)
-class GradReduction:
-    """Sum the gradient buffer's [start, end) over a process group before the norm and the update
-    (e.g. the two copies of a tied embedding on the first and last pipeline stage)."""
-
-    group: str
-    start: int
-    end: int
-
-
-class GradSync(Protocol):
-    """How a dp strategy moves gradients to the optimizer and weights back to the model."""
-
-    sharded: bool
-    """The optimizer updates only this rank's shard (its main weights and states are shard-sized)."""
-    extra_inputs: tuple[str, ...]
-    """TrainState buffers `reduce` also reads (e.g. gradients already reduced during backward)."""
-
-    def reduce(self, grad: torch.Tensor, layout: FlatLayout, *extra: torch.Tensor) -> torch.Tensor:
-        """The full flat gradient of this rank -> the dp-averaged gradient it updates (full or shard)."""
-
-    def gather(self, main: torch.Tensor, layout: FlatLayout) -> torch.Tensor:
-        """Updated main weights (full or shard) -> the full flat weights."""
-
-
-@dataclass(frozen=True)
-class LocalGrads:
-    """dp = 1: the gradient is already complete."""
-
-    sharded = False
-    extra_inputs = ()
-
-    def reduce(self, grad, layout):
-        return grad
-
-    def gather(self, main, layout):
-        return main
+def marked(gm: fx.GraphModule, mark: str) -> fx.Node | None:
+    """The node carrying `mark`, or None where the graph has no such place (e.g. no loss scaling)."""
+    nodes = [n for n in gm.graph.nodes if n.meta.get("custom", {}).get(MARK) == mark]
+    if len(nodes) > 1:
+        raise ValueError(f"optimizer graph: {len(nodes)} nodes marked {mark!r} ({', '.join(n.name for n in nodes)})")
+    return nodes[0] if nodes else None
 
 
 def tied_reductions(layout: FlatLayout) -> tuple[GradReduction, ...]:
@@ -75,56 +55,14 @@ def tied_reductions(layout: FlatLayout) -> tuple[GradReduction, ...]:
     return tuple(r for _, r in tied)
 
 
-@dataclass(frozen=True)
-class AdamWSettings:
-    beta1: float
-    beta2: float
-    eps: float
-    weight_decay: float
-    clip_grad: float
-    """0 = no clipping."""
-
-
-@dataclass(frozen=True)
-class LossScaling:
-    """fp16 dynamic loss scaling in Megatron's meaning (DynamicGradScaler)."""
-
-    initial: float
-    min_scale: float
-    window: int
-    """Steps without overflow after which the scale doubles."""
-    hysteresis: int
-    """Overflows tolerated (since the last growth) before the scale halves."""
-
-
-@dataclass(frozen=True)
-class StepSettings:
-    adamw: AdamWSettings
-    tp: int
-    norm_group: str | None
-    """The group whose ranks together hold every gradient once (tp x pp, plus dp when sharded); None alone."""
-    reductions: tuple[GradReduction, ...] = ()
-    separate_main: bool = False
-    """fp32 main weights apart from the model's weights (low precision or sharded); else updated in place."""
-    param_dtype: torch.dtype = torch.float32
-    loss_scaling: LossScaling | None = None
-
-
-@dataclass
-class OptimizerGraph:
-    graph: fx.GraphModule
-    inputs: tuple[str, ...]
-    """TrainState field per graph input, in order."""
-
-
 @functools.lru_cache(maxsize=32)
-def build_optimizer_graph(layout: FlatLayout, settings: StepSettings, grad_sync: GradSync) -> OptimizerGraph:
-    """Traced once per distinct (layout, settings, grad_sync): the ranks of a world share it."""
-    s, tp, norm_group, separate_main = settings.adamw, settings.tp, settings.norm_group, settings.separate_main
-    scaling = settings.loss_scaling
+def build_optimizer_graph(layout: FlatLayout, settings: StepSettings, norm_group: str | None) -> OptimizerGraph:
+    """Traced once per distinct (layout, settings, norm_group): the ranks of a world share it.
+    `norm_group`: the group whose ranks together hold every gradient once; None alone."""
+    s, tp, separate_main, scaling = settings.adamw, settings.tp, settings.separate_main, settings.loss_scaling
     inputs = ("params", "grads") + (("main",) if separate_main else ()) + (
         "exp_avg", "exp_avg_sq", "flags", "lr", "step") + (
-        ("loss_scale", "growth_tracker", "hysteresis_left") if scaling else ()) + grad_sync.extra_inputs
+        ("loss_scale", "growth_tracker", "hysteresis_left") if scaling else ())
 
     def step_fn(*args):
         x = dict(zip(inputs, args))
@@ -132,18 +70,23 @@ def build_optimizer_graph(layout: FlatLayout, settings: StepSettings, grad_sync:
         x["grads"].zero_()  # ready for the next step's accumulation
         for r in settings.reductions:
             grad[r.start:r.end].copy_(collectives.all_reduce(grad[r.start:r.end], r.group))
-        grad = grad_sync.reduce(grad, layout, *(x[name] for name in grad_sync.extra_inputs))
+        with fx_traceback.annotate({MARK: GRAD}):
+            grad = torch.ops.aten.alias.default(grad)
         found_inf = torch.zeros(())
         if scaling:
             grad = grad / x["loss_scale"]
-            found_inf = (~torch.isfinite(grad)).any().float()
+            not_finite = (~torch.isfinite(grad)).any()
+            with fx_traceback.annotate({MARK: FOUND_INF}):
+                found_inf = not_finite.float()
             if norm_group is not None:
                 found_inf = collectives.all_reduce(found_inf, norm_group, op="max")  # every rank skips together
             grad = torch.where(found_inf > 0, 0.0, grad)
             _update_loss_scale(x, found_inf, scaling)
         flags = x["flags"]
         weight = torch.where((flags & NORM_NONE) != 0, 0.0, torch.where((flags & NORM_REPLICATED) != 0, 1.0 / tp, 1.0))
-        norm_sq = (grad * grad * weight).sum()
+        weighted = grad * grad * weight
+        with fx_traceback.annotate({MARK: NORM_SQ}):
+            norm_sq = weighted.sum()
         if norm_group is not None:
             norm_sq = collectives.all_reduce(norm_sq, norm_group)
         grad_norm = norm_sq.sqrt()
@@ -162,26 +105,26 @@ def build_optimizer_graph(layout: FlatLayout, settings: StepSettings, grad_sync:
         update = x["exp_avg"] / denom * (lr / bias_correction1)
         main.sub_(torch.where(found_inf > 0, 0.0, update) if scaling else update)
         if separate_main:
-            x["params"].copy_(grad_sync.gather(main, layout))
+            with fx_traceback.annotate({MARK: WRITE_BACK}):
+                x["params"].copy_(main)
         return grad_norm, found_inf
 
-    state_numel = layout.shard_numel if grad_sync.sharded else layout.numel
     with FakeTensorMode():
         example = {
             "params": torch.empty(layout.numel, dtype=settings.param_dtype),
             "grads": torch.empty(layout.numel),
-            "main": torch.empty(state_numel),
-            "exp_avg": torch.empty(state_numel),
-            "exp_avg_sq": torch.empty(state_numel),
-            "flags": torch.empty(state_numel, dtype=torch.uint8),
+            "main": torch.empty(layout.numel),
+            "exp_avg": torch.empty(layout.numel),
+            "exp_avg_sq": torch.empty(layout.numel),
+            "flags": torch.empty(layout.numel, dtype=torch.uint8),
             "lr": torch.empty(()),
             "step": torch.empty(()),
             "loss_scale": torch.empty(()),
             "growth_tracker": torch.empty(()),
             "hysteresis_left": torch.empty(()),
-            "reduced_grads": torch.empty(state_numel),
         }
-        graph = make_fx(step_fn, tracing_mode="fake")(*(example[n] for n in inputs))
+        with fx_traceback.preserve_node_meta():  # keeps the marks
+            graph = make_fx(step_fn, tracing_mode="fake")(*(example[n] for n in inputs))
     return OptimizerGraph(graph=graph, inputs=inputs)
 
 

@@ -25,12 +25,12 @@ from gcompile.compile import graph_key
 from gcompile.lower import LoweredStage, lower_stage
 from gcompile.axes import Coords
 from gcompile.flat import flat_layout
-from gcompile.instructions import lower_instructions
-from gcompile.optimizer import AdamWSettings, LocalGrads, LossScaling, StepSettings, tied_reductions
+from gcompile.lower_rank import lower_rank
+from gcompile.optimizer import tied_reductions
 import passes  # noqa: F401  registers the built-in passes
 from gcompile.pass_manager import PassContext, PassError, clear_rank_dump, rank_dump_dir, run_passes, run_rank_passes
 from gcompile.program import Stage, dump_text
-from gcompile.rank_program import RankProgram
+from gcompile.rank_program import AdamWSettings, LossScaling, RankProgram, StepSettings
 from gcompile.schedule import build_schedule, simulate
 
 
@@ -127,14 +127,10 @@ def build_rank_program(config: RunConfig, coords: Coords, device: str = "cpu",
     adamw = AdamWSettings(t.adam_beta1, t.adam_beta2, t.adam_eps, t.weight_decay, t.clip_grad)
     scaling = LossScaling(t.initial_loss_scale, t.min_loss_scale, t.loss_scale_window, t.hysteresis) \
         if t.fp16 else None
-    settings = StepSettings(adamw=adamw, tp=coords.size("tp"), norm_group=None, loss_scaling=scaling,
-                            reductions=tied_reductions(layout),
-                            separate_main=config.param_dtype != torch.float32, param_dtype=config.param_dtype)
-    split = frozenset(s for s, stage in stages.items() if stage.backward_weight is not None)
-    rank_program = RankProgram(coords=coords, stages=stages, layout=layout, step_settings=settings,
-                               grad_sync=None, optimizer=None, schedule=schedule,
-                               instructions=lower_instructions(schedule, coords, split),
-                               history=(*program.history, "lower")).with_grad_sync(LocalGrads())
+    settings = StepSettings(adamw=adamw, tp=coords.size("tp"), loss_scaling=scaling, reductions=tied_reductions(layout),
+                            separate_main=config.param_dtype != torch.float32 or p.use_distributed_optimizer,
+                            param_dtype=config.param_dtype)
+    rank_program = lower_rank(coords, stages, layout, schedule, settings, history=(*program.history, "lower"))
     number = len(program.history)
     if dump_dir:
         for s, stage in stages.items():

@@ -1,16 +1,130 @@
-"""What one rank runs: its lowered stages, its optimizer graph, and its instruction list."""
+"""What one rank runs, as data: its lowered stages, its optimizer step graph, and its instruction list.
 
-from dataclasses import dataclass, replace
+Lowering steps build it (gcompile.lower per stage, gcompile.lower_rank for the
+rank); rank passes rewrite it into a new one. Nothing here builds a graph.
+"""
 
+from dataclasses import dataclass
+
+import torch
 import torch.fx as fx
 
 from gcompile.flat import FlatLayout
-from gcompile.instructions import OPTIMIZER, Instruction, format_instructions
-from gcompile.lower import LoweredStage
 from gcompile.axes import Coords
-from gcompile.optimizer import GradSync, OptimizerGraph, StepSettings, build_optimizer_graph
-from gcompile.program import format_graph
+from gcompile.instructions import OPTIMIZER, Instruction, format_instructions
+from gcompile.layout import Param
+from gcompile.program import activation_roles, format_graph
 from gcompile.schedule import Schedule
+
+
+@dataclass(frozen=True)
+class GradReduction:
+    """Sum the gradient buffer's [start, end) over a process group before the norm and the update
+    (e.g. the two copies of a tied embedding on the first and last pipeline stage)."""
+
+    group: str
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class AdamWSettings:
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    clip_grad: float
+    """0 = no clipping."""
+
+
+@dataclass(frozen=True)
+class LossScaling:
+    """fp16 dynamic loss scaling in Megatron's meaning (DynamicGradScaler)."""
+
+    initial: float
+    min_scale: float
+    window: int
+    """Steps without overflow after which the scale doubles."""
+    hysteresis: int
+    """Overflows tolerated (since the last growth) before the scale halves."""
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    adamw: AdamWSettings
+    tp: int
+    reductions: tuple[GradReduction, ...] = ()
+    separate_main: bool = False
+    """fp32 main weights apart from the model's weights (low precision, or for a pass to shard them);
+    else updated in place."""
+    param_dtype: torch.dtype = torch.float32
+    loss_scaling: LossScaling | None = None
+
+
+@dataclass
+class LoweredStage:
+    index: int
+    forward: fx.GraphModule
+    backward: fx.GraphModule
+    params: list[Param]
+    inputs: list[str]
+    outputs: list[str]
+    num_saved: int
+    """Tensors forward saves for backward, per microbatch."""
+    rank_constants: dict[str, int]
+    backward_last: fx.GraphModule | None = None
+    """The backward of the stage's last microbatch when it also starts dp reductions of finished buckets:
+    backward_last(*saved, *output_grads, *last_inputs) -> (*param_grads, *input_grads, *last_outputs)."""
+    last_inputs: tuple[tuple[str, int, int], ...] = ()
+    """(TrainState buffer, start, end) slices fed to backward_last after the output gradients."""
+    last_outputs: tuple[tuple[str, int, int], ...] = ()
+    """(TrainState buffer, start, end) slices that backward_last's extra outputs are copied into."""
+    backward_weight: fx.GraphModule | None = None
+    """Zero-bubble schedules: W, the parameter gradients `backward` (then B) leaves (gcompile/backward_split.py):
+    backward(*saved, *output_grads) -> (*param_grads, *input_grads, *stash);
+    backward_weight(*[backward's inputs at weight_inputs], *stash) -> (*param_grads)."""
+    weight_inputs: tuple[int, ...] = ()
+    """Indices into backward's inputs that backward_weight reads (saved activations, output gradients)."""
+    num_stash: int = 0
+    """Tensors backward returns last, for backward_weight."""
+
+    def activation_inputs(self) -> list[str]:
+        return activation_roles(self.inputs, self.rank_constants)
+
+    def graphs(self) -> dict[str, fx.GraphModule]:
+        """The graphs this stage holds, by the names instructions use (gcompile.instructions.STAGE_GRAPHS)."""
+        found = {"forward": self.forward, "backward": self.backward, "backward_last": self.backward_last,
+                 "backward_weight": self.backward_weight}
+        return {name: gm for name, gm in found.items() if gm is not None}
+
+    def __str__(self) -> str:
+        split = self.backward_weight is not None
+        text = (f"# stage {self.index} forward: (*params[{len(self.params)}], *{self.inputs}) -> "
+                f"(*{self.outputs}, *saved[{self.num_saved}])\n{format_graph(self.forward)}\n"
+                f"# stage {self.index} backward{' B' if split else ''}: (*saved[{self.num_saved}], "
+                f"*grad{self.outputs}) -> (*param_grads, *input_grads{f', *stash[{self.num_stash}]' if split else ''})"
+                f"\n{format_graph(self.backward)}")
+        if split:
+            text += (f"\n# stage {self.index} backward W: (*backward B's inputs {list(self.weight_inputs)}, "
+                     f"*stash[{self.num_stash}]) -> (*param_grads)\n{format_graph(self.backward_weight)}")
+        if self.backward_last is not None:
+            text += (f"\n# stage {self.index} backward of the last microbatch, starting dp reductions: "
+                     f"(*saved, *grad{self.outputs}, *{[f'{b}[{a}:{e}]' for b, a, e in self.last_inputs]}) -> "
+                     f"(*param_grads, *input_grads, *{[f'{b}[{a}:{e}]' for b, a, e in self.last_outputs]})\n"
+                     f"{format_graph(self.backward_last)}")
+        return text
+
+
+@dataclass(frozen=True)
+class OptimizerGraph:
+    graph: fx.GraphModule
+    inputs: tuple[str, ...]
+    """TrainState field per graph input, in order."""
+
+    def values(self) -> dict[str, torch.Tensor]:
+        """The fake value of each input by TrainState field: what a state buffer must look like."""
+        return {name: node.meta["val"] for name, node in
+                zip(self.inputs, self.graph.graph.find_nodes(op="placeholder"), strict=True)}
 
 
 @dataclass(frozen=True)
@@ -21,14 +135,15 @@ class RankProgram:
     layout: FlatLayout
     """This rank's parameters in its flat buffers."""
     step_settings: StepSettings
-    grad_sync: GradSync
-    """How data parallelism reduces gradients and syncs weights (set by the dp passes)."""
     optimizer: OptimizerGraph
     schedule: Schedule
     instructions: tuple[Instruction, ...]
     """What the rank runs per iteration, in order, the optimizer step last (gcompile.instructions)."""
     history: tuple[str, ...] = ()
     """The passes and lowering steps that made this program, in order."""
+    optimizer_shard: str | None = None
+    """The group whose ranks each hold 1/n of the optimizer state (main weights, AdamW states, flags),
+    rank i the i-th 1/n of every bucket (gcompile.flat); None: every rank holds all of it."""
 
     def graph(self, instruction: Instruction) -> fx.GraphModule:
         """The graph an instruction runs."""
@@ -36,17 +151,11 @@ class RankProgram:
             return self.optimizer.graph
         return self.stages[instruction.stage].graphs()[instruction.graph]
 
-    def with_grad_sync(self, grad_sync: GradSync) -> "RankProgram":
-        """The same program with another dp strategy, its optimizer graph rebuilt to match."""
-        c = self.coords
-        if grad_sync.sharded:
-            norm_group = "world" if c.world_size > 1 else None
-        else:
-            norm_group = "mp" if c.size("tp") * c.size("pp") > 1 else None
-        settings = replace(self.step_settings, norm_group=norm_group,
-                           separate_main=self.step_settings.separate_main or grad_sync.sharded)
-        return replace(self, step_settings=settings, grad_sync=grad_sync,
-                       optimizer=build_optimizer_graph(self.layout, settings, grad_sync))
+    @property
+    def shard_rank(self) -> int | None:
+        """Which 1/n of the optimizer state this rank holds (the flat layout cuts buckets per dp rank);
+        None when it holds all of it."""
+        return None if self.optimizer_shard is None else self.coords.axis_rank("dp")
 
     def format_instructions(self) -> str:
         return format_instructions(self.instructions, f"rank {self.coords.rank} {self.coords}, schedule "

@@ -43,39 +43,46 @@ class TrainState:
     @classmethod
     def initial(cls, program: RankProgram, model, seed: int, device) -> "TrainState":
         """Initial weights: each full parameter made from the seed by the model's spec (`model` is its
-        config), then cut to this rank's piece."""
+        config), then cut to this rank's piece.
+        Every buffer the optimizer step reads is shaped as its input there (a pass may have sharded it)."""
         layout, coords, settings = program.layout, program.coords, program.step_settings
+        wanted = program.optimizer.values()
         params = torch.zeros(layout.numel, device=device, dtype=settings.param_dtype)
         views = layout.views(params)
         with torch.no_grad():
             for param in layout.params:
                 full = spec_of(model).init_value(param.name, param.full_shape, model, seed)
                 views[param.name].copy_(local_value(full, param, coords.axis_ranks, coords.axis_sizes))
-        flags = layout.flags(coords.size("tp")).to(device)
-        main = None
-        if program.grad_sync.sharded:
-            flags = layout.shard_of(flags, coords.axis_rank("dp"))
-            main = layout.shard_of(params, coords.axis_rank("dp")).float()
-        elif settings.separate_main:
-            main = params.float()
-        numel = flags.numel()
+        flags, main = layout.flags(coords.size("tp")).to(device), params.float()
+        if program.shard_rank is not None:
+            flags, main = layout.shard_of(flags, program.shard_rank), layout.shard_of(main, program.shard_rank)
         scaling = settings.loss_scaling
+
+        def zeros(name: str) -> torch.Tensor:
+            return torch.zeros(wanted[name].shape, dtype=wanted[name].dtype, device=device)
+
         scalars = {} if scaling is None else dict(
             loss_scale=torch.tensor(scaling.initial, device=device),
             growth_tracker=torch.tensor(0.0, device=device),
             hysteresis_left=torch.tensor(float(scaling.hysteresis), device=device))
-        return cls(
+        state = cls(
             params=params,
             grads=torch.zeros(layout.numel, device=device, dtype=torch.float32),
-            main=main,
-            exp_avg=torch.zeros(numel, device=device, dtype=torch.float32),
-            exp_avg_sq=torch.zeros(numel, device=device, dtype=torch.float32),
+            main=main if "main" in wanted else None,
+            exp_avg=zeros("exp_avg"),
+            exp_avg_sq=zeros("exp_avg_sq"),
             flags=flags,
             step=torch.zeros((), device=device, dtype=torch.float32),
             lr=torch.zeros((), device=device, dtype=torch.float32),
-            reduced_grads=torch.zeros(numel, device=device) if "reduced_grads" in program.optimizer.inputs else None,
+            reduced_grads=zeros("reduced_grads") if "reduced_grads" in wanted else None,
             **scalars,
         )
+        for name, value in wanted.items():
+            mine = getattr(state, name)
+            if (mine.shape, mine.dtype) != (value.shape, value.dtype):
+                raise ValueError(f"optimizer input {name!r} is {tuple(value.shape)} {value.dtype} but the state "
+                                 f"holds {tuple(mine.shape)} {mine.dtype}")
+        return state
 
     def optimizer_args(self, names: tuple[str, ...]) -> list[torch.Tensor]:
         return [getattr(self, name) for name in names]

@@ -29,9 +29,8 @@ import torch
 import torch.fx as fx
 
 from gcompile.flat import Bucket
-from gcompile.lower import LoweredStage
 from gcompile.program import propagate_shapes
-from gcompile.rank_program import RankProgram
+from gcompile.rank_program import LoweredStage, RankProgram
 from gcompile.schedule import Kind
 
 aten = torch.ops.aten
@@ -95,8 +94,8 @@ def _with_reductions(stage: LoweredStage, program: RankProgram, bucket_ids: list
             pieces, cursor = [], b.start
             for p, shape, o in members:
                 if o > cursor:
-                    pieces.append(_slice(graph, acc, cursor - b.start, o - b.start))
-                piece = _slice(graph, acc, o - b.start, o - b.start + math.prod(shape))
+                    pieces.append(slice_of(graph, acc, cursor - b.start, o - b.start))
+                piece = slice_of(graph, acc, o - b.start, o - b.start + math.prod(shape))
                 if p.name in grad_of:
                     flat = graph.call_function(aten.reshape.default, (grad_of[p.name], [-1]))
                     flat = graph.call_function(aten._to_copy.default, (flat,), {"dtype": torch.float32})
@@ -104,7 +103,7 @@ def _with_reductions(stage: LoweredStage, program: RankProgram, bucket_ids: list
                 pieces.append(piece)
                 cursor = o + math.prod(shape)
             if cursor < b.end:
-                pieces.append(_slice(graph, acc, cursor - b.start, b.numel))
+                pieces.append(slice_of(graph, acc, cursor - b.start, b.numel))
             total = graph.call_function(aten.cat.default, (pieces,))
             started = start(graph, total, i)
         with graph.inserting_before(output):
@@ -119,5 +118,5 @@ def _with_reductions(stage: LoweredStage, program: RankProgram, bucket_ids: list
                    last_outputs=tuple(destination(i, layout.buckets[i]) for i in bucket_ids))
 
 
-def _slice(graph: fx.Graph, x: fx.Node, start: int, end: int) -> fx.Node:
+def slice_of(graph: fx.Graph, x: fx.Node, start: int, end: int) -> fx.Node:
     return graph.call_function(aten.slice.Tensor, (x, 0, start, end))

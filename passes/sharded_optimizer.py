@@ -1,58 +1,102 @@
 """The distributed optimizer (Megatron's ZeRO-1): each dp rank updates 1/dp of the weights.
 
-Requires: a lowered RankProgram whose flat layout is bucketed with every bucket
-          a multiple of dp (gcompile.flat guarantees it).
-Ensures:  dp rank i owns the i-th 1/dp of every bucket; its fp32 main weights and
-          AdamW states hold only those pieces (1/dp of the unsharded memory); the
-          gradient norm is summed over the whole world (each piece counted once).
-          With `--overlap-grad-reduce` a bucket's reduce-scatter starts inside the last
-          microbatch's backward (passes/bucket_overlap.py) and lands in `reduced_grads`.
+Requires: a lowered RankProgram whose flat layout is bucketed with every bucket a
+          multiple of dp (gcompile.flat guarantees it), and whose optimizer step is the
+          dp = 1 step with fp32 main weights apart from the model's (marks GRAD, NORM_SQ,
+          WRITE_BACK; gcompile.optimizer).
+Ensures:  dp rank i owns the i-th 1/dp of every bucket; the step's main weights, AdamW
+          states and flags are those pieces end to end (1/dp of the unsharded memory;
+          program.optimizer_shard = "dp"); the gradient norm (and the fp16 overflow flag)
+          is reduced over the whole world (each piece counted once). With
+          `--overlap-grad-reduce` a bucket's reduce-scatter starts inside the last
+          microbatch's backward (passes/bucket_overlap.py) and lands in `reduced_grads`,
+          a new input of the step.
 
 Rewrite (optimizer graph):
-    before: grad = accumulated gradient;  AdamW(main, grad);  params = main
-    after:  shard = cat(reduce_scatter(grad[bucket]) ...) / dp
-            AdamW(main_shard, shard)
-            params = cat(all_gather(main_shard[piece]) ...)     # back to every rank, in bucket order
+    before: main, exp_avg, exp_avg_sq, flags: (numel,)
+            grad = alias(accumulated gradient)                           # marked GRAD
+            norm_sq = all_reduce(sum(grad^2 ...), "mp")  (or no all_reduce)
+            AdamW(main, grad);  params.copy_(main)                       # marked WRITE_BACK
+    after:  main, exp_avg, exp_avg_sq, flags: (numel / dp,)
+            started_b = reduce_scatter(grad[bucket b], "sum", dp, "dp")  # every b, in order
+            shard = cat(wait(started_b) / dp ...)                        # overlapped b: reduced_grads[piece b]
+            norm_sq = all_reduce(sum(shard^2 ...), "world")
+            AdamW(main, shard)
+            params.copy_(cat(wait(all_gather(main[piece b], dp, "dp")) ...))   # back to every rank, in bucket order
 """
 
-from dataclasses import dataclass
+from dataclasses import replace
 
 import torch
 import torch.fx as fx
 
-from gcompile import collectives
 from gcompile.flat import FlatLayout
+from gcompile.optimizer import FOUND_INF, NORM_SQ, WRITE_BACK, marked
 from gcompile.pass_manager import PassContext, register_pass
-from gcompile.rank_program import RankProgram
-from passes.bucket_overlap import overlap_buckets, overlappable_buckets
+from gcompile.rank_program import OptimizerGraph, RankProgram
+from passes.bucket_overlap import overlap_buckets, overlappable_buckets, slice_of
+from passes.optimizer_rewrite import editable, finished, reduce_gradient, reduce_over, required
 
+NAME = "sharded_optimizer"
+SHARDED_STATE = ("main", "exp_avg", "exp_avg_sq", "flags")
 _ops = torch.ops._c10d_functional
 
 
-@dataclass(frozen=True)
-class BucketReduceScatter:
-    group: str
-    dp: int
-    overlapped: frozenset[int] = frozenset()
-    """Buckets whose averaged shard piece was written to `reduced_grads` during backward."""
-    sharded = True
+@register_pass(NAME)
+def sharded_optimizer_pass(program: RankProgram, ctx: PassContext) -> RankProgram:
+    dp, layout = ctx.coords.size("dp"), program.layout
+    if not program.step_settings.separate_main:
+        raise ValueError("sharded_optimizer needs fp32 main weights apart from the model's "
+                         "(StepSettings.separate_main, set by --use-distributed-optimizer)")
+    offsets = _piece_offsets(layout)
 
-    @property
-    def extra_inputs(self) -> tuple[str, ...]:
-        return ("reduced_grads",) if self.overlapped else ()
+    def start(graph: fx.Graph, total: fx.Node, bucket: int) -> fx.Node:
+        return graph.call_function(_ops.reduce_scatter_tensor.default, (total, "sum", dp, "dp"))
 
-    def reduce(self, grad: torch.Tensor, layout: FlatLayout, *reduced: torch.Tensor) -> torch.Tensor:
-        offsets = _piece_offsets(layout)
-        started = [reduced[0][offsets[i]:offsets[i + 1]] if i in self.overlapped else
-                   collectives.start_reduce_scatter(grad[b.start:b.end], self.group, self.dp)
-                   for i, b in enumerate(layout.buckets)]
-        return torch.cat([t if i in self.overlapped else collectives.wait(t) / self.dp
-                          for i, t in enumerate(started)])
+    def finish(graph: fx.Graph, reduced: fx.Node) -> fx.Node:
+        return graph.call_function(torch.ops.aten.div.Tensor, (reduced, dp))
 
-    def gather(self, main: torch.Tensor, layout: FlatLayout) -> torch.Tensor:
-        pieces = main.split([b.numel // self.dp for b in layout.buckets])
-        started = [collectives.start_all_gather(piece, self.group, self.dp) for piece in pieces]
-        return torch.cat([collectives.wait(t) for t in started])
+    overlapped = frozenset()
+    if ctx.config.parallel.overlap_grad_reduce:
+        overlapped = overlappable_buckets(program)
+        program = overlap_buckets(program, overlapped, start, finish,
+                                  lambda i, b: ("reduced_grads", offsets[i], offsets[i + 1]))
+    gm = editable(program)
+    inputs = program.optimizer.inputs
+    placeholders = dict(zip(inputs, gm.graph.find_nodes(op="placeholder"), strict=True))
+    for name in SHARDED_STATE:
+        placeholders[name].meta["val"] = _shard_sized(placeholders[name].meta["val"], layout)
+    reduced_grads = None
+    if overlapped:
+        with gm.graph.inserting_after(placeholders[inputs[-1]]):
+            reduced_grads = gm.graph.placeholder("reduced_grads")
+        reduced_grads.meta.update(val=_shard_sized(placeholders["exp_avg"].meta["val"], layout), **{"pass": NAME})
+        inputs += ("reduced_grads",)
+    reduce_gradient(gm, layout, start, finish, overlapped,
+                    ready=lambda graph, grad, i: slice_of(graph, reduced_grads, offsets[i], offsets[i + 1]))
+    if ctx.coords.world_size > 1:
+        for mark, op in ((NORM_SQ, "sum"), (FOUND_INF, "max")):
+            if (node := marked(gm, mark)) is not None:
+                reduce_over(gm, node, op, "world", NAME)
+    _gather_write_back(gm, required(gm, WRITE_BACK), offsets, dp)
+    return replace(program, optimizer=OptimizerGraph(finished(gm, NAME), inputs), optimizer_shard="dp")
+
+
+def _gather_write_back(gm: fx.GraphModule, write_back: fx.Node, offsets: list[int], dp: int) -> None:
+    """params.copy_(main) -> params.copy_(every rank's pieces of main, gathered bucket by bucket)."""
+    graph, main = gm.graph, write_back.args[1]
+    with graph.inserting_before(write_back):
+        started = [graph.call_function(_ops.all_gather_into_tensor.default,
+                                       (slice_of(graph, main, offsets[i], offsets[i + 1]), dp, "dp"))
+                   for i in range(len(offsets) - 1)]
+        gathered = graph.call_function(torch.ops.aten.cat.default,
+                                       ([graph.call_function(_ops.wait_tensor.default, (s,)) for s in started],))
+    write_back.update_arg(1, gathered)
+
+
+def _shard_sized(val: torch.Tensor, layout: FlatLayout) -> torch.Tensor:
+    with val.fake_mode:
+        return torch.empty(layout.shard_numel, dtype=val.dtype, device=val.device)
 
 
 def _piece_offsets(layout: FlatLayout) -> list[int]:
@@ -61,22 +105,3 @@ def _piece_offsets(layout: FlatLayout) -> list[int]:
     for b in layout.buckets:
         offsets.append(offsets[-1] + b.numel // layout.dp)
     return offsets
-
-
-@register_pass("sharded_optimizer")
-def sharded_optimizer_pass(program: RankProgram, ctx: PassContext) -> RankProgram:
-    dp = ctx.coords.size("dp")
-    if not ctx.config.parallel.overlap_grad_reduce:
-        return program.with_grad_sync(BucketReduceScatter("dp", dp))
-    buckets = overlappable_buckets(program)
-    offsets = _piece_offsets(program.layout)
-
-    def start(graph: fx.Graph, total: fx.Node, bucket: int) -> fx.Node:
-        return graph.call_function(_ops.reduce_scatter_tensor.default, (total, "sum", dp, "dp"))
-
-    def finish(graph: fx.Graph, reduced: fx.Node) -> fx.Node:
-        return graph.call_function(torch.ops.aten.div.Tensor, (reduced, dp))
-
-    program = overlap_buckets(program, buckets, start, finish,
-                              lambda i, b: ("reduced_grads", offsets[i], offsets[i + 1]))
-    return program.with_grad_sync(BucketReduceScatter("dp", dp, buckets))

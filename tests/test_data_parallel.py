@@ -8,10 +8,14 @@ see BF16_* below for the tolerances and why.
 import pytest
 import torch
 
+from gcompile.collectives import collective_nodes
 from gcompile.config import build_config
 from gcompile.axes import Coords
+from gcompile.optimizer import GRAD, build_optimizer_graph, marked
 from gcompile.pipeline import build_rank_program
+from gcompile.program import diff_counts, op_counts
 from gcompile.state import TrainState
+from gcompile.world import build_world
 from tests.multirank import run_layouts
 from tests.reference import ADAM_EPS, random_batches, reference_run, rel_err, without_key_bias
 
@@ -129,6 +133,32 @@ def test_overlapped_reduction_starts_inside_backward(sharded):
     assert any(starts[0] < m < min(waits) for m in matmuls), "the first bucket's reduction overlaps no backward work"
     assert not any(kind in str(n.target) for n in stage.backward.graph.nodes), "earlier microbatches reduce nothing"
     assert not any(kind in str(n.target) for n in program.optimizer.graph.graph.nodes)
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["data_parallel", "sharded_optimizer"])
+def test_dp_strategies_are_rewrites_of_the_optimizer_graph(sharded):
+    config = small_config(dp=2, use_distributed_optimizer=sharded, ddp_bucket_size=8000)
+    programs = build_world(config, log=lambda _: None)
+    program = programs[1]
+    layout, buckets = program.layout, len(program.layout.buckets)
+    assert buckets >= 3
+    lowered = build_optimizer_graph(layout, program.step_settings, None)  # the dp=1 step the ranks share
+    assert marked(lowered.graph, GRAD) is not None, "a pass edited the shared lowered graph"
+    name = "sharded_optimizer" if sharded else "data_parallel"
+    expected = {("reduce_scatter_tensor", "dp"): buckets, ("all_gather_into_tensor", "dp"): buckets,
+                ("all_reduce", "world"): 1} if sharded else {("all_reduce", "dp"): buckets}
+    for p in programs.values():
+        calls = [(op, args["group_name"]) for node, op, args in collective_nodes(p.optimizer.graph)
+                 if node.meta.get("pass") == name]
+        assert {call: calls.count(call) for call in calls} == expected
+    diff = diff_counts(op_counts(lowered.graph), op_counts(program.optimizer.graph))
+    kind = "reduce_scatter_tensor" if sharded else "all_reduce"
+    assert f"_c10d_functional.{kind}: 0 -> {buckets} (+{buckets})" in diff, diff
+    values = program.optimizer.values()
+    state_numel = layout.shard_numel if sharded else layout.numel
+    assert program.optimizer_shard == ("dp" if sharded else None)
+    assert [values[n].numel() for n in ("exp_avg", "exp_avg_sq", "flags")] == [state_numel] * 3
+    assert values["grads"].numel() == values["params"].numel() == layout.numel
 
 
 def optimizer_bytes(config, dp_rank: int) -> int:
