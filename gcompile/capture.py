@@ -15,12 +15,12 @@ from collections.abc import Callable
 
 import torch
 import torch.nn as nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.export.graph_signature import InputKind
 
 from gcompile.layout import Param
 from gcompile.models.spec import Input
 from gcompile.program import Program, Stage, refresh_meta
+from gcompile.torch_api import FakeTensorMode
 
 
 def capture(build: Callable[[], nn.Module], batch: tuple[Input, ...], decays: Callable[[str, tuple[int, ...]], bool],

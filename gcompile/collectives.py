@@ -8,6 +8,8 @@ a torch upgrade that moves them touches this file only.
 
 import torch
 
+from gcompile.torch_api import is_op_overload
+
 _ops = torch.ops._c10d_functional
 
 
@@ -55,7 +57,7 @@ def collective_nodes(gm) -> list[tuple["torch.fx.Node", str, dict]]:
     found = []
     for node in gm.graph.nodes:
         target = node.target
-        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or \
+        if node.op != "call_function" or not is_op_overload(target) or \
                 target.namespace != "_c10d_functional" or target._opname == "wait_tensor":
             continue
         found.append((node, target._opname, dict(zip((a.name for a in target._schema.arguments), node.args))))

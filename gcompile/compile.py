@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
-from torch._dynamo.utils import counters
 
 from gcompile.comm_summary import graph_runs
 from gcompile.program import dump_text
 from gcompile.rank_program import RankProgram
 from gcompile.runtime import StageFunctions
+from gcompile.torch_api import inductor_cache_counts, standalone_compile
 
 
 @dataclass
@@ -49,14 +49,14 @@ class Compiler:
             return gm
         key = graph_key(gm)
         if key not in self.compiled:
-            hits, misses = counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
+            hits, misses = inductor_cache_counts()
             start = time.perf_counter()
             example = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")]
-            self.compiled[key] = torch._inductor.standalone_compile(
-                gm, example, dynamic_shapes="from_example_inputs", options={})
+            self.compiled[key] = standalone_compile(gm, example)
             self.stats.seconds += time.perf_counter() - start
-            self.stats.cache_hits += counters["inductor"]["fxgraph_cache_hit"] - hits
-            self.stats.cache_misses += counters["inductor"]["fxgraph_cache_miss"] - misses
+            hits_after, misses_after = inductor_cache_counts()
+            self.stats.cache_hits += hits_after - hits
+            self.stats.cache_misses += misses_after - misses
             self.stats.distinct += 1
         return self.compiled[key]
 

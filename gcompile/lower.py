@@ -30,10 +30,9 @@ from dataclasses import replace
 
 import torch
 import torch.fx as fx
-from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
-from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from gcompile.backward_split import split_backward
+from gcompile.torch_api import activation_memory_budget, aot_export_joint_with_descriptors, min_cut_rematerialization_partition
 from gcompile.program import Stage, drop_dead_nodes
 from gcompile.rank_program import LoweredStage
 
@@ -50,7 +49,7 @@ def lower_stage(stage: Stage, recompute: bool = False, split: bool = False) -> L
         joint = aot_export_joint_with_descriptors(stack, stage.graph, tuple(args)).graph_module
     _check_joint_convention(joint, len(args), len(stage.outputs), stage.index)
 
-    with torch._functorch.config.patch(activation_memory_budget=0.0 if recompute else 1.0):
+    with activation_memory_budget(0.0 if recompute else 1.0):
         forward, backward = min_cut_rematerialization_partition(joint, None, num_fwd_outputs=len(stage.outputs))
     num_saved = _drop_dead_code(forward, backward, len(stage.outputs))
     for gm in (forward, backward):

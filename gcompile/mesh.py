@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from gcompile import shm_group
 from gcompile.axes import GROUP_ROLES, Coords, all_groups, group_members
+from gcompile.torch_api import fake_store, register_process_group, resolve_process_group, unregister_process_group
 
 
 class MeshError(ValueError):
@@ -40,8 +41,8 @@ def init_groups(coords: Coords, tp_comm_backend: str | None = None, device: str 
 def register_group(name: str, group: dist.ProcessGroup) -> None:
     """Make `name` in a graph's collectives mean `group` on this rank."""
     if name in _registered:
-        torch._C._distributed_c10d._unregister_process_group(name)
-    torch._C._distributed_c10d._register_process_group(name, group)
+        unregister_process_group(name)
+    register_process_group(name, group)
     _registered.add(name)
 
 
@@ -77,13 +78,11 @@ def tp_group_backend(requested: str, coords: Coords, device: str) -> str | None:
 
 def group(name: str) -> dist.ProcessGroup:
     """This rank's group registered under `name` by init_groups."""
-    return torch._C._distributed_c10d._resolve_process_group(name)
+    return resolve_process_group(name)
 
 
 def init_fake_world(coords: Coords) -> None:
     """A process group that runs nothing, of the world's shape, with the named groups registered:
     enough for Inductor to compile graphs that name groups (it asks their sizes), in one process."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=coords.rank, world_size=coords.world_size)
+    dist.init_process_group("fake", store=fake_store(), rank=coords.rank, world_size=coords.world_size)
     init_groups(coords)

@@ -28,12 +28,12 @@ import math
 import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from gcompile import collectives
 from gcompile.flat import DECAY, NORM_NONE, NORM_REPLICATED, FlatLayout
 from gcompile.rank_program import GradReduction, LossScaling, OptimizerGraph, StepSettings
+from gcompile.torch_api import FakeTensorMode
 
 MARK = "optimizer"
 GRAD, NORM_SQ, FOUND_INF, WRITE_BACK = "grad", "norm_sq", "found_inf", "write_back"

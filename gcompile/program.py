@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from gcompile.layout import Param
+from gcompile.torch_api import FakeTensorMode, is_op_overload
 
 
 @dataclass
@@ -147,7 +147,7 @@ def op_counts(gm: fx.GraphModule) -> Counter:
 
 
 def _op_name(target) -> str:
-    if isinstance(target, torch._ops.OpOverload):
+    if is_op_overload(target):
         return f"{target.namespace}.{target._opname}"
     return getattr(target, "__name__", str(target))
 

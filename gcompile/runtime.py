@@ -30,6 +30,7 @@ from gcompile.rank_program import RankProgram
 from gcompile.instructions import OPT_STEP, OPTIMIZER, Instruction
 from gcompile.schedule import Kind, in_flight_bound, rank_in_flight_bound
 from gcompile.state import TrainState
+from gcompile.torch_api import foreach_add_
 
 
 @dataclass
@@ -199,7 +200,7 @@ class Runtime:
         """Add a stage's parameter gradients (None where this graph computes none) to the flat grad buffer."""
         pairs = [(acc, g) for acc, g in zip(self.grad_views[stage], param_grads) if g is not None]
         if pairs:
-            torch._foreach_add_([acc for acc, _ in pairs], [g for _, g in pairs])
+            foreach_add_([acc for acc, _ in pairs], [g for _, g in pairs])
 
     def _take(self, store: dict, key) -> list[torch.Tensor]:
         """A stage's inputs: produced locally, or received (waited for now)."""

@@ -1,5 +1,6 @@
 """Small graph-editing steps the parallel passes share: new calls, rank inputs, local shapes, errors."""
 
+import inspect
 import os
 import re
 from collections.abc import Callable
@@ -28,7 +29,7 @@ def source_line(node: fx.Node) -> str:
     return f"{file}:{line}: {code.strip()}"
 
 
-_TORCH_DIR = os.path.dirname(torch.__file__)
+_TORCH_DIR = os.path.dirname(inspect.getfile(torch))
 
 
 def insert_call(anchor: fx.Node, fn: Callable, args: tuple, pass_name: str, before: bool = False) -> fx.Node:

@@ -27,6 +27,7 @@ import torch.fx as fx
 from gcompile.collectives import collective_nodes
 from gcompile.pass_manager import PassContext, register_pass
 from gcompile.rank_program import RankProgram
+from gcompile.torch_api import is_op_overload
 
 NAME = "tp_comm_overlap"
 WAIT = torch.ops._c10d_functional.wait_tensor.default
@@ -88,7 +89,7 @@ def _wait_late(wait: fx.Node) -> None:
 
 
 def _is_comm(node: fx.Node) -> bool:
-    return isinstance(node.target, torch._ops.OpOverload) and node.target.namespace == "_c10d_functional"
+    return is_op_overload(node.target) and node.target.namespace == "_c10d_functional"
 
 
 def _order(graph: fx.Graph) -> dict[fx.Node, int]:

@@ -1,0 +1,62 @@
+"""Every private torch API gcompile uses, in one place, so that a torch upgrade touches one file.
+
+Each entry says which torch versions it was checked on: 2.13 (CPU, this repo's CI) and
+2.11 (the GPU machine's torch) where the code that uses it ran there. Public torch
+(`torch.export`, `torch.fx`, `torch.distributed`) is imported where it is used.
+"""
+
+import torch
+from torch._dynamo.utils import counters  # 2.13
+from torch._functorch.aot_autograd import aot_export_joint_with_descriptors  # 2.13
+from torch._functorch.partitioners import min_cut_rematerialization_partition  # 2.13
+from torch._subclasses.fake_tensor import FakeTensorMode  # 2.11, 2.13
+
+__all__ = ["FakeTensorMode", "aot_export_joint_with_descriptors", "min_cut_rematerialization_partition",
+           "activation_memory_budget", "inductor_cache_counts", "standalone_compile", "is_op_overload",
+           "register_process_group", "unregister_process_group", "resolve_process_group", "fake_store",
+           "foreach_add_"]
+
+
+def activation_memory_budget(budget: float):
+    """The min-cut partitioner's activation memory budget, as a context manager (2.13)."""
+    return torch._functorch.config.patch(activation_memory_budget=budget)
+
+
+def inductor_cache_counts() -> tuple[int, int]:
+    """(FX graph cache hits, misses) of Inductor in this process so far (2.13)."""
+    return counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
+
+
+def standalone_compile(gm, example_inputs):
+    """Inductor on one FX graph, with its on-disk cache (2.13; 2.11 lacks donate_graph_module= / fake_mode=)."""
+    return torch._inductor.standalone_compile(gm, example_inputs, dynamic_shapes="from_example_inputs", options={})
+
+
+def is_op_overload(target) -> bool:
+    """Whether an FX node's target is an ATen-style op overload (`torch.ops.ns.op.overload`) (2.13)."""
+    return isinstance(target, torch._ops.OpOverload)
+
+
+def register_process_group(name: str, group) -> None:
+    """Make `name` in a functional collective mean `group` on this rank (2.13; group_name a str on 2.11)."""
+    torch._C._distributed_c10d._register_process_group(name, group)
+
+
+def unregister_process_group(name: str) -> None:
+    torch._C._distributed_c10d._unregister_process_group(name)  # 2.13
+
+
+def resolve_process_group(name: str):
+    return torch._C._distributed_c10d._resolve_process_group(name)  # 2.13
+
+
+def fake_store():
+    """The store of the `fake` process group, which runs nothing (2.13)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()
+
+
+def foreach_add_(accumulators: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+    """accumulators[i] += values[i], one kernel launch per group of tensors (2.13)."""
+    torch._foreach_add_(accumulators, values)
