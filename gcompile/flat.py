@@ -9,10 +9,11 @@ sharded optimizer, dp rank i owns the i-th 1/dp of every bucket, and its
 optimizer shard is those pieces end to end.
 
 Per element, `flags` says how the optimizer treats it (bit 0: weight decay;
-bits 1-2: how its squared gradient counts in the global norm), so the update
+bits 1-7: over how many ranks its squared gradient is summed into the global norm), so the update
 is elementwise with no knowledge of parameter boundaries.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -23,10 +24,11 @@ ALIGN = 16
 """Elements; every parameter and shard piece starts aligned (Inductor assumes aligned inputs)."""
 
 DECAY = 1
-NORM_REPLICATED = 2
-"""Counted with weight 1/tp: every tp rank holds the same copy."""
-NORM_NONE = 4
-"""Not counted: a tied copy whose twin is counted elsewhere, or padding."""
+"""Bit 0: weight decay applies."""
+COPIES_SHIFT = 1
+"""Bits 1-7: on how many ranks of the gradient norm's group the element sits (it counts 1/copies there);
+0: not counted (a tied copy whose twin is counted elsewhere, or padding)."""
+MAX_COPIES = 127
 
 
 @dataclass(frozen=True)
@@ -93,16 +95,15 @@ class FlatLayout:
                                  for piece, at in pieces if max(offset, piece.start) < min(end, piece.end)]
         return spans
 
-    def flags(self, tp: int) -> torch.Tensor:
-        """Per-element optimizer flags for the whole buffer (uint8)."""
-        flags = torch.full((self.numel,), NORM_NONE, dtype=torch.uint8)
+    def flags(self, copies: Callable[[Param], int]) -> torch.Tensor:
+        """Per-element optimizer flags for the whole buffer (uint8); `copies(param)`: on how many ranks of
+        the norm's group each element of the parameter sits (gcompile.layout.replicas)."""
+        flags = torch.zeros((self.numel,), dtype=torch.uint8)
         for param, shape, offset in zip(self.params, self.shapes, self.offsets):
-            value = DECAY if param.decays else 0
-            if param.tied_copy:
-                value |= NORM_NONE
-            elif tp > 1 and not param.sharded_over("tp"):
-                value |= NORM_REPLICATED
-            flags[offset:offset + _numel(shape)] = value
+            n = 0 if param.tied_copy else copies(param)
+            if n > MAX_COPIES:
+                raise ValueError(f"{param.name} sits on {n} ranks of the norm's group; at most {MAX_COPIES} fit")
+            flags[offset:offset + _numel(shape)] = (DECAY if param.decays else 0) | n << COPIES_SHIFT
         return flags
 
 

@@ -6,6 +6,7 @@ checkpoints and tests put pieces back together with `full_value`. Nothing else
 in the code needs to know how a Megatron layer is split.
 """
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
@@ -68,6 +69,12 @@ def local_value(full: torch.Tensor, param: Param, coords: Mapping[str, int],
         blocks = value.unflatten(s.dim, (s.blocks, -1))  # (..., blocks, size/blocks, ...)
         value = blocks.chunk(n, dim=s.dim + 1)[coords[s.axis]].flatten(s.dim, s.dim + 1)
     return value.contiguous()
+
+
+def replicas(param: Param, axis_sizes: Mapping[str, int], axes) -> int:
+    """On how many of the ranks spanning `axes` the same elements of `param` sit: the product of
+    the sizes of those axes that do not cut it."""
+    return math.prod(axis_sizes[axis] for axis in axes if not param.sharded_over(axis))
 
 
 def first_holder(param: Param, axis_ranks: Mapping[str, int], apart: tuple[str, ...] = ("pp",)) -> bool:

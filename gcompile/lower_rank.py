@@ -23,4 +23,5 @@ def lower_rank(coords: Coords, stages: dict[int, LoweredStage], layout: FlatLayo
     split = frozenset(s for s, stage in stages.items() if stage.backward_weight is not None)
     return RankProgram(coords=coords, stages=stages, layout=layout, step_settings=settings,
                        optimizer=build_optimizer_graph(layout, settings, norm_group), schedule=schedule,
-                       instructions=lower_instructions(schedule, coords, split), history=history)
+                       instructions=lower_instructions(schedule, coords, split), history=history,
+                       norm_group=norm_group)

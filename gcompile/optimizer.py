@@ -31,7 +31,7 @@ import torch.fx.traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from gcompile import collectives
-from gcompile.flat import DECAY, NORM_NONE, NORM_REPLICATED, FlatLayout
+from gcompile.flat import COPIES_SHIFT, DECAY, FlatLayout
 from gcompile.rank_program import GradReduction, LossScaling, OptimizerGraph, StepSettings
 from gcompile.torch_api import FakeTensorMode
 
@@ -59,7 +59,7 @@ def tied_reductions(layout: FlatLayout) -> tuple[GradReduction, ...]:
 def build_optimizer_graph(layout: FlatLayout, settings: StepSettings, norm_group: str | None) -> OptimizerGraph:
     """Traced once per distinct (layout, settings, norm_group): the ranks of a world share it.
     `norm_group`: the group whose ranks together hold every gradient once; None alone."""
-    s, tp, separate_main, scaling = settings.adamw, settings.tp, settings.separate_main, settings.loss_scaling
+    s, separate_main, scaling = settings.adamw, settings.separate_main, settings.loss_scaling
     inputs = ("params", "grads") + (("main",) if separate_main else ()) + (
         "exp_avg", "exp_avg_sq", "flags", "lr", "step") + (
         ("loss_scale", "growth_tracker", "hysteresis_left") if scaling else ())
@@ -83,7 +83,8 @@ def build_optimizer_graph(layout: FlatLayout, settings: StepSettings, norm_group
             grad = torch.where(found_inf > 0, 0.0, grad)
             _update_loss_scale(x, found_inf, scaling)
         flags = x["flags"]
-        weight = torch.where((flags & NORM_NONE) != 0, 0.0, torch.where((flags & NORM_REPLICATED) != 0, 1.0 / tp, 1.0))
+        copies = (flags >> COPIES_SHIFT).float()  # each element once over the norm's group
+        weight = torch.where(copies == 0, 0.0, 1.0 / copies)
         weighted = grad * grad * weight
         with fx_traceback.annotate({MARK: NORM_SQ}):
             norm_sq = weighted.sum()

@@ -127,7 +127,7 @@ def build_rank_program(config: RunConfig, coords: Coords, device: str = "cpu",
     adamw = AdamWSettings(t.adam_beta1, t.adam_beta2, t.adam_eps, t.weight_decay, t.clip_grad)
     scaling = LossScaling(t.initial_loss_scale, t.min_loss_scale, t.loss_scale_window, t.hysteresis) \
         if t.fp16 else None
-    settings = StepSettings(adamw=adamw, tp=coords.size("tp"), loss_scaling=scaling, reductions=tied_reductions(layout),
+    settings = StepSettings(adamw=adamw, loss_scaling=scaling, reductions=tied_reductions(layout),
                             separate_main=config.param_dtype != torch.float32 or p.use_distributed_optimizer,
                             param_dtype=config.param_dtype)
     rank_program = lower_rank(coords, stages, layout, schedule, settings, history=(*program.history, "lower"))

@@ -52,7 +52,6 @@ class LossScaling:
 @dataclass(frozen=True)
 class StepSettings:
     adamw: AdamWSettings
-    tp: int
     reductions: tuple[GradReduction, ...] = ()
     separate_main: bool = False
     """fp32 main weights apart from the model's weights (low precision, or for a pass to shard them);
@@ -141,6 +140,9 @@ class RankProgram:
     """What the rank runs per iteration, in order, the optimizer step last (gcompile.instructions)."""
     history: tuple[str, ...] = ()
     """The passes and lowering steps that made this program, in order."""
+    norm_group: str | None = None
+    """The group role whose ranks together hold every gradient element: the global norm sums over it
+    (and counts each element once, gcompile.flat); None: this rank alone."""
     optimizer_shard: str | None = None
     """The group whose ranks each hold 1/n of the optimizer state (main weights, AdamW states, flags),
     rank i the i-th 1/n of every bucket (gcompile.flat); None: every rank holds all of it."""

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from gcompile.layout import local_value
+from gcompile.axes import GROUP_ROLES
+from gcompile.layout import Param, local_value, replicas
 from gcompile.models import spec_of
 from gcompile.rank_program import RankProgram
 
@@ -53,7 +54,7 @@ class TrainState:
             for param in layout.params:
                 full = spec_of(model).init_value(param.name, param.full_shape, model, seed)
                 views[param.name].copy_(local_value(full, param, coords.axis_ranks, coords.axis_sizes))
-        flags, main = layout.flags(coords.size("tp")).to(device), params.float()
+        flags, main = layout.flags(lambda param: norm_copies(param, program)).to(device), params.float()
         if program.shard_rank is not None:
             flags, main = layout.shard_of(flags, program.shard_rank), layout.shard_of(main, program.shard_rank)
         scaling = settings.loss_scaling
@@ -86,3 +87,13 @@ class TrainState:
 
     def optimizer_args(self, names: tuple[str, ...]) -> list[torch.Tensor]:
         return [getattr(self, name) for name in names]
+
+
+def norm_copies(param: Param, program: RankProgram) -> int:
+    """On how many ranks of the norm's group an element of `param` sits: over the group's axes, those
+    that neither cut the parameter, nor separate stages (pp), nor shard the optimizer state."""
+    if program.norm_group is None:
+        return 1
+    apart = {"pp"} | set(GROUP_ROLES[program.optimizer_shard].axes if program.optimizer_shard else ())
+    return replicas(param, program.coords.axis_sizes, [a for a in GROUP_ROLES[program.norm_group].axes
+                                                      if a not in apart])

@@ -79,7 +79,8 @@ def sharded_optimizer_pass(program: RankProgram, ctx: PassContext) -> RankProgra
             if (node := marked(gm, mark)) is not None:
                 reduce_over(gm, node, op, "world", NAME)
     _gather_write_back(gm, required(gm, WRITE_BACK), offsets, dp)
-    return replace(program, optimizer=OptimizerGraph(finished(gm, NAME), inputs), optimizer_shard="dp")
+    return replace(program, optimizer=OptimizerGraph(finished(gm, NAME), inputs), optimizer_shard="dp",
+                   norm_group="world" if ctx.coords.world_size > 1 else None)
 
 
 def _gather_write_back(gm: fx.GraphModule, write_back: fx.Node, offsets: list[int], dp: int) -> None:
