@@ -56,8 +56,11 @@ class InFlightError(RuntimeError):
 
 class Runtime:
     def __init__(self, program: RankProgram, functions: dict[int, StageFunctions], optimizer_step: Callable,
-                 state: TrainState):
+                 state: TrainState, p2p=dist):
+        """`p2p`: what point-to-point goes through, anything with torch.distributed's `isend`, `irecv`,
+        `P2POp` and `batch_isend_irecv` (gcompile.harness passes its in-process mailboxes)."""
         self.program = program
+        self.p2p = p2p
         self.functions = functions
         self.step_fn = optimizer_step
         self.optimizer_args = state.optimizer_args(program.optimizer.inputs)
@@ -215,10 +218,10 @@ class Runtime:
             else:  # RECV_B
                 peer, tensors = self._peer(a.stage + 1), self._empty_like_outputs(a.stage)
                 self.grads_in[(a.stage, a.mb)] = tensors
-            op = dist.isend if a.kind in (Kind.SEND_F, Kind.SEND_B) else dist.irecv
-            ops += [dist.P2POp(op, t, peer) for t in tensors]
+            op = self.p2p.isend if a.kind in (Kind.SEND_F, Kind.SEND_B) else self.p2p.irecv
+            ops += [self.p2p.P2POp(op, t, peer) for t in tensors]
             recv_keys.append(((a.stage, a.mb), a.kind, tensors))
-        works = dist.batch_isend_irecv(ops)
+        works = self.p2p.batch_isend_irecv(ops)
         i = 0
         for key, kind, tensors in recv_keys:
             if kind in (Kind.RECV_F, Kind.RECV_B):
