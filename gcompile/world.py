@@ -27,8 +27,8 @@ from gcompile.rank_program import RankProgram
 
 
 def build_world(config: RunConfig, device: str = "cpu", dump_root: str | None = None,
-                log: Callable[[str], None] = print) -> dict[int, RankProgram]:
-    p, cache = config.parallel, BuildCache()
+                log: Callable[[str], None] = print, cache: BuildCache | None = None) -> dict[int, RankProgram]:
+    p, cache = config.parallel, cache or BuildCache()
     programs = {}
     for rank in range(config.world_size):
         coords = Coords.from_rank(rank, p.tp, p.pp, p.dp)

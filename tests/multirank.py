@@ -1,5 +1,8 @@
 """Run layouts on real gloo ranks (one process each, a FileStore in tmp_path) and reassemble the results.
 
+For numerics alone, gcompile.harness runs the same layouts in this process, much faster;
+these launches are for what only real ranks show: transports, launch, compile, checkpoints.
+
 Several cases of the same world size share one launch, so the cost of starting
 ranks is paid once per test.
 """
@@ -7,25 +10,13 @@ ranks is paid once per test.
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
 
 import torch
 
-from gcompile.layout import full_value
+from gcompile.harness import LayoutResult, assemble
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "layout_worker.py")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this checkout, not another install
-
-
-@dataclass
-class LayoutResult:
-    losses: list[float]
-    """Mean loss of the global batch per step (from the last pipeline stage)."""
-    grad_norms: list[float]
-    params: dict[str, torch.Tensor]
-    """Final parameters, reassembled to full single-device shapes."""
-    ranks: list[dict]
-    """What each rank reported (coords, peak_saved, compile_stats, ...), by rank."""
 
 
 def run_layouts(tmp_path, configs, batches, lrs, timeout: float = 900, inject_inf=None) -> list[LayoutResult]:
@@ -74,28 +65,5 @@ def assert_succeeded(tmp_path, codes: list[int | None]) -> None:
 
 
 def _collect(tmp_path, case: int, world: int) -> LayoutResult:
-    ranks = [torch.load(os.path.join(tmp_path, f"case{case}_rank{r}.pt"), weights_only=False) for r in range(world)]
-    last = next(r for r in ranks if r["losses"][0] is not None)
-    pieces, layout = {}, {}
-    for r in ranks:
-        c = r["coords"]
-        for param in r["params"]:
-            if param.tied_copy or c.dp_rank != 0:
-                continue
-            value = r["values"][param.name]
-            if not param.sharded_over("tp") and c.tp_rank != 0:  # a replica: it must equal tp rank 0's copy
-                if not torch.equal(value, _replica(ranks, c, param.name)):
-                    raise AssertionError(f"{param.name}: the copy on rank {c.rank} {c} differs from tp rank 0's")
-                continue
-            layout[param.name] = (param, c.axis_sizes)
-            pieces.setdefault(param.name, []).append((c.tp_rank, value))
-    params = {name: full_value([v for _, v in sorted(pieces[name], key=lambda x: x[0])], *layout[name])
-              for name in pieces}
-    return LayoutResult(losses=last["losses"], grad_norms=ranks[0]["grad_norms"], params=params, ranks=ranks)
-
-
-def _replica(ranks: list[dict], coords, name: str) -> torch.Tensor:
-    """`name` as held by tp rank 0 of the same (pp, dp) position."""
-    first = next(r for r in ranks if r["coords"].tp_rank == 0 and r["coords"].pp_rank == coords.pp_rank
-                 and r["coords"].dp_rank == coords.dp_rank)
-    return first["values"][name]
+    return assemble([torch.load(os.path.join(tmp_path, f"case{case}_rank{r}.pt"), weights_only=False)
+                     for r in range(world)])
