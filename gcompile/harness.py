@@ -312,11 +312,12 @@ class LayoutResult:
 
 
 def run_layouts(configs: list[RunConfig], batches: list[torch.Tensor], lrs: list[float],
-                inject_inf: dict[int, int] | None = None) -> list[LayoutResult]:
+                inject_inf: dict[int, int] | None = None, cache: BuildCache | None = None) -> list[LayoutResult]:
     """Train each config on the global batches and learning rates, every rank in this process.
 
-    `inject_inf` {step: rank} puts an inf into that rank's gradient before that step's update."""
-    cache = BuildCache()  # the cases share their capture and identical lowerings
+    `inject_inf` {step: rank} puts an inf into that rank's gradient before that step's update.
+    The cases share captures and identical lowerings through `cache` (pass one to share more)."""
+    cache = cache or BuildCache()
     return [run_layout(config, batches, lrs, inject_inf or {}, cache) for config in configs]
 
 
