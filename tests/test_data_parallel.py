@@ -2,12 +2,14 @@
 
 fp32: losses, grad norms and final parameters within 1e-5 relative of eager
 single-device training (tests/reference.py), as everywhere. Mixed precision:
-see BF16_* below for the tolerances and why.
+see BF16_* below for the tolerances and why. Every rank runs in this process
+(gcompile.harness), except dp2 and a compiled case on real gloo ranks.
 """
 
 import pytest
 import torch
 
+from gcompile import harness
 from gcompile.config import build_config
 from gcompile.mesh import Coords
 from gcompile.pipeline import build_rank_program
@@ -63,56 +65,61 @@ def assert_bf16_matches(result, expected, label):
             assert err < BF16_WEIGHT_TOL, f"{label}: {name} off by {err:.2e}"
 
 
-def test_dp2_with_and_without_distributed_optimizer(tmp_path):
+def check_dp_cases(cases: dict, run) -> None:
     base = small_config()
     batches = random_batches(base, STEPS)
     expected = reference_run(base, batches, LRS)
-    bf16_expected = reference_run(small_config(bf16=True), batches, LRS, dtype=torch.bfloat16)
+    bf16_expected = reference_run(small_config(bf16=True), batches, LRS, dtype=torch.bfloat16) \
+        if any("bf16" in label for label in cases) else None
+    for label, result in zip(cases, run(list(cases.values()), batches)):
+        if "bf16" in label:
+            assert_bf16_matches(result, bf16_expected, label)
+        else:
+            assert_matches(result, expected, 64, label)
+
+
+def test_dp2_on_ranks(tmp_path):
     cases = {
         "dp2": small_config(dp=2),
-        "dp2 distributed optimizer": small_config(dp=2, use_distributed_optimizer=True),
         "dp2 distributed optimizer, buckets, compiled": small_config(
             dp=2, use_distributed_optimizer=True, ddp_bucket_size=8000, compile=True),
+    }
+    check_dp_cases(cases, lambda configs, batches: run_layouts(tmp_path, configs, batches, LRS))
+    assert len(build_rank_program(cases["dp2 distributed optimizer, buckets, compiled"], Coords(1, 1, 2),
+                                  log=lambda _: None).layout.buckets) >= 3  # the case really has several buckets
+
+
+def in_one_process(configs, batches):
+    return harness.run_layouts(configs, batches, LRS)
+
+
+def test_dp2_with_and_without_distributed_optimizer():
+    check_dp_cases({
+        "dp2 distributed optimizer": small_config(dp=2, use_distributed_optimizer=True),
         "dp2 overlapped, buckets": small_config(dp=2, overlap_grad_reduce=True, ddp_bucket_size=8000),
         "dp2 distributed optimizer overlapped, buckets": small_config(
             dp=2, use_distributed_optimizer=True, overlap_grad_reduce=True, ddp_bucket_size=8000),
         "dp2 bf16": small_config(dp=2, bf16=True),
         "dp2 bf16 distributed optimizer": small_config(dp=2, bf16=True, use_distributed_optimizer=True),
-    }
-    results = dict(zip(cases, run_layouts(tmp_path, list(cases.values()), batches, LRS)))
-    for label, result in results.items():
-        if "bf16" in label:
-            assert_bf16_matches(result, bf16_expected, label)
-        else:
-            assert_matches(result, expected, 64, label)
-    assert len(build_rank_program(cases["dp2 distributed optimizer, buckets, compiled"], Coords(1, 1, 2),
-                                  log=lambda _: None).layout.buckets) >= 3  # the case really has several buckets
+    }, in_one_process)
 
 
 @pytest.mark.slow
-def test_dp4_with_and_without_distributed_optimizer(tmp_path):
-    base = small_config()
-    batches = random_batches(base, STEPS)
-    expected = reference_run(base, batches, LRS)
-    cases = {"dp4": small_config(dp=4, micro_batch_size=1),
-             "dp4 distributed optimizer, buckets": small_config(dp=4, micro_batch_size=1,
-                                                                use_distributed_optimizer=True, ddp_bucket_size=5000)}
-    for label, result in zip(cases, run_layouts(tmp_path, list(cases.values()), batches, LRS)):
-        assert_matches(result, expected, 64, label)
+def test_dp4_with_and_without_distributed_optimizer():
+    check_dp_cases({"dp4": small_config(dp=4, micro_batch_size=1),
+                    "dp4 distributed optimizer, buckets": small_config(dp=4, micro_batch_size=1,
+                                                                       use_distributed_optimizer=True,
+                                                                       ddp_bucket_size=5000)}, in_one_process)
 
 
 @pytest.mark.slow
-def test_tp2_pp2_dp2(tmp_path):
-    base = small_config()
-    batches = random_batches(base, STEPS)
-    expected = reference_run(base, batches, LRS)
-    cases = {"tp2 pp2 dp2": small_config(tp=2, pp=2, dp=2),
-             "tp2 pp2 dp2 distributed optimizer, buckets": small_config(tp=2, pp=2, dp=2, use_distributed_optimizer=True,
-                                                                        ddp_bucket_size=4000),
-             "tp2 pp2 dp2 distributed optimizer overlapped": small_config(
-                 tp=2, pp=2, dp=2, use_distributed_optimizer=True, ddp_bucket_size=4000, overlap_grad_reduce=True)}
-    for label, result in zip(cases, run_layouts(tmp_path, list(cases.values()), batches, LRS)):
-        assert_matches(result, expected, 64, label)
+def test_tp2_pp2_dp2():
+    check_dp_cases({"tp2 pp2 dp2": small_config(tp=2, pp=2, dp=2),
+                    "tp2 pp2 dp2 distributed optimizer, buckets": small_config(
+                        tp=2, pp=2, dp=2, use_distributed_optimizer=True, ddp_bucket_size=4000),
+                    "tp2 pp2 dp2 distributed optimizer overlapped": small_config(
+                        tp=2, pp=2, dp=2, use_distributed_optimizer=True, ddp_bucket_size=4000,
+                        overlap_grad_reduce=True)}, in_one_process)
 
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["all_reduce", "reduce_scatter"])
@@ -149,18 +156,17 @@ def test_optimizer_state_is_split_over_dp(bucket_size):
             assert abs(sharded * dp - unsharded * 1.5) <= padding_bytes * 1.5, (dp, dp_rank, sharded, unsharded)
 
 
-def test_fp16_overflow_skips_that_step_everywhere(tmp_path):
+def test_fp16_overflow_skips_that_step_everywhere():
     config = small_config(dp=2, fp16=True, initial_loss_scale=1024.0, hysteresis=1)
     batches = random_batches(config, STEPS)
-    (result,) = run_layouts(tmp_path, [config], batches, LRS, inject_inf={1: 1})
+    (result,) = harness.run_layouts([config], batches, LRS, inject_inf={1: 1})
     for rank in result.ranks:
         assert rank["skipped"] == [0, 1, 0], rank["skipped"]
         assert rank["loss_scales"][1] == rank["loss_scales"][0] / 2
         assert rank["digests"][1] == rank["digests"][0], "a skipped step must leave weights, states, step alone"
         assert rank["digests"][2] != rank["digests"][1]
     # and training goes on as if batch 1 had never been seen (fp16 weights: their rounding, 2^-11, bounds it)
-    (tmp_path / "clean").mkdir()
-    (clean,) = run_layouts(tmp_path / "clean", [config], [batches[0], batches[2]], [LRS[0], LRS[2]])
+    (clean,) = harness.run_layouts([config], [batches[0], batches[2]], [LRS[0], LRS[2]])
     for name, value in clean.params.items():
         err = rel_err(without_key_bias(name, result.params[name], 64), without_key_bias(name, value, 64))
         assert err < 1e-3, (name, err)

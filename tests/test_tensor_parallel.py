@@ -107,6 +107,7 @@ def test_tp4(reference):
     })
 
 
+@pytest.mark.slow
 def test_tp8(reference):
     check_in_one_process(reference, {
         "tp8": small_config(tp=8),
