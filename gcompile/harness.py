@@ -222,7 +222,8 @@ class _Recv:
             box.sent[channel][self.n] = None
         if message.shape != self.tensor.shape or message.dtype != self.tensor.dtype:
             raise HarnessError(f"rank {self.dst} expected message {self.n} from rank {self.src} as "
-                               f"{tuple(self.tensor.shape)} {self.tensor.dtype}, got {tuple(message.shape)} {message.dtype}")
+                               f"{tuple(self.tensor.shape)} {self.tensor.dtype}, "
+                               f"got {tuple(message.shape)} {message.dtype}")
         self.tensor.copy_(message)
         return True
 

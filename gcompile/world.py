@@ -27,13 +27,14 @@ from gcompile.rank_program import RankProgram
 
 
 def build_world(config: RunConfig, device: str = "cpu", dump_root: str | None = None,
-                log: Callable[[str], None] = print, cache: BuildCache | None = None) -> dict[int, RankProgram]:
+                log: Callable[[str], None] = print, cache: BuildCache | None = None,
+                stop_after: str | None = None) -> dict[int, RankProgram]:
     p, cache = config.parallel, cache or BuildCache()
     programs = {}
     for rank in range(config.world_size):
         coords = Coords.from_rank(rank, p.tp, p.pp, p.dp)
         programs[rank] = build_rank_program(config, coords, device, dump_root,
-                                            log if rank == 0 else (lambda _: None), cache)
+                                            log if rank == 0 else (lambda _: None), cache, stop_after)
     return programs
 
 
