@@ -47,15 +47,16 @@ def test_collectives_follow_their_definitions():
     hub = Hub({r: Coords(tp, 1, 1, tp_rank=r) for r in range(tp)})
     gm = graph_of((OPS.all_reduce.default, "sum", "tp"), (OPS.all_reduce.default, "max", "tp"),
                   (OPS.all_reduce.default, "avg", "tp"), (OPS.all_gather_into_tensor.default, tp, "tp"),
-                  (OPS.reduce_scatter_tensor.default, "sum", tp, "tp"))
+                  (OPS.reduce_scatter_tensor.default, "sum", tp, "tp"), (OPS.all_to_all_single.default, [], [], "tp"))
     out = run_ranks(tp, lambda r: _RankInterpreter(gm, r, hub).run(xs[r]))
     total = xs[0] + xs[1] + xs[2] + xs[3]  # rank order
     for r in range(tp):
-        summed, largest, mean, gathered, scattered = out[r]
+        summed, largest, mean, gathered, scattered, exchanged = out[r]
         assert torch.equal(summed, total) and torch.equal(mean, total / tp)
         assert torch.equal(largest, torch.stack(xs).amax(0))
         assert torch.equal(gathered, torch.cat(xs))
         assert torch.equal(scattered, total[r:r + 1])
+        assert torch.equal(exchanged, torch.cat([x[r:r + 1] for x in xs]))  # row r of every rank
 
 
 def test_a_missing_collective_is_an_error_naming_the_ranks():
