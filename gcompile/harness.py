@@ -80,6 +80,13 @@ def _compute(name: str, calls: list[dict]) -> list[torch.Tensor]:
     raise HarnessError(f"the harness does not simulate _c10d_functional.{name}")
 
 
+def _signature(name: str, call: dict) -> str:
+    """What the members of one collective must agree on: `all_reduce sum (4, 2) torch.float32`."""
+    x = call["input"]
+    shape = None if name == "all_to_all_single" else tuple(x.shape)  # its pieces may differ in size
+    return " ".join(str(part) for part in (name, call.get("reduce_op"), shape, x.dtype) if part is not None)
+
+
 class Hub:
     """Where the ranks' functional collectives meet."""
 
@@ -107,8 +114,8 @@ class Hub:
             slot = self.pending.setdefault(key, {})
             slot[rank] = (name, call)
             if len(slot) == len(members):
-                issued = {r: f"{op_name}{tuple(c['input'].shape)}" for r, (op_name, c) in sorted(slot.items())}
-                if len({op_name for op_name, _ in slot.values()}) > 1:
+                issued = {r: _signature(op_name, c) for r, (op_name, c) in sorted(slot.items())}
+                if len(set(issued.values())) > 1:
                     self._fail(f"collective {n} on group {group} {list(members)} differs between ranks: {issued}")
                 else:
                     self.results[key] = dict(zip(members, _compute(name, [slot[m][1] for m in members])))

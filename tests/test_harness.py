@@ -77,3 +77,12 @@ def test_a_receive_that_never_comes_is_an_error():
     with pytest.raises(HarnessError, match="rank 1 waited 0.5 s for message 1 from rank 0; rank 0 sent 1"):
         second.wait()
     assert not buffer.any()
+
+
+def test_a_mismatched_collective_is_an_error_naming_what_each_rank_issued():
+    hub = Hub({r: Coords(2, 1, 1, tp_rank=r) for r in range(2)})
+    graphs = [graph_of((OPS.all_reduce.default, op, "tp")) for op in ("sum", "max")]
+    out = run_ranks(2, lambda r: _RankInterpreter(graphs[r], r, hub).run(torch.ones(4, 2)))
+    assert all(isinstance(e, HarnessError) for e in out.values())
+    assert "collective 0 on group tp [0, 1] differs between ranks: {0: 'all_reduce sum (4, 2) torch.float32', " \
+           "1: 'all_reduce max (4, 2) torch.float32'}" in str(out[0])
