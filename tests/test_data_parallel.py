@@ -12,7 +12,7 @@ import torch
 from gcompile import harness
 from gcompile.config import build_config
 from gcompile.mesh import Coords
-from gcompile.pipeline import build_rank_program
+from gcompile.pipeline import BuildCache, build_rank_program
 from gcompile.state import TrainState
 from tests.multirank import run_layouts
 from tests.reference import ADAM_EPS, random_batches, reference_run, rel_err, without_key_bias
@@ -20,6 +20,9 @@ from tests.reference import ADAM_EPS, random_batches, reference_run, rel_err, wi
 TOL = 1e-5
 STEPS = 3
 LRS = [1e-3, 6e-4, 3e-4]
+
+BUILD = BuildCache()
+"""The in-process cases share captures and identical lowerings."""
 
 BF16_LOSS_TOL = 1e-3
 """bf16 against single-device bf16 eager: the loss is an fp32 mean over 256 tokens of logits from
@@ -90,7 +93,7 @@ def test_dp2_on_ranks(tmp_path):
 
 
 def in_one_process(configs, batches):
-    return harness.run_layouts(configs, batches, LRS)
+    return harness.run_layouts(configs, batches, LRS, cache=BUILD)
 
 
 def test_dp2_with_and_without_distributed_optimizer():
@@ -159,14 +162,14 @@ def test_optimizer_state_is_split_over_dp(bucket_size):
 def test_fp16_overflow_skips_that_step_everywhere():
     config = small_config(dp=2, fp16=True, initial_loss_scale=1024.0, hysteresis=1)
     batches = random_batches(config, STEPS)
-    (result,) = harness.run_layouts([config], batches, LRS, inject_inf={1: 1})
+    (result,) = harness.run_layouts([config], batches, LRS, inject_inf={1: 1}, cache=BUILD)
     for rank in result.ranks:
         assert rank["skipped"] == [0, 1, 0], rank["skipped"]
         assert rank["loss_scales"][1] == rank["loss_scales"][0] / 2
         assert rank["digests"][1] == rank["digests"][0], "a skipped step must leave weights, states, step alone"
         assert rank["digests"][2] != rank["digests"][1]
     # and training goes on as if batch 1 had never been seen (fp16 weights: their rounding, 2^-11, bounds it)
-    (clean,) = harness.run_layouts([config], [batches[0], batches[2]], [LRS[0], LRS[2]])
+    (clean,) = harness.run_layouts([config], [batches[0], batches[2]], [LRS[0], LRS[2]], cache=BUILD)
     for name, value in clean.params.items():
         err = rel_err(without_key_bias(name, result.params[name], 64), without_key_bias(name, value, 64))
         assert err < 1e-3, (name, err)

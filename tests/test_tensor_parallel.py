@@ -23,7 +23,7 @@ from gcompile.compile import graph_key
 from gcompile.config import build_config
 from gcompile.layout import Shard
 from gcompile.mesh import Coords
-from gcompile.pipeline import build_rank_program
+from gcompile.pipeline import BuildCache, build_rank_program
 from gcompile.program import op_counts
 from tests.multirank import run_layouts
 from tests.reference import (ADAM_EPS, assert_key_bias_is_noise, random_batches, reference_run, rel_err,
@@ -31,6 +31,8 @@ from tests.reference import (ADAM_EPS, assert_key_bias_is_noise, random_batches,
 
 TOL = 1e-5
 LRS = [1e-3, 8e-4, 6e-4, 4e-4, 2e-4]
+BUILD = BuildCache()
+"""The in-process cases share the capture (one model) and identical lowerings."""
 MLP_ONLY = ("transformer.h.*.mlp.c_fc=column", "transformer.h.*.mlp.c_proj=row")
 
 
@@ -74,7 +76,7 @@ def check_ranks(tmp_path, reference, cases: dict):
 
 def check_in_one_process(reference, cases: dict):
     """Numerics alone: every rank in this process (gcompile.harness)."""
-    return check_cases(harness.run_layouts(list(cases.values()), reference[0], LRS), reference, cases)
+    return check_cases(harness.run_layouts(list(cases.values()), reference[0], LRS, cache=BUILD), reference, cases)
 
 
 def test_tp2(tmp_path, reference):
