@@ -93,7 +93,8 @@ CASE_PARAMS = list(CASES) + [pytest.param(case, marks=pytest.mark.slow) for case
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
-    """`result(case)`: runs the case's whole launch (its world size and speed class) on first use."""
+    """`result(case)`: on first use, runs the case in this process, or, for a case ON_RANKS, the whole
+    launch of its world size and speed class."""
     done, cache = {}, BuildCache()
 
     def result(case: str):
