@@ -5,6 +5,9 @@
     python -m gcompile.inspect DIR show 3 schedule       # a file of rank 3 (any unique part of its name)
     python -m gcompile.inspect DIR diff 0 5 lower_stage  # the same file of two ranks, as a unified diff
     python -m gcompile.inspect DIR passes 0 capture tensor_parallel   # one rank, before -> after a pass
+
+    python -m gcompile.inspect bisect --config configs/tiny.toml --tp 2 --pp 2   # numerics pass by pass
+                                                                                 # (gcompile/bisection.py)
 """
 
 import argparse
@@ -86,6 +89,10 @@ def _rank(root: str, rank: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bisect"]:  # takes run_gpt.py's flags, not a dump folder
+        from gcompile.bisection import main as bisect_main  # builds and runs programs: torch only when asked
+        return bisect_main(argv[1:])
     p = argparse.ArgumentParser(prog="python -m gcompile.inspect", description=__doc__.splitlines()[0])
     p.add_argument("dir")
     sub = p.add_subparsers(dest="command")

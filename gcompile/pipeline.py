@@ -80,6 +80,15 @@ def pass_lists(config: RunConfig) -> tuple[list[str], list[str]]:
     return [name for at, name in placed if at < lower], [name for at, name in placed if at > lower]
 
 
+def passes_until(forward_passes: list[str], rank_passes: list[str], last: str) -> tuple[list[str], list[str]]:
+    """`pass_lists` cut after the pass `last` ("capture": before the first)."""
+    order = ["capture", *forward_passes, *rank_passes]
+    if last not in order:
+        raise ValueError(f"no pass {last!r} in this build; its passes: {', '.join(order)}")
+    kept = order[1:order.index(last) + 1]
+    return kept[:len(forward_passes)], kept[len(forward_passes):]
+
+
 @dataclass
 class BuildCache:
     """What ranks of one world share while their programs are built in one process."""
@@ -91,7 +100,9 @@ class BuildCache:
 
 def build_rank_program(config: RunConfig, coords: Coords, device: str = "cpu",
                        dump_root: str | None = None, log: Callable[[str], None] = print,
-                       cache: BuildCache | None = None) -> RankProgram:
+                       cache: BuildCache | None = None, stop_after: str | None = None) -> RankProgram:
+    """`stop_after`: build with the passes up to and including this one only ("capture": none), as the
+    numerics bisection does (gcompile.bisection)."""
     t, p = config.train, config.parallel
     cache = cache or BuildCache()
     dump_dir = rank_dump_dir(dump_root, coords.rank)
@@ -99,6 +110,8 @@ def build_rank_program(config: RunConfig, coords: Coords, device: str = "cpu",
         clear_rank_dump(dump_dir)
     ctx = PassContext(config, coords, dump_dir)
     forward_passes, rank_passes = pass_lists(config)
+    if stop_after is not None:
+        forward_passes, rank_passes = passes_until(forward_passes, rank_passes, stop_after)
 
     key = (config.model, t.micro_batch_size, t.seq_length, device, config.param_dtype)
     if key not in cache.captured:

@@ -57,8 +57,11 @@ class InFlightError(RuntimeError):
 
 class Runtime:
     def __init__(self, program: RankProgram, functions: dict[int, StageFunctions], optimizer_step: Callable,
-                 state: TrainState):
+                 state: TrainState, p2p=dist):
+        """`p2p`: what point-to-point goes through, anything with torch.distributed's `isend`, `irecv`,
+        `P2POp` and `batch_isend_irecv` (gcompile.harness passes its in-process mailboxes)."""
         self.program = program
+        self.p2p = p2p
         self.functions = functions
         self.step_fn = optimizer_step
         self.optimizer_args = state.optimizer_args(program.optimizer.inputs)
@@ -223,9 +226,9 @@ class Runtime:
             else:  # RECV_B
                 tensors = self.grads_in[(a.stage, a.mb)] = self._empty_like_outputs(a.stage)
             sends = a.op in (Kind.SEND_F, Kind.SEND_B)
-            ops += [dist.P2POp(dist.isend if sends else dist.irecv, t, a.peer) for t in tensors]
+            ops += [self.p2p.P2POp(self.p2p.isend if sends else self.p2p.irecv, t, a.peer) for t in tensors]
             posted.append(((a.stage, a.mb), sends, tensors))
-        works = dist.batch_isend_irecv(ops)
+        works = self.p2p.batch_isend_irecv(ops)
         i = 0
         for key, sends, tensors in posted:
             if sends:  # keep the sent tensors alive until their sends are done

@@ -28,13 +28,14 @@ from gcompile.rank_program import RankProgram
 
 
 def build_world(config: RunConfig, device: str = "cpu", dump_root: str | None = None,
-                log: Callable[[str], None] = print) -> dict[int, RankProgram]:
-    p, cache = config.parallel, BuildCache()
+                log: Callable[[str], None] = print, cache: BuildCache | None = None,
+                stop_after: str | None = None) -> dict[int, RankProgram]:
+    p, cache = config.parallel, cache or BuildCache()
     programs = {}
     for rank in range(config.world_size):
         coords = Coords.from_rank(rank, config.mesh_sizes)
         programs[rank] = build_rank_program(config, coords, device, dump_root,
-                                            log if rank == 0 else (lambda _: None), cache)
+                                            log if rank == 0 else (lambda _: None), cache, stop_after)
     return programs
 
 

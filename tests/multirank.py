@@ -1,5 +1,8 @@
 """Run layouts on real gloo ranks (one process each, a FileStore in tmp_path) and reassemble the results.
 
+For numerics alone, gcompile.harness runs the same layouts in this process, much faster;
+these launches are for what only real ranks show: transports, launch, compile, checkpoints.
+
 Several cases of the same world size share one launch, so the cost of starting
 ranks is paid once per test.
 """
@@ -7,25 +10,13 @@ ranks is paid once per test.
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
 
 import torch
 
-from gcompile.layout import full_value
+from gcompile.harness import LayoutResult, assemble
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "layout_worker.py")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this checkout, not another install
-
-
-@dataclass
-class LayoutResult:
-    losses: list[float]
-    """Mean loss of the global batch per step (from the last pipeline stage)."""
-    grad_norms: list[float]
-    params: dict[str, torch.Tensor]
-    """Final parameters, reassembled to full single-device shapes."""
-    ranks: list[dict]
-    """What each rank reported (coords, peak_saved, compile_stats, ...), by rank."""
 
 
 def run_layouts(tmp_path, configs, batches, lrs, timeout: float = 900, inject_inf=None) -> list[LayoutResult]:
@@ -74,31 +65,5 @@ def assert_succeeded(tmp_path, codes: list[int | None]) -> None:
 
 
 def _collect(tmp_path, case: int, world: int) -> LayoutResult:
-    ranks = [torch.load(os.path.join(tmp_path, f"case{case}_rank{r}.pt"), weights_only=False) for r in range(world)]
-    last = next(r for r in ranks if r["losses"][0] is not None)
-    params = reassemble([(r["coords"], r["params"], r["values"]) for r in ranks])
-    return LayoutResult(losses=last["losses"], grad_norms=ranks[0]["grad_norms"], params=params, ranks=ranks)
-
-
-def reassemble(ranks: list[tuple]) -> dict[str, torch.Tensor]:
-    """Full parameters from every rank's (coords, params, values by name), for cuts over any axes.
-
-    The first holder of each piece (position 0 on every axis that does not cut it; pipeline
-    stages apart) gives it; every other holder is a replica and must be bitwise equal to it."""
-    by_rank = {coords.rank: values for coords, _, values in ranks}
-    pieces, cuts = {}, {}
-    for coords, params, values in ranks:
-        for param in params:
-            if param.tied_copy:
-                continue
-            first = coords.moved(**{axis: 0 for axis, _ in coords.ranks if axis != "pp" and not param.sharded_over(axis)})
-            if first != coords:
-                if not torch.equal(values[param.name], by_rank[first.rank][param.name]):
-                    raise AssertionError(f"{param.name}: the copy on rank {coords.rank} {coords} differs from "
-                                         f"rank {first.rank}'s")
-                continue
-            cuts[param.name] = (param, coords.axis_sizes)
-            position = tuple(coords.axis_rank(s.axis) for s in param.shards)  # the first cut outermost
-            pieces.setdefault(param.name, []).append((position, values[param.name]))
-    return {name: full_value([v for _, v in sorted(found, key=lambda x: x[0])], *cuts[name])
-            for name, found in pieces.items()}
+    return assemble([torch.load(os.path.join(tmp_path, f"case{case}_rank{r}.pt"), weights_only=False)
+                     for r in range(world)])

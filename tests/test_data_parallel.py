@@ -2,17 +2,19 @@
 
 fp32: losses, grad norms and final parameters within 1e-5 relative of eager
 single-device training (tests/reference.py), as everywhere. Mixed precision:
-see BF16_* below for the tolerances and why.
+see BF16_* below for the tolerances and why. Every rank runs in this process
+(gcompile.harness), except dp2 and a compiled case on real gloo ranks.
 """
 
 import pytest
 import torch
 
+from gcompile import harness
 from gcompile.collectives import collective_nodes
 from gcompile.config import build_config
 from gcompile.axes import Coords
 from gcompile.optimizer import GRAD, build_optimizer_graph, marked
-from gcompile.pipeline import build_rank_program
+from gcompile.pipeline import BuildCache, build_rank_program
 from gcompile.program import diff_counts, op_counts
 from gcompile.state import TrainState
 from gcompile.world import build_world
@@ -20,8 +22,18 @@ from tests.multirank import run_layouts
 from tests.reference import ADAM_EPS, random_batches, reference_run, rel_err, without_key_bias
 
 TOL = 1e-5
+COMPILED_PARAM_TOL = 2e-5
+"""Final parameters of an Inductor-compiled case. Why: Inductor reorders the LayerNorm-backward
+reductions, differently per CPU (this 2-core AMD EPYC without AVX-512 gives 1.14e-5 on
+transformer.h.0.ln_2.bias; an AVX-512 machine gave under 1e-5). LayerNorm biases start at zero,
+so after 3 steps of lr 1e-3 their norm is a few lr and a rounding-sized change to one update is
+a large relative error. Losses and grad norms keep 1e-5; 2e-5 is still 500x below the 1e-2
+that one gradient 1% off gives (tests/test_bisect.py)."""
 STEPS = 3
 LRS = [1e-3, 6e-4, 3e-4]
+
+BUILD = BuildCache()
+"""The in-process cases share captures and identical lowerings."""
 
 BF16_LOSS_TOL = 1e-3
 """bf16 against single-device bf16 eager: the loss is an fp32 mean over 256 tokens of logits from
@@ -47,13 +59,13 @@ def small_config(**parallel_and_train):
     })
 
 
-def assert_matches(result, expected, n_embd, label):
+def assert_matches(result, expected, n_embd, label, param_tol=TOL):
     for step, ref in enumerate(expected):
         assert abs(result.losses[step] - ref.loss) / ref.loss < TOL, f"{label} step {step} loss"
         assert abs(result.grad_norms[step] - ref.grad_norm) / ref.grad_norm < TOL, f"{label} step {step} norm"
     for name, value in expected[-1].params.items():
         err = rel_err(without_key_bias(name, result.params[name], n_embd), without_key_bias(name, value, n_embd))
-        assert err < TOL, f"{label}: {name} off by {err:.2e}"
+        assert err < param_tol, f"{label}: {name} off by {err:.2e}"
 
 
 def assert_bf16_matches(result, expected, label):
@@ -67,56 +79,61 @@ def assert_bf16_matches(result, expected, label):
             assert err < BF16_WEIGHT_TOL, f"{label}: {name} off by {err:.2e}"
 
 
-def test_dp2_with_and_without_distributed_optimizer(tmp_path):
+def check_dp_cases(cases: dict, run) -> None:
     base = small_config()
     batches = random_batches(base, STEPS)
     expected = reference_run(base, batches, LRS)
-    bf16_expected = reference_run(small_config(bf16=True), batches, LRS, dtype=torch.bfloat16)
+    bf16_expected = reference_run(small_config(bf16=True), batches, LRS, dtype=torch.bfloat16) \
+        if any("bf16" in label for label in cases) else None
+    for label, result in zip(cases, run(list(cases.values()), batches)):
+        if "bf16" in label:
+            assert_bf16_matches(result, bf16_expected, label)
+        else:
+            assert_matches(result, expected, 64, label, COMPILED_PARAM_TOL if "compiled" in label else TOL)
+
+
+def test_dp2_on_ranks(tmp_path):
     cases = {
         "dp2": small_config(dp=2),
-        "dp2 distributed optimizer": small_config(dp=2, use_distributed_optimizer=True),
         "dp2 distributed optimizer, buckets, compiled": small_config(
             dp=2, use_distributed_optimizer=True, ddp_bucket_size=8000, compile=True),
+    }
+    check_dp_cases(cases, lambda configs, batches: run_layouts(tmp_path, configs, batches, LRS))
+    assert len(build_rank_program(cases["dp2 distributed optimizer, buckets, compiled"], Coords.from_rank(0, {"dp": 2}),
+                                  log=lambda _: None).layout.buckets) >= 3  # the case really has several buckets
+
+
+def in_one_process(configs, batches):
+    return harness.run_layouts(configs, batches, LRS, cache=BUILD)
+
+
+def test_dp2_with_and_without_distributed_optimizer():
+    check_dp_cases({
+        "dp2 distributed optimizer": small_config(dp=2, use_distributed_optimizer=True),
         "dp2 overlapped, buckets": small_config(dp=2, overlap_grad_reduce=True, ddp_bucket_size=8000),
         "dp2 distributed optimizer overlapped, buckets": small_config(
             dp=2, use_distributed_optimizer=True, overlap_grad_reduce=True, ddp_bucket_size=8000),
         "dp2 bf16": small_config(dp=2, bf16=True),
         "dp2 bf16 distributed optimizer": small_config(dp=2, bf16=True, use_distributed_optimizer=True),
-    }
-    results = dict(zip(cases, run_layouts(tmp_path, list(cases.values()), batches, LRS)))
-    for label, result in results.items():
-        if "bf16" in label:
-            assert_bf16_matches(result, bf16_expected, label)
-        else:
-            assert_matches(result, expected, 64, label)
-    assert len(build_rank_program(cases["dp2 distributed optimizer, buckets, compiled"], Coords.from_rank(0, {"dp": 2}),
-                                  log=lambda _: None).layout.buckets) >= 3  # the case really has several buckets
+    }, in_one_process)
 
 
 @pytest.mark.slow
-def test_dp4_with_and_without_distributed_optimizer(tmp_path):
-    base = small_config()
-    batches = random_batches(base, STEPS)
-    expected = reference_run(base, batches, LRS)
-    cases = {"dp4": small_config(dp=4, micro_batch_size=1),
-             "dp4 distributed optimizer, buckets": small_config(dp=4, micro_batch_size=1,
-                                                                use_distributed_optimizer=True, ddp_bucket_size=5000)}
-    for label, result in zip(cases, run_layouts(tmp_path, list(cases.values()), batches, LRS)):
-        assert_matches(result, expected, 64, label)
+def test_dp4_with_and_without_distributed_optimizer():
+    check_dp_cases({"dp4": small_config(dp=4, micro_batch_size=1),
+                    "dp4 distributed optimizer, buckets": small_config(dp=4, micro_batch_size=1,
+                                                                       use_distributed_optimizer=True,
+                                                                       ddp_bucket_size=5000)}, in_one_process)
 
 
 @pytest.mark.slow
-def test_tp2_pp2_dp2(tmp_path):
-    base = small_config()
-    batches = random_batches(base, STEPS)
-    expected = reference_run(base, batches, LRS)
-    cases = {"tp2 pp2 dp2": small_config(tp=2, pp=2, dp=2),
-             "tp2 pp2 dp2 distributed optimizer, buckets": small_config(tp=2, pp=2, dp=2, use_distributed_optimizer=True,
-                                                                        ddp_bucket_size=4000),
-             "tp2 pp2 dp2 distributed optimizer overlapped": small_config(
-                 tp=2, pp=2, dp=2, use_distributed_optimizer=True, ddp_bucket_size=4000, overlap_grad_reduce=True)}
-    for label, result in zip(cases, run_layouts(tmp_path, list(cases.values()), batches, LRS)):
-        assert_matches(result, expected, 64, label)
+def test_tp2_pp2_dp2():
+    check_dp_cases({"tp2 pp2 dp2": small_config(tp=2, pp=2, dp=2),
+                    "tp2 pp2 dp2 distributed optimizer, buckets": small_config(
+                        tp=2, pp=2, dp=2, use_distributed_optimizer=True, ddp_bucket_size=4000),
+                    "tp2 pp2 dp2 distributed optimizer overlapped": small_config(
+                        tp=2, pp=2, dp=2, use_distributed_optimizer=True, ddp_bucket_size=4000,
+                        overlap_grad_reduce=True)}, in_one_process)
 
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["all_reduce", "reduce_scatter"])
@@ -179,18 +196,17 @@ def test_optimizer_state_is_split_over_dp(bucket_size):
             assert abs(sharded * dp - unsharded * 1.5) <= padding_bytes * 1.5, (dp, dp_rank, sharded, unsharded)
 
 
-def test_fp16_overflow_skips_that_step_everywhere(tmp_path):
+def test_fp16_overflow_skips_that_step_everywhere():
     config = small_config(dp=2, fp16=True, initial_loss_scale=1024.0, hysteresis=1)
     batches = random_batches(config, STEPS)
-    (result,) = run_layouts(tmp_path, [config], batches, LRS, inject_inf={1: 1})
+    (result,) = harness.run_layouts([config], batches, LRS, inject_inf={1: 1}, cache=BUILD)
     for rank in result.ranks:
         assert rank["skipped"] == [0, 1, 0], rank["skipped"]
         assert rank["loss_scales"][1] == rank["loss_scales"][0] / 2
         assert rank["digests"][1] == rank["digests"][0], "a skipped step must leave weights, states, step alone"
         assert rank["digests"][2] != rank["digests"][1]
     # and training goes on as if batch 1 had never been seen (fp16 weights: their rounding, 2^-11, bounds it)
-    (tmp_path / "clean").mkdir()
-    (clean,) = run_layouts(tmp_path / "clean", [config], [batches[0], batches[2]], [LRS[0], LRS[2]])
+    (clean,) = harness.run_layouts([config], [batches[0], batches[2]], [LRS[0], LRS[2]], cache=BUILD)
     for name, value in clean.params.items():
         err = rel_err(without_key_bias(name, result.params[name], 64), without_key_bias(name, value, 64))
         assert err < 1e-3, (name, err)

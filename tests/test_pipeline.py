@@ -1,10 +1,12 @@
-"""Pipeline parallel: the split, the schedule runtime on real gloo ranks, and bad input.
+"""Pipeline parallel: the split, the schedule runtime (in one process, and on real gloo ranks), and bad input.
 
 Numerics: per-step losses, gradient norms and final parameters of every layout equal
 single-device eager autograd + AdamW (tests/reference.py) within 1e-5 relative (fp32);
 the key bias is compared by its premise (reference.py). One global batch of 8 samples
 serves every microbatch count (m = 8 / micro_batch_size). Cases of one world size share
-one launch of ranks, because starting them costs more than the cases.
+one launch of ranks, because starting them costs more than the cases; the cases outside
+ON_RANKS run every rank in this process (gcompile.harness: the same Runtime, its P2P
+through in-process mailboxes), which is faster still.
 """
 
 import dataclasses
@@ -20,6 +22,7 @@ import torch.nn.functional as F
 from torch.export.graph_signature import InputKind
 
 import run_gpt
+from gcompile import harness
 from gcompile.capture import capture
 from gcompile.check import check_plan, estimate_memory
 from gcompile.compile import Compiler, compile_rank_program
@@ -28,7 +31,7 @@ from gcompile.layout import Param
 from gcompile.axes import Coords
 from gcompile.models.gpt2 import GPT2
 from gcompile.pass_manager import PassContext, PassError, run_passes
-from gcompile.pipeline import build_rank_program
+from gcompile.pipeline import BuildCache, build_rank_program
 from gcompile.program import Program, Stage
 from gcompile.runtime import InFlightError, Runtime
 from gcompile.schedule import Schedule, build_schedule, gpipe, simulate
@@ -83,18 +86,25 @@ SLOW_CASES = {
     "pp2-zb1f1b-m4-compiled": config(pp=2, schedule="zb1f1b", m=4, compile=True),
 }
 ALL_CASES = {**CASES, **SLOW_CASES}
+ON_RANKS = {"pp2-1f1b-m4", "pp2-interleaved-m4", *(c for c in SLOW_CASES if SLOW_CASES[c].train.compile)}
+"""Cases run on real gloo ranks (P2P, compile); the others run every rank in this process (gcompile.harness)."""
 CASE_PARAMS = list(CASES) + [pytest.param(case, marks=pytest.mark.slow) for case in SLOW_CASES]
 
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
-    """`result(case)`: runs the case's whole launch (its world size and speed class) on first use."""
-    done = {}
+    """`result(case)`: on first use, runs the case in this process, or, for a case ON_RANKS, the whole
+    launch of its world size and speed class."""
+    done, cache = {}, BuildCache()
 
     def result(case: str):
+        if case not in ON_RANKS:
+            if case not in done:
+                (done[case],) = harness.run_layouts([ALL_CASES[case]], batches(), LRS, cache=cache)
+            return done[case]
         group = (ALL_CASES[case].world_size, case in SLOW_CASES)
         if group not in done:
-            names = [c for c in ALL_CASES if (ALL_CASES[c].world_size, c in SLOW_CASES) == group]
+            names = [c for c in ALL_CASES if c in ON_RANKS and (ALL_CASES[c].world_size, c in SLOW_CASES) == group]
             path = tmp_path_factory.mktemp(f"world{group[0]}{'_slow' if group[1] else ''}")
             configs = [ALL_CASES[c] for c in names]
             done[group] = dict(zip(names, run_layouts(path, configs, batches(), LRS)))
@@ -124,7 +134,7 @@ def assert_matches_reference(cfg, losses, grad_norms, params):
         assert rel_err(without_key_bias(name, params[name], C), without_key_bias(name, final[name], C)) < TOL, name
 
 
-# --- numerics on real ranks ------------------------------------------------------------------------
+# --- numerics of every layout ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("case", CASE_PARAMS)
 def test_matches_single_device(case, launched):
@@ -141,7 +151,7 @@ def test_saved_activations_reach_the_schedule_bound(case, launched):
     p, m = cfg.parallel, cfg.num_microbatches
     simulated = simulate(build_schedule(p.pipeline_schedule, p.pp, p.virtual_pipeline_size, m))
     for report in result.ranks:
-        rank = report["coords"].pp_rank
+        rank = report["coords"].axis_rank("pp")
         if p.pipeline_schedule == "gpipe":
             per_rank = m
         elif p.pipeline_schedule in ("1f1b", "zb1f1b"):

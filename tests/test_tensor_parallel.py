@@ -1,7 +1,8 @@
 """Tensor and sequence parallelism: every tp layout trains the same model as one device.
 
-Numerics: real ranks (tests/multirank.py; tp groups in shared memory, one case over gloo)
-against single-device eager autograd +
+Numerics: every rank in one process (gcompile.harness), and three cases on real ranks
+(tests/multirank.py: tp groups in shared memory, over gloo, and Inductor) against
+single-device eager autograd +
 torch.optim.AdamW (tests/reference.py): the loss and gradient norm of every step and the
 final parameters, gathered to full shape, within 1e-5 relative (fp32, CPU); replicated
 parameters must be bitwise equal on all tp ranks (the harness checks). The vocab, 257,
@@ -17,12 +18,12 @@ import pytest
 import torch
 
 import run_gpt
-from gcompile import shm_group
+from gcompile import harness, shm_group
 from gcompile.compile import graph_key
 from gcompile.config import build_config
 from gcompile.layout import Shard
 from gcompile.axes import Coords
-from gcompile.pipeline import build_rank_program
+from gcompile.pipeline import BuildCache, build_rank_program
 from gcompile.program import op_counts
 from tests.multirank import run_layouts
 from tests.reference import (ADAM_EPS, assert_key_bias_is_noise, random_batches, reference_run, rel_err,
@@ -30,6 +31,8 @@ from tests.reference import (ADAM_EPS, assert_key_bias_is_noise, random_batches,
 
 TOL = 1e-5
 LRS = [1e-3, 8e-4, 6e-4, 4e-4, 2e-4]
+BUILD = BuildCache()
+"""The in-process cases share the capture (one model) and identical lowerings."""
 MLP_ONLY = ("transformer.h.*.mlp.c_fc=column", "transformer.h.*.mlp.c_proj=row")
 
 
@@ -49,9 +52,8 @@ def reference():
     return batches, reference_run(config, batches, LRS)
 
 
-def check_cases(tmp_path, reference, cases: dict):
-    batches, expected = reference
-    results = run_layouts(tmp_path, list(cases.values()), batches, LRS)
+def check_cases(results, reference, cases: dict):
+    _, expected = reference
     C = 64
     for name, result in zip(cases, results):
         for step, (loss, norm, ref) in enumerate(zip(result.losses, result.grad_norms, expected)):
@@ -67,34 +69,49 @@ def check_cases(tmp_path, reference, cases: dict):
     return results
 
 
+def check_ranks(tmp_path, reference, cases: dict):
+    """On real ranks: transports and Inductor."""
+    return check_cases(run_layouts(tmp_path, list(cases.values()), reference[0], LRS), reference, cases)
+
+
+def check_in_one_process(reference, cases: dict):
+    """Numerics alone: every rank in this process (gcompile.harness)."""
+    return check_cases(harness.run_layouts(list(cases.values()), reference[0], LRS, cache=BUILD), reference, cases)
+
+
 def test_tp2(tmp_path, reference):
-    results = check_cases(tmp_path, reference, {
+    results = check_ranks(tmp_path, reference, {
         "tp2": small_config(tp=2, make_vocab_size_divisible_by=1),
-        "tp2 sequence-parallel": small_config(tp=2, sequence_parallel=True, make_vocab_size_divisible_by=1),
         "tp2 sequence-parallel inductor": small_config(tp=2, sequence_parallel=True, compile=True),
-        "tp2 mlp-only plan": small_config(tp=2, tp_plan=MLP_ONLY),
-        "tp2 sequence-parallel recompute": small_config(tp=2, sequence_parallel=True, recompute=True),
         "tp2 sequence-parallel over gloo": small_config(tp=2, sequence_parallel=True, tp_comm_backend="gloo"),
     })
     shm = shm_group.BACKEND if shm_group.available() else "gloo"
-    assert [r.ranks[0]["tp_backend"] for r in results] == [shm] * 5 + ["gloo"]
-    compiled = results[2].ranks[1]["compile_stats"]
+    assert [r.ranks[0]["tp_backend"] for r in results] == [shm] * 2 + ["gloo"]
+    compiled = results[1].ranks[1]["compile_stats"]
     assert compiled.distinct == 3 and compiled.cache_misses == 0, f"rank 1 should reuse rank 0's graphs: {compiled}"
-    sharded = {p.name for p in results[3].ranks[0]["params"] if p.shards}
+
+
+def test_tp2_in_one_process(reference):
+    results = check_in_one_process(reference, {
+        "tp2 sequence-parallel": small_config(tp=2, sequence_parallel=True, make_vocab_size_divisible_by=1),
+        "tp2 mlp-only plan": small_config(tp=2, tp_plan=MLP_ONLY),
+        "tp2 sequence-parallel recompute": small_config(tp=2, sequence_parallel=True, recompute=True),
+    })
+    sharded = {p.name for p in results[1].ranks[0]["params"] if p.shards}
     assert sharded == {f"transformer.h.{i}.mlp.{m}.weight" for i in range(2) for m in ("c_fc", "c_proj")} | \
         {f"transformer.h.{i}.mlp.c_fc.bias" for i in range(2)}
 
 
-def test_tp4(tmp_path, reference):
-    check_cases(tmp_path, reference, {
+def test_tp4(reference):
+    check_in_one_process(reference, {
         "tp4 (vocab padded 257 -> 512: one rank all padding)": small_config(tp=4),
         "tp4 sequence-parallel": small_config(tp=4, sequence_parallel=True, make_vocab_size_divisible_by=1),
     })
 
 
 @pytest.mark.slow
-def test_tp8(tmp_path, reference):
-    check_cases(tmp_path, reference, {
+def test_tp8(reference):
+    check_in_one_process(reference, {
         "tp8": small_config(tp=8),
         "tp8 sequence-parallel": small_config(tp=8, sequence_parallel=True, make_vocab_size_divisible_by=1),
     })

@@ -1,0 +1,179 @@
+"""Numerics bisection: the first pass after which a rank's numbers leave single-device eager.
+
+    python -m gcompile.inspect bisect --config configs/tiny.toml --tp 2 --pp 2 [--passes ...] [--tol 1e-5]
+
+Takes run_gpt.py's flags. For each pass in order ("capture" first: no pass), every
+rank's program is built with the passes up to that one (build_rank_program(stop_after=))
+and run in this process (gcompile.harness) on one seeded global batch, fp32:
+
+    forward passes   every microbatch's forward and backward; each rank's accumulated
+                     gradient against eager's over its dp share, cut to the rank's piece
+                     (the copies of a tied parameter summed first). Before pipeline_split
+                     every pp rank holds the same program, so it runs with pp 1.
+    rank passes      the same, gradients averaged over dp first (a pass may reduce them in
+                     backward); then one optimizer step, and each rank's weights against
+                     eager AdamW's. Weight elements whose eager gradient is under 1e-4 of
+                     the parameter's largest are left out: AdamW's first step,
+                     lr * g / (|g| + eps), turns rounding noise there into lr-sized steps.
+
+Errors are norm-wise relative, ||a - e|| / ||e||, per rank and parameter; the loss is the
+mean over dp of the last stage's. One line per pass; exit status 1 at the first pass over
+`--tol`, naming the rank and the parameter.
+"""
+
+import argparse
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+
+from gcompile.config import ConfigError, RunConfig, parse_args
+from gcompile.harness import World
+from gcompile.layout import local_value
+from gcompile.axes import group_members
+from gcompile.pipeline import BuildCache, pass_lists
+from gcompile.reference import EagerStep, eager_step
+from gcompile.train import split_microbatches
+from gcompile.world import build_world
+
+TOL = 1e-5
+NOISE = 1e-4
+"""Weight elements whose eager gradient is under NOISE * the parameter's largest are not compared."""
+
+
+@dataclass
+class Worst:
+    err: float = -1.0
+    rank: int = -1
+    name: str = ""
+
+    def update(self, err: float, rank: int, name: str) -> None:
+        if err > self.err:
+            self.err, self.rank, self.name = err, rank, name
+
+
+@dataclass
+class PassReport:
+    number: int
+    name: str
+    loss_err: float
+    loss_rank: int
+    grad: Worst
+    weight: Worst | None
+    """None for forward passes (no optimizer step)."""
+
+    def worst(self) -> tuple[float, int, str]:
+        candidates = [(self.loss_err, self.loss_rank, "loss"), (self.grad.err, self.grad.rank, self.grad.name)]
+        if self.weight is not None:
+            candidates.append((self.weight.err, self.weight.rank, self.weight.name))
+        return max(candidates)
+
+    def line(self, tol: float) -> str:
+        text = f"pass {self.number:02d} {self.name}: loss rel {self.loss_err:.1e}, " \
+               f"worst grad {self.grad.name} {self.grad.err:.1e}"
+        if self.weight is not None:
+            text += f", worst weight {self.weight.name} {self.weight.err:.1e}"
+        return text + (" ok" if self.worst()[0] <= tol else " DIVERGES")
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    actual, expected = actual.double(), expected.double()
+    diff = (actual - expected).norm()
+    return 0.0 if diff == 0 else (diff / expected.norm().clamp_min(1e-30)).item()
+
+
+def unsplit(config: RunConfig) -> RunConfig:
+    """The same layout with pp 1: what every pp rank runs before pipeline_split."""
+    p = replace(config.parallel, pp=1, virtual_pipeline_size=1, pipeline_schedule="1f1b", pipeline_layers=(),
+                num_layers_per_virtual_pipeline_stage=None)
+    return replace(config, parallel=p)
+
+
+def bisect(config: RunConfig, tol: float = TOL, log: Callable[[str], None] = print) -> PassReport | None:
+    """Check the program after every pass; the report of the first over `tol`, or None."""
+    t = config.train
+    if t.bf16 or t.fp16 or config.model.dropout > 0:
+        raise ConfigError("bisect compares fp32 runs without dropout; drop --bf16 / --fp16 / --dropout")
+    tokens = torch.randint(0, config.model.vocab_size, (t.global_batch_size, t.seq_length + 1),
+                           generator=torch.Generator().manual_seed(t.seed))
+    eager = eager_step(config, tokens, t.lr)
+    forward_passes, rank_passes = pass_lists(config)
+    cache = BuildCache()
+    for number, name in enumerate(["capture", *forward_passes, *rank_passes]):
+        is_rank_pass = number > len(forward_passes)
+        split = "pipeline_split" in forward_passes[:number]
+        built = config if split or is_rank_pass or "pipeline_split" not in forward_passes else unsplit(config)
+        report = check_pass(built, name, number, is_rank_pass, tokens, eager, cache)
+        log(report.line(tol))
+        err, rank, param = report.worst()
+        if err > tol:
+            log(f"first divergent pass: {name} (rank {rank}, parameter {param}, rel err {err:.1e} > tol {tol:.0e})")
+            return report
+    return None
+
+
+def check_pass(config: RunConfig, name: str, number: int, is_rank_pass: bool, tokens: torch.Tensor,
+               eager: EagerStep, cache: BuildCache) -> PassReport:
+    t = config.train
+    world = World(build_world(config, log=lambda _: None, cache=cache, stop_after=name), config.model, t.seed)
+    per_rank = t.global_batch_size // config.parallel.dp
+
+    def forward_backward(rank, runtime):
+        c = runtime.program.coords
+        runtime.state.lr.fill_(t.lr)
+        return runtime.forward_backward(split_microbatches(tokens[c.axis_rank("dp") * per_rank:(c.axis_rank("dp") + 1) * per_rank],
+                                                           t.micro_batch_size))
+    losses = world.run(forward_backward)
+    last = max(s for p in world.programs.values() for s in p.stages)
+    loss_ranks = [r for r, p in world.programs.items() if last in p.stages and p.coords.axis_rank("tp") == 0]
+    loss = sum(losses[r] for r in loss_ranks) / len(loss_ranks)
+    grads = gradients(world, average_dp=is_rank_pass)
+    grad = Worst()
+    for rank, program in world.programs.items():
+        c = program.coords
+        for param in program.layout.params:
+            expected = (eager.grads if is_rank_pass else eager.share_grads[c.axis_rank("dp")])[param.name]
+            grad.update(rel_err(grads[rank][param.name], local_value(expected, param, c.axis_ranks, c.axis_sizes)),
+                        rank, param.name)
+    weight = None
+    if is_rank_pass:
+        world.run(lambda rank, runtime: runtime.optimizer_step())
+        weight = Worst()
+        for rank, program in world.programs.items():
+            c, views = program.coords, program.layout.views(world.states[rank].params)
+            for param in program.layout.params:
+                g = eager.grads[param.name].abs()
+                compared = local_value(g > NOISE * g.max(), param, c.axis_ranks, c.axis_sizes)
+                expected = local_value(eager.params[param.name], param, c.axis_ranks, c.axis_sizes)
+                weight.update(rel_err(views[param.name][compared], expected[compared]), rank, param.name)
+    return PassReport(number, name, abs(loss.item() - eager.loss) / eager.loss, loss_ranks[0], grad, weight)
+
+
+def gradients(world: World, average_dp: bool) -> dict[int, dict[str, torch.Tensor]]:
+    """Each rank's accumulated gradient per parameter, a tied parameter's copies summed over its group;
+    with `average_dp`, averaged over the rank's dp group (in dp rank order)."""
+    views = {r: p.layout.views(world.states[r].grads) for r, p in world.programs.items()}
+    coords = {r: p.coords for r, p in world.programs.items()}
+    tied = {r: {param.name: sum(views[m][param.name] for m in group_members(coords[r], param.tied_group))
+                if param.tied_group else views[r][param.name] for param in p.layout.params}
+            for r, p in world.programs.items()}
+    if not average_dp:
+        return tied
+    return {r: {name: sum(tied[m][name] for m in group_members(coords[r], "dp")) / coords[r].size("dp")
+                for name in tied[r]} for r in tied}
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--tol", type=float, default=TOL, help="relative error a pass may add (default 1e-5)")
+    known, rest = p.parse_known_args(argv)
+    try:
+        config, _ = parse_args(rest)
+        diverged = bisect(config, known.tol)
+    except ConfigError as e:
+        print(f"gcompile.inspect bisect: error: {e}", file=sys.stderr)
+        return 2
+    if diverged is None:
+        print(f"all passes within {known.tol:.0e} of single-device eager")
+    return 1 if diverged else 0

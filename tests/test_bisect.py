@@ -1,0 +1,36 @@
+"""Numerics bisection (`python -m gcompile.inspect bisect`): every pass of a correct layout is within
+tolerance of single-device eager, and a pass that breaks one rank's gradient is named with the rank
+and the parameter."""
+
+import re
+
+import pytest
+
+from gcompile import inspect
+from tests.faulty_passes import SCALED
+
+TINY = ["--config", "configs/tiny.toml"]
+
+
+@pytest.mark.parametrize("layout, passes", [
+    (["--tp", "2"], ["capture", "tensor_parallel", "tp_comm_overlap"]),
+    (["--tp", "2", "--pp", "2"], ["capture", "tensor_parallel", "pipeline_split", "tp_comm_overlap"]),
+])
+def test_a_correct_layout_stays_within_tolerance(layout, passes, capsys):
+    assert inspect.main(["bisect", *TINY, *layout]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [re.match(r"pass (\d\d) (\S+): loss rel \S+, worst grad \S+ \S+(, worst weight \S+ \S+)? ok$", line)[2]
+            for line in lines[:-1]] == passes, lines
+    assert "worst weight" in lines[-2], "a rank pass runs the optimizer step too"
+    assert lines[-1] == "all passes within 1e-05 of single-device eager"
+
+
+def test_the_pass_that_scales_one_gradient_on_one_rank_is_named(capsys):
+    fault = "tests.faulty_passes:scale_one_gradient_on_rank_1"
+    assert inspect.main(["bisect", *TINY, "--tp", "2", "--passes", f"after:lower={fault}"]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines[:2]] == ["pass 00 capture", "pass 01 tensor_parallel"]
+    assert lines[2].startswith(f"pass 02 {fault}") and lines[2].endswith("DIVERGES")
+    assert re.fullmatch(rf"first divergent pass: {fault} \(rank 1, parameter {re.escape(SCALED)}, "
+                        rf"rel err 1\.0e-02 > tol 1e-05\)", lines[3]), lines[3]
+    assert len(lines) == 4, "the bisection stops at the first divergent pass"
