@@ -70,7 +70,8 @@ def sharded_optimizer_pass(program: RankProgram, ctx: PassContext) -> RankProgra
     if overlapped:
         with gm.graph.inserting_after(placeholders[inputs[-1]]):
             reduced_grads = gm.graph.placeholder("reduced_grads")
-        reduced_grads.meta.update(val=_shard_sized(placeholders["exp_avg"].meta["val"], layout), **{"pass": NAME})
+        reduced_grads.meta["val"] = _shard_sized(placeholders["exp_avg"].meta["val"], layout)
+        reduced_grads.meta["pass"] = NAME
         inputs += ("reduced_grads",)
     reduce_gradient(gm, layout, start, finish, overlapped,
                     ready=lambda graph, grad, i: slice_of(graph, reduced_grads, offsets[i], offsets[i + 1]))
