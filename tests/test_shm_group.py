@@ -18,7 +18,8 @@ import torch.distributed as dist
 import run_gpt
 from gcompile import shm_group
 from gcompile.config import ConfigError
-from gcompile.axes import Coords, tp_group_backend
+from gcompile.axes import Coords
+from gcompile.mesh import MeshError, tp_group_backend
 from tests.multirank import assert_succeeded, launch
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "shm_worker.py")
@@ -85,7 +86,7 @@ def test_full_shm_is_one_clear_error(monkeypatch):
 
 
 def test_shm_refused_where_it_cannot_work():
-    with pytest.raises(ConfigError, match="tp_comm_backend='shm' is for CPU ranks"):
+    with pytest.raises(MeshError, match="tp_comm_backend='shm' is for CPU ranks"):
         tp_group_backend("shm", Coords.from_rank(0, {"tp": 2}), "cuda")
     assert tp_group_backend("auto", Coords.from_rank(0, {}), "cpu") is None  # no tp group to speed up
     assert run_gpt.main(["--tp-comm-backend", "tcp"]) == 2
