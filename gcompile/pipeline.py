@@ -1,14 +1,16 @@
 """The compiler, top to bottom: from a run config to the program one rank runs.
 
-    capture          torch.export of the single-device GPT + loss
-    passes           tensor_parallel, sequence_parallel, pipeline_split, user passes
-    schedule         the rank's static instruction list
-    lower            per stage: autograd -> forward graph + backward graph
+    capture          torch.export of the model's factory (its ModelSpec) on an example batch
+    passes           tensor_parallel, sequence_parallel, pipeline_split, user passes (forward Program)
+    schedule         the pipeline schedule, as data
+    lower            per stage: autograd -> forward graph + backward graph (+ W for zero bubble)
     layout           the rank's parameters in flat buffers and reduction buckets
-    optimizer        AdamW over the flat buffers, as a graph
+    lower_rank       the dp = 1 optimizer step as a graph, and the rank's instruction list
     rank passes      tp_comm_overlap: tp collectives started early, waited late;
-                     data_parallel or sharded_optimizer: how gradients cross dp
+                     data_parallel or sharded_optimizer: gradients across dp, rewritten into the step;
+                     user passes (RankProgram)
 
+This is the one module that imports the built-in passes (registering them by name).
 Every step can be dumped (`--dump-graphs DIR` -> DIR/rank{r}/NN_step.txt).
 """
 

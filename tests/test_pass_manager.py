@@ -82,3 +82,16 @@ def test_dp_reductions_are_graph_nodes():
     for sharded, ops in ((False, {"all_reduce"}), (True, {"reduce_scatter_tensor", "all_gather_into_tensor"})):
         optimizer = build((), dp=2, use_distributed_optimizer=sharded)[0].optimizer.graph
         assert ops <= {op for _, op, _ in collective_nodes(optimizer)}
+
+
+@pytest.mark.parametrize("sharded, pass_name, op", [(False, "data_parallel", "all_reduce"),
+                                                     (True, "sharded_optimizer", "reduce_scatter_tensor")])
+def test_dp_rewrites_show_in_the_numbered_dump_the_log_and_the_schedule(tmp_path, sharded, pass_name, op):
+    lines = []
+    build_world(config((), dp=2, use_distributed_optimizer=sharded), dump_root=str(tmp_path), log=lines.append)
+    logged = next(line for line in lines if line.startswith("rank pass ") and f" {pass_name} " in line)
+    assert f"_c10d_functional.{op}: " in logged, logged
+    (dump,) = [name for name in os.listdir(tmp_path / "rank1") if name.endswith(f"_{pass_name}.txt")]
+    assert f"_c10d_functional.{op}.default" in open(tmp_path / "rank1" / dump).read()
+    schedule = open(tmp_path / "rank1" / "schedule.txt").read().splitlines()
+    assert schedule[-1].split()[1:3] == ["OPT_STEP", "optimizer"], schedule[-1]

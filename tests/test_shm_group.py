@@ -17,7 +17,6 @@ import torch.distributed as dist
 
 import run_gpt
 from gcompile import shm_group
-from gcompile.config import ConfigError
 from gcompile.axes import Coords
 from gcompile.mesh import MeshError, tp_group_backend
 from tests.multirank import assert_succeeded, launch
