@@ -24,7 +24,7 @@ from gcompile.capture import capture
 from gcompile.comm_summary import format_summary
 from gcompile.config import POINTS, RunConfig
 from gcompile.compile import graph_key
-from gcompile.lower import LoweredStage, lower_stage
+from gcompile.lower import lower_stage
 from gcompile.axes import Coords
 from gcompile.flat import flat_layout
 from gcompile.lower_rank import lower_rank
@@ -32,7 +32,7 @@ from gcompile.optimizer import tied_reductions
 import passes  # noqa: F401  registers the built-in passes
 from gcompile.pass_manager import PassContext, PassError, clear_rank_dump, rank_dump_dir, run_passes, run_rank_passes
 from gcompile.program import Stage, dump_text
-from gcompile.rank_program import AdamWSettings, LossScaling, RankProgram, StepSettings
+from gcompile.rank_program import AdamWSettings, LoweredStage, LossScaling, RankProgram, StepSettings
 from gcompile.schedule import build_schedule, simulate
 
 

@@ -30,6 +30,7 @@ from gcompile.config import build_config
 from gcompile.layout import Param
 from gcompile.axes import Coords
 from gcompile.models.gpt2 import GPT2
+from gcompile.instructions import lower_instructions
 from gcompile.pass_manager import PassContext, PassError, run_passes
 from gcompile.pipeline import BuildCache, build_rank_program
 from gcompile.program import Program, Stage
@@ -190,7 +191,9 @@ def test_runtime_refuses_more_in_flight_than_promised():
     cfg = config(m=2)
     program = build_rank_program(cfg, Coords.from_rank(0, {}), log=lambda _: None)
     # GPipe's order under the 1f1b name: 1F1B on one rank promises one microbatch in flight
-    program = dataclasses.replace(program, schedule=Schedule("1f1b", 1, 1, 2, gpipe(1, 2).actions))
+    schedule = Schedule("1f1b", 1, 1, 2, gpipe(1, 2).actions)
+    program = dataclasses.replace(program, schedule=schedule,
+                                  instructions=lower_instructions(schedule, program.coords, frozenset()))
     with pytest.raises(InFlightError, match=r"0F1: stage 0 holds 2 saved-activation sets, more than the 1f1b "
                                             r"schedule's bound of 1"):
         run_gcompile_program(cfg, program)
