@@ -25,16 +25,18 @@ def init_groups(coords: Coords, tp_comm_backend: str | None = None, device: str 
     in a graph means this rank's tp group. `tp_comm_backend` (parallel.tp_comm_backend; None: the
     world's) may put the tp groups on shared memory (tp_group_backend)."""
     backends = {"tp": tp_group_backend(tp_comm_backend, coords, device)} if tp_comm_backend else {}
-    groups = {"world": dist.group.WORLD}
+    groups, created = {"world": dist.group.WORLD}, {}
     for role in GROUP_ROLES:
         if role == "world" or len(group_members(coords, role)) == 1:
             continue
         for ranks in all_groups(coords, role):
-            created = dist.new_group(list(ranks), backend=backends.get(role))
+            key = (ranks, backends.get(role))  # roles with the same ranks (dp_cp and dp at cp 1) share a group
+            if key not in created:
+                created[key] = dist.new_group(list(ranks), backend=backends.get(role))
             if coords.rank in ranks:
-                groups[role] = created
-    for role, created in groups.items():
-        register_group(role, created)
+                groups[role] = created[key]
+    for role, group in groups.items():
+        register_group(role, group)
     return groups
 
 

@@ -126,7 +126,7 @@ def run_rank_passes(rank_program: RankProgram, specs: list[str], ctx: PassContex
         _check_takes(fn, name, RankProgram, "after lowering, where passes get the RankProgram; place it "
                                              "before:lower=... to get the forward Program")
         before = _rank_op_counts(rank_program)
-        fingerprints = {id(gm): str(gm.graph) for gm in _rank_graphs(rank_program)}
+        fingerprints = {id(gm): _fingerprint(gm) for gm in _rank_graphs(rank_program)}
         start = time.perf_counter()
         history = " -> ".join(rank_program.history)
         try:
@@ -136,13 +136,13 @@ def run_rank_passes(rank_program: RankProgram, specs: list[str], ctx: PassContex
             raise
         except Exception as e:
             raise PassError(f"rank pass {number} {name!r} failed (after {history}): {type(e).__name__}: {e}") from e
-        edited = [gm for gm in _rank_graphs(rank_program) if str(gm.graph) != fingerprints[id(gm)]]
+        edited = [gm for gm in _rank_graphs(rank_program) if _fingerprint(gm) != fingerprints[id(gm)]]
         if edited:
             raise PassError(f"rank pass {number} {name!r} edited a graph of the program it was given in place "
                             f"(after {history}); ranks share those graphs, so other ranks would change too: "
                             f"copy.deepcopy the GraphModule, edit the copy, and return it with dataclasses.replace")
         for gm in _rank_graphs(result):
-            if id(gm) not in fingerprints:
+            if id(gm) not in fingerprints and any("val" not in n.meta for n in gm.graph.nodes if n.op != "output"):
                 _refresh(gm, name, number, history)
         rank_program = replace(result, history=rank_program.history + (name,))
         log(f"rank pass {number:02d} {name} ({(time.perf_counter() - start) * 1e3:.0f} ms): "
@@ -171,8 +171,14 @@ def _check_returns(result, name: str, expected: type) -> None:
                         f"a pass returns the program, changed (e.g. dataclasses.replace(program, stages=...))")
 
 
+def _fingerprint(gm: fx.GraphModule) -> list:
+    """What an edit of a graph changes: its nodes, their targets and arguments (cheaper than its code)."""
+    return [(node, node.target, node.args, node.kwargs) for node in gm.graph.nodes]
+
+
 def _refresh(gm: fx.GraphModule, name: str, number: int, history: str) -> None:
-    """Re-derive the shapes of a graph a rank pass made; a placeholder without a fake value is named."""
+    """Derive the shapes of a graph a rank pass made and left without them; a placeholder without a
+    fake value is named."""
     for node in gm.graph.find_nodes(op="placeholder"):
         if "val" not in node.meta:
             raise PassError(f"rank pass {number} {name!r} (after {history}) added input {node.name} without "

@@ -76,6 +76,10 @@ class Runtime:
                                     device=state.params.device)
         """The gradient of the step's loss (the mean over microbatches, times the fp16 loss scale)
         w.r.t. one microbatch's fp32 loss."""
+        self.before_step = [i for i in program.instructions if i.op != OPT_STEP]
+        self.step_only = [i for i in program.instructions if i.op == OPT_STEP]
+        self.forward_only = [i for i in program.instructions if i.op in (Kind.F, Kind.SEND_F, Kind.RECV_F)]
+        """The training list without backward, for evaluation."""
         schedule = program.schedule
         self.bound = {s: in_flight_bound(schedule, s) for s in program.stages}
         self.rank_bound = rank_in_flight_bound(schedule, program.coords.axis_rank("pp"))
@@ -93,19 +97,18 @@ class Runtime:
     def forward_backward(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
         """The instructions before the optimizer step: gradients accumulate into the state's flat grad buffer."""
         self._prepare_loss_grad()
-        self._run(microbatches, [i for i in self.program.instructions if i.op != OPT_STEP], training=True)
+        self._run(microbatches, self.before_step, training=True)
         return self._mean_loss()
 
     def optimizer_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The optimizer step instruction: AdamW on the accumulated gradients (then zeroed);
         (global grad norm, 1 if the step was skipped)."""
-        self._run([], [i for i in self.program.instructions if i.op == OPT_STEP], training=True)
+        self._run([], self.step_only, training=True)
         return self.step_result
 
     def eval_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
         """Mean loss of the forwards alone (the training instruction list without backward)."""
-        forward_only = [i for i in self.program.instructions if i.op in (Kind.F, Kind.SEND_F, Kind.RECV_F)]
-        self._run(microbatches, forward_only, training=False)
+        self._run(microbatches, self.forward_only, training=False)
         return self._mean_loss()
 
     def _prepare_loss_grad(self):
