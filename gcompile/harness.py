@@ -36,6 +36,7 @@ from gcompile.rank_program import RankProgram
 from gcompile.runtime import Runtime, StageFunctions
 from gcompile.state import TrainState
 from gcompile.train import split_microbatches
+from gcompile.torch_api import is_op_overload
 from gcompile.world import build_world
 
 TIMEOUT = 120.0
@@ -147,7 +148,7 @@ class _RankInterpreter(fx.Interpreter):
         self.rank, self.hub = rank, hub
 
     def call_function(self, target, args, kwargs):
-        if isinstance(target, torch._ops.OpOverload) and target.namespace == "_c10d_functional":
+        if is_op_overload(target) and target.namespace == "_c10d_functional":
             if target._opname == "wait_tensor":
                 return args[0]
             return self.hub.collective(self.rank, target, args, kwargs)
