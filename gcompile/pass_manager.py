@@ -104,8 +104,10 @@ def run_passes(program: Program, specs: list[str], ctx: PassContext, log: Callab
         except PassError:
             raise
         except Exception as e:
+            hint = " (before lowering a pass gets the forward Program; one over the RankProgram goes " \
+                   "after:lower=...)" if isinstance(e, AttributeError) else ""
             raise PassError(f"pass {number} {name!r} failed (after {' -> '.join(program.history)}): "
-                            f"{type(e).__name__}: {e}") from e
+                            f"{type(e).__name__}: {e}{hint}") from e
         program = result
         program.history.append(name)
         after = _op_counts(program)
