@@ -31,7 +31,7 @@ from gcompile.lower_rank import lower_rank
 from gcompile.optimizer import tied_reductions
 import passes  # noqa: F401  registers the built-in passes
 from gcompile.pass_manager import PassContext, PassError, clear_rank_dump, rank_dump_dir, run_passes, run_rank_passes
-from gcompile.program import Stage, dump_text
+from gcompile.program import Stage, dump_text, format_graph
 from gcompile.rank_program import AdamWSettings, LoweredStage, LossScaling, RankProgram, StepSettings
 from gcompile.schedule import build_schedule, simulate
 
@@ -66,9 +66,9 @@ def user_pass_point(entry: str, config: RunConfig, builtin: list[str]) -> tuple[
     if point == "grad_sync":
         point = "sharded_optimizer" if config.parallel.use_distributed_optimizer else "data_parallel"
     elif point not in ("capture", "lower") and point not in builtin:
-        raise PassError(f"passes entry {entry!r}: {point} does not run in this layout (it runs "
-                        f"{', '.join(builtin) or 'no built-in pass'}); place the pass at one of those, at capture "
-                        f"or lower, or at grad_sync (wherever gradients cross dp ranks)")
+        runs = f"its built-in passes are {', '.join(builtin)}" if builtin else "it runs no built-in pass"
+        raise PassError(f"passes entry {entry!r}: {point} does not run in this layout ({runs}); place the pass "
+                        f"at capture, lower, grad_sync (where gradients cross dp ranks) or a pass that runs")
     return POINTS.index(point) + (0.5 if side == "after" else -0.5), spec
 
 
@@ -153,8 +153,9 @@ def build_rank_program(config: RunConfig, coords: Coords, device: str = "cpu",
     rank_program = run_rank_passes(rank_program, rank_passes, ctx, log, first_number=number + 1)
     if dump_dir:
         number += 1 + len(rank_passes)
-        dump_text(dump_dir, f"{number:02d}_optimizer.txt", str(rank_program.optimizer.graph.code))
-        dump_text(dump_dir, "schedule.txt", rank_program.format_instructions())
+        dump_text(dump_dir, f"{number:02d}_optimizer.txt", f"# optimizer step{rank_program.optimizer.inputs}\n"
+                                                          f"{format_graph(rank_program.optimizer.graph)}")
+        dump_text(dump_dir, "schedule.txt", rank_program.format_instructions() + "\n")
         dump_text(dump_dir, "summary.txt", format_summary(rank_program))
     return rank_program
 
