@@ -10,7 +10,7 @@ import torch
 import torch.fx as fx
 
 from gcompile.flat import FlatLayout
-from gcompile.axes import Coords
+from gcompile.axes import Coords, group_members
 from gcompile.instructions import OPTIMIZER, Instruction, format_instructions
 from gcompile.layout import Param
 from gcompile.program import activation_roles, format_graph
@@ -155,9 +155,11 @@ class RankProgram:
 
     @property
     def shard_rank(self) -> int | None:
-        """Which 1/n of the optimizer state this rank holds (the flat layout cuts buckets per dp rank);
-        None when it holds all of it."""
-        return None if self.optimizer_shard is None else self.coords.axis_rank("dp")
+        """Which 1/n of the optimizer state this rank holds: its position in the `optimizer_shard` group
+        (gcompile.axes); None when it holds all of it."""
+        if self.optimizer_shard is None:
+            return None
+        return group_members(self.coords, self.optimizer_shard).index(self.coords.rank)
 
     def format_instructions(self) -> str:
         return format_instructions(self.instructions, f"rank {self.coords.rank} {self.coords}, schedule "
