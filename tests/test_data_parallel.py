@@ -179,7 +179,8 @@ def test_dp_strategies_are_rewrites_of_the_optimizer_graph(sharded):
 
 
 def optimizer_bytes(config, dp_rank: int) -> int:
-    program = build_rank_program(config, Coords.from_rank(dp_rank, {"dp": config.parallel.dp}), log=lambda _: None)
+    program = build_rank_program(config, Coords.from_rank(dp_rank, {"dp": config.parallel.dp}), log=lambda _: None,
+                                 cache=BUILD)
     state = TrainState.initial(program, config.model, 0, "cpu")
     return sum(b.numel() * b.element_size() for b in (state.main, state.exp_avg, state.exp_avg_sq) if b is not None)
 
@@ -189,7 +190,7 @@ def test_optimizer_state_is_split_over_dp(bucket_size):
     unsharded = optimizer_bytes(small_config(ddp_bucket_size=bucket_size), 0)
     for dp in (2, 4):
         config = small_config(dp=dp, micro_batch_size=1, use_distributed_optimizer=True, ddp_bucket_size=bucket_size)
-        program = build_rank_program(config, Coords.from_rank(0, {"dp": dp}), log=lambda _: None)
+        program = build_rank_program(config, Coords.from_rank(0, {"dp": dp}), log=lambda _: None, cache=BUILD)
         padding_bytes = 3 * 4 * 16 * dp * len(program.layout.buckets)  # main + 2 states, fp32, per bucket
         for dp_rank in range(dp):
             sharded = optimizer_bytes(config, dp_rank)

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 import run_gpt
+from gcompile import harness
 from gcompile.check import PlanError, check_plan, estimate_memory
 from gcompile.compile import graph_key
 from gcompile.config import build_config, parse_args
@@ -16,7 +17,6 @@ from gcompile.axes import Coords
 from gcompile.schedule import Kind
 from gcompile.train import train
 from gcompile.world import build_world, precompile, rank_graphs
-from tests.multirank import run_layouts
 from tests.reference import ADAM_EPS, random_batches, reference_run, rel_err, without_key_bias
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -120,14 +120,13 @@ def test_memory_budget():
     assert sharded < unsharded  # 3 fp32 buffers of half the size against 2 of the whole
 
 
-def test_user_pass_changes_the_dump_and_keeps_the_numerics(tmp_path):
-    plain, split = config(tp=2), config(tp=2, passes=(SPLIT_PASS,))
-    for cfg, name in ((plain, "plain"), (split, "split")):
-        dump = tmp_path / name
-        assert run("--tp", "2", "--n-layer", "4", "--n-head", "8", "--micro-batch-size", "1",
-                   "--global-batch-size", "4", "--seq-length", "32", "--block-size", "32", "--dump-only",
-                   "--dump-graphs", str(dump), *(("--passes", SPLIT_PASS) if cfg is split else ()),
-                   timeout=300).returncode == 0
+def test_user_pass_changes_the_dump_and_keeps_the_numerics(tmp_path, capsys):
+    """The dump through run_gpt.py's --dump-only, the numerics on every rank in this process (gcompile.harness)."""
+    split = config(tp=2, passes=(SPLIT_PASS,))
+    for name, passes in (("plain", ()), ("split", ("--passes", SPLIT_PASS))):
+        assert run_gpt.main(["--tp", "2", "--n-layer", "4", "--n-head", "8", "--micro-batch-size", "1",
+                             "--global-batch-size", "4", "--seq-length", "32", "--block-size", "32", "--dump-only",
+                             "--dump-graphs", str(tmp_path / name), *passes]) == 0
     before = open(tmp_path / "plain" / "rank0" / "summary.txt").read()
     after = open(tmp_path / "split" / "rank0" / "summary.txt").read()
     assert "reduce_scatter_tensor" not in before and "reduce_scatter_tensor    tp" in after
@@ -137,8 +136,7 @@ def test_user_pass_changes_the_dump_and_keeps_the_numerics(tmp_path):
     batches = random_batches(split, 3)
     lrs = [1e-3, 6e-4, 3e-4]
     expected = reference_run(split, batches, lrs)
-    (tmp_path / "run").mkdir()
-    (result,) = run_layouts(tmp_path / "run", [split], batches, lrs)
+    (result,) = harness.run_layouts([split], batches, lrs)
     for step, ref in enumerate(expected):
         assert abs(result.losses[step] - ref.loss) / ref.loss < 1e-5
     for name, value in expected[-1].params.items():
