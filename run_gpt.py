@@ -17,7 +17,7 @@ import torch
 
 from gcompile.checkpoint import CheckpointError, check
 from gcompile.config import ConfigError, RunConfig, parse_args
-from gcompile.data import DataError, build_datasets
+from gcompile.data import DataError, build_datasets, check_vocab
 from gcompile.check import PlanError, check_plan
 from gcompile.mesh import MeshError
 from gcompile.launch import join_world, rank_threads, run_ranks, under_launcher
@@ -72,6 +72,7 @@ def main(argv: list[str]) -> int:
             if flags.dump_only or flags.check_plan:
                 return plan_only(config, flags.dump_only)
             build_datasets(config.data, config.train.seq_length, config.train.seed)  # prepare once, check early
+            check_vocab(config.data, config.model.vocab_size)
             check(config)  # --save can be written, the checkpoint to --load is whole and fits
             if config.world_size > 1:
                 device = "cuda" if torch.cuda.is_available() else "cpu"

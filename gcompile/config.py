@@ -12,6 +12,7 @@ import ast
 import dataclasses
 import inspect
 import math
+import shlex
 import textwrap
 import tomllib
 import types
@@ -276,6 +277,8 @@ def _coerce(value, annotation, key: str):
         if kind is tuple:
             items = [v for v in value.split(",") if v.strip()] if isinstance(value, str) else value
             return tuple(_coerce(v, typing.get_args(annotation)[0], key) for v in items)
+        if kind is str and isinstance(value, list):  # a TOML list, or the words after a flag of nargs="+"
+            return shlex.join(str(v) for v in value)
         if kind is int and isinstance(value, float) and not value.is_integer():
             raise ValueError(value)
         return kind(value)
@@ -351,7 +354,8 @@ def parser() -> argparse.ArgumentParser:
             p.add_argument(f"--{flag}", *aliases, dest=f.name, nargs="?", const="true", metavar="BOOL",
                            help=help_text)
         else:
-            p.add_argument(f"--{flag}", *aliases, dest=f.name, metavar=f.name.upper(), help=help_text)
+            p.add_argument(f"--{flag}", *aliases, dest=f.name, metavar=f.name.upper(), help=help_text,
+                           nargs=f.metadata.get("nargs"))
     return p
 
 

@@ -1,8 +1,8 @@
-"""Token data for training: a byte-level tokenizer, corpus preparation, and GPT samples.
+"""Token data for training: GPT samples from prepared files, the default corpus, blends.
 
 Files on disk are Megatron's indexed dataset (PREFIX.bin + PREFIX.idx, see
-indexed_dataset.py) or nanoGPT's raw `.bin` (a flat uint16 array). Either is
-read as one token stream, documents back to back, each ending in EOD.
+indexed_dataset.py; written by prepare.py) or nanoGPT's raw `.bin` (a flat uint16
+array). Either is read as one token stream, documents back to back.
 
     stream   |-------------- train --------------|-- valid --|(-- test, unused --)|
     samples   [0 ....... L][L ....... 2L]...        [0 ...... L][L ..... 2L]...
@@ -12,116 +12,32 @@ weights (a document may straddle the cut; no token is in both parts). Each part
 is cut into samples of L + 1 tokens (inputs and shifted targets); consecutive
 samples share one token, as in Megatron. The order of samples is a seeded
 permutation per epoch that depends only on (seed, epoch, sample count), so a
-resumed run draws the same batches as an uninterrupted one.
+resumed run draws the same batches as an uninterrupted one. Several weighted
+prefixes are split each alike and blended (blend.py), train with train, valid with valid.
 
     python -m gcompile.data prepare --input DIR_OR_FILE [...] --output PREFIX [--pattern '*.py']
 """
 
-import argparse
-import fnmatch
 import hashlib
+import json
 import math
 import os
 import platform
 import sys
 import sysconfig
-import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from gcompile.indexed_dataset import DataError, IndexedDataset, IndexedDatasetWriter
-
-EOD = 256
-"""End of document, appended after each file's bytes."""
-VOCAB_SIZE = 257
-"""256 byte values + EOD."""
+from gcompile.blend import BlendedDataset, parse_blend
+from gcompile.indexed_dataset import DataError, IndexedDataset
+from gcompile.prepare import META_SUFFIX, main, prepare
 
 STDLIB = sysconfig.get_paths()["stdlib"]
 """The running interpreter's standard library: the default corpus, present on every machine."""
 NOT_STDLIB = ("site-packages", "dist-packages")
 """Installed third-party packages live under the stdlib folder; they differ per machine."""
-
-
-def encode(data: bytes) -> np.ndarray:
-    """Bytes of UTF-8 text (any bytes, in fact) -> token ids, ending in EOD."""
-    return np.append(np.frombuffer(data, dtype=np.uint8).astype(np.uint16), np.uint16(EOD))
-
-
-def decode(ids) -> str:
-    """Token ids -> text; EOD becomes a newline, invalid UTF-8 a replacement character."""
-    return bytes(10 if i == EOD else i for i in ids).decode("utf-8", errors="replace")
-
-
-def find_files(inputs: list[str], pattern: str = "*", skip_dirs: tuple[str, ...] = ()) -> list[str]:
-    """Files named directly, plus files under folders whose name matches `pattern`, sorted per folder.
-
-    Sorted so that the same folder always gives the same token stream.
-    """
-    files = []
-    for path in inputs:
-        if os.path.isfile(path):
-            files.append(path)
-        elif os.path.isdir(path):
-            for root, dirs, names in os.walk(path):
-                dirs[:] = sorted(d for d in dirs if d not in skip_dirs)
-                files += [os.path.join(root, n) for n in sorted(fnmatch.filter(names, pattern))
-                          if os.path.isfile(os.path.join(root, n))]
-        else:
-            raise DataError(f"--input {path}: no such file or folder")
-    if not files:
-        raise DataError(f"--input {' '.join(inputs)}: no files matching --pattern {pattern!r}")
-    return files
-
-
-class Progress:
-    """`[####......]  912/1790 files  15.2 MB  48.3 MB/s` on stderr.
-
-    Redrawn in place at most 10 times a second on a terminal; elsewhere (logs,
-    pipes) only the final line is written, so logs stay one line per run.
-    """
-
-    def __init__(self, total: int, stream=sys.stderr):
-        self.total, self.stream = total, stream
-        self.done = self.bytes = 0
-        self.start = self.drawn = time.monotonic()
-
-    def update(self, nbytes: int) -> None:
-        self.done += 1
-        self.bytes += nbytes
-        now = time.monotonic()
-        if self.done == self.total or (self.stream.isatty() and now - self.drawn > 0.1):
-            self.drawn = now
-            self._draw(now, end="\n" if self.done == self.total else "")
-
-    def _draw(self, now: float, end: str) -> None:
-        width = 30
-        filled = width * self.done // self.total
-        mb = self.bytes / 1e6
-        rate = mb / max(now - self.start, 1e-9)
-        line = (f"\r[{'#' * filled}{'.' * (width - filled)}] {self.done:>{len(str(self.total))}}/"
-                f"{self.total} files  {mb:.1f} MB  {rate:.1f} MB/s")
-        print(line, end=end, file=self.stream, flush=True)
-
-
-def prepare(inputs: list[str], output: str, pattern: str = "*",
-            skip_dirs: tuple[str, ...] = ()) -> IndexedDataset:
-    """Tokenize every file (one file = one document) into OUTPUT.bin / OUTPUT.idx."""
-    files = find_files(inputs, pattern, skip_dirs)
-    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-    progress = Progress(len(files))
-    with IndexedDatasetWriter(output, dtype=np.uint16) as writer:
-        for path in files:
-            try:
-                with open(path, "rb") as f:
-                    data = f.read()
-            except OSError as e:
-                raise DataError(f"--input {path}: cannot read ({e.strerror}); fix its permissions or "
-                                "leave it out with --pattern") from None
-            writer.add_document(encode(data))
-            progress.update(len(data))
-    return IndexedDataset(output)
 
 
 def default_corpus(cache_dir: str | None = None) -> str:
@@ -138,7 +54,7 @@ def default_corpus(cache_dir: str | None = None) -> str:
     if not os.path.exists(prefix + ".idx"):
         print(f"preparing the default corpus ({STDLIB}/**/*.py) into {prefix}.bin/.idx",
               file=sys.stderr)
-        prepare([STDLIB], prefix, pattern="*.py", skip_dirs=NOT_STDLIB)
+        prepare([STDLIB], prefix, pattern="*.py", skip_dirs=NOT_STDLIB, append_eod=True)
     return prefix
 
 
@@ -159,8 +75,8 @@ def load_tokens(data_path: str) -> np.ndarray:
 
 @dataclass(frozen=True)
 class DataConfig:
-    data_path: str | None = None
-    """PREFIX of .bin/.idx, or a raw nanoGPT .bin path; None = the stdlib corpus."""
+    data_path: str | None = field(default=None, metadata=dict(nargs="+"))
+    """PREFIX of .bin/.idx or a raw nanoGPT .bin, or a blend '0.7 PREFIX_A 0.3 PREFIX_B'; None = the stdlib corpus."""
     split: str = "98,2"
     """train,valid[,test] weights cutting the token stream by position, as Megatron's '969,30,1'."""
     cache_dir: str | None = None
@@ -216,10 +132,24 @@ class GPTDataset:
         return torch.from_numpy(np.array(self.tokens[windows], dtype=np.int64))
 
 
-def build_datasets(config: DataConfig, seq_length: int, seed: int) -> tuple[GPTDataset, GPTDataset]:
-    """Train and valid datasets: the split's first two parts of the token stream."""
-    weights = parse_split(config.split)
-    data_path = config.data_path or default_corpus(config.cache_dir)
+def blend_paths(config: DataConfig) -> list[tuple[float, str]]:
+    """(weight, path) of each dataset the run reads; the default corpus is prepared here on first use."""
+    return parse_blend(config.data_path) if config.data_path else [(1.0, default_corpus(config.cache_dir))]
+
+
+def build_datasets(config: DataConfig, seq_length: int, seed: int):
+    """Train and valid datasets: the split's first two parts of each token stream, blended when several."""
+    blend = blend_paths(config)
+    parts = [split_datasets(path, config.split, seq_length, seed) for _, path in blend]
+    if len(parts) == 1:
+        return parts[0]
+    weights = [w for w, _ in blend]
+    return BlendedDataset([t for t, _ in parts], weights), BlendedDataset([v for _, v in parts], weights)
+
+
+def split_datasets(data_path: str, split: str, seq_length: int, seed: int) -> tuple[GPTDataset, GPTDataset]:
+    """Train and valid datasets of one token stream."""
+    weights = parse_split(split)
     tokens = load_tokens(data_path)
     n, total = len(tokens), sum(weights)
     train_end = round(n * weights[0] / total)
@@ -227,7 +157,7 @@ def build_datasets(config: DataConfig, seq_length: int, seed: int) -> tuple[GPTD
     need = math.ceil((seq_length + 1) * total / min(weights[:2])) + 1  # + 1: the rounding of the cut
     for part, size in (("train", train_end), ("valid", valid_end - train_end)):
         if size < seq_length + 1:
-            raise DataError(f"--data-path {data_path}: {n} tokens; split {config.split!r} leaves {part} "
+            raise DataError(f"--data-path {data_path}: {n} tokens; split {split!r} leaves {part} "
                             f"{size}, fewer than one sample of seq_length + 1 = {seq_length + 1}; "
                             f"it needs at least {need} tokens, or a shorter seq_length")
     train = GPTDataset(tokens[:train_end], seq_length, seed)
@@ -235,20 +165,23 @@ def build_datasets(config: DataConfig, seq_length: int, seed: int) -> tuple[GPTD
     return train, valid
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m gcompile.data", description=__doc__.splitlines()[0])
-    commands = parser.add_subparsers(dest="command", required=True)
-    prep = commands.add_parser("prepare", help="tokenize files, one document each, into PREFIX.bin/.idx")
-    prep.add_argument("--input", nargs="+", required=True, help="files, or folders searched recursively")
-    prep.add_argument("--output", required=True, help="PREFIX: writes PREFIX.bin and PREFIX.idx")
-    prep.add_argument("--pattern", default="*", help="glob on file names inside folders, e.g. '*.py'")
-    args = parser.parse_args(argv)
-    try:
-        dataset = prepare(args.input, args.output, args.pattern)
-    except DataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    print(f"{args.output}.bin/.idx: {len(dataset)} documents, {len(dataset.tokens)} tokens")
+def check_vocab(config: DataConfig, vocab_size: int) -> None:
+    """Refuse a model whose vocabulary is smaller than the data's largest id, from PREFIX.meta.json when
+    prepare wrote one (no token is read), else by scanning the tokens (Megatron's files, raw .bin)."""
+    for _, path in blend_paths(config):
+        tokens, meta_path = load_tokens(path), path.removesuffix(".bin") + META_SUFFIX
+        meta = {}
+        if os.path.isfile(meta_path):
+            with open(meta_path) as f:
+                meta = json.load(f)
+        if meta.get("num_tokens") != len(tokens):  # none, or left from an earlier pair
+            meta = dict(largest_id=int(tokens.max()) if len(tokens) else -1)
+        largest = meta["largest_id"]
+        if largest >= vocab_size:
+            tokenizer = f" (its tokenizer has {meta['vocab_size']})" if "vocab_size" in meta else ""
+            raise DataError(f"--data-path {path}: holds token id {largest}{tokenizer} but vocab_size={vocab_size}; "
+                            f"raise --vocab-size to at least {meta.get('vocab_size', largest + 1)} or use data "
+                            "made with this model's tokenizer")
 
 
 if __name__ == "__main__":

@@ -51,7 +51,7 @@ def _token_dtype(dtype) -> np.dtype:
     return np.dtype(dtype).newbyteorder("<")
 
 
-def _temp_name(path: str) -> str:
+def temp_name(path: str) -> str:
     """Unique per writer, so two processes preparing the same files never share one."""
     return f"{path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
@@ -69,8 +69,8 @@ class IndexedDatasetWriter:
         self.dtype = _token_dtype(dtype)
         self.code = {np.dtype(t): c for c, t in DTYPES.items()}[np.dtype(dtype)]
         self.lengths: list[int] = []
-        self._bin_tmp = _temp_name(prefix + ".bin")
-        self._idx_tmp = _temp_name(prefix + ".idx")
+        self._bin_tmp = temp_name(prefix + ".bin")
+        self._idx_tmp = temp_name(prefix + ".idx")
 
     def __enter__(self) -> "IndexedDatasetWriter":
         self._bin = open(self._bin_tmp, "wb")

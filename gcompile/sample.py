@@ -4,7 +4,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from gcompile.data import EOD, decode, encode
+from gcompile.tokenizer import EOD, decode, encode
 
 
 @torch.no_grad()

@@ -18,8 +18,9 @@ from gcompile import checkpoint
 from gcompile.checkpoint import Progress
 from gcompile.compile import Compiler, compile_rank_program, dump_generated_code
 from gcompile.cuda_graphs import GraphedTrainStep
-from gcompile.config import ConfigError, RunConfig, TrainConfig
-from gcompile.data import GPTDataset, build_datasets
+from gcompile.config import RunConfig, TrainConfig
+from gcompile.blend import BlendedDataset
+from gcompile.data import GPTDataset, build_datasets, check_vocab
 from gcompile.log import MetricsLog
 from gcompile.axes import Coords
 from gcompile.mesh import group
@@ -47,7 +48,7 @@ def lr_at(iteration: int, t: TrainConfig) -> float:
     return t.min_lr + coeff * (t.lr - t.min_lr)
 
 
-def microbatches(dataset: GPTDataset, consumed_samples: int, config: RunConfig, coords: Coords, device):
+def microbatches(dataset: GPTDataset | BlendedDataset, consumed_samples: int, config: RunConfig, coords: Coords, device):
     """This dp rank's share of the global batch starting at `consumed_samples`, as (idx, targets) pairs."""
     t = config.train
     per_rank = t.global_batch_size // coords.size("dp")
@@ -69,7 +70,7 @@ def train(config: RunConfig, coords: Coords, device: str = "cpu", log=print) -> 
     """Run the whole training; returns the logged records (on the logging rank; empty elsewhere)."""
     t = config.train
     train_data, valid_data = build_datasets(config.data, t.seq_length, t.seed)
-    _check_vocab(train_data, config)
+    check_vocab(config.data, config.model.vocab_size)  # under torchrun, the first place that can
     logging = is_logging_rank(coords)
     quiet = (lambda _: None) if coords.rank != 0 else log
 
@@ -158,7 +159,7 @@ def dump_schedule(schedule: Schedule, run_dir: str, log=print) -> None:
     log(f"schedule written to {os.path.join(run_dir, 'schedule.txt')} and schedule.svg")
 
 
-def evaluate(runtime: Runtime, valid_data: GPTDataset, config: RunConfig, coords: Coords, device) -> float:
+def evaluate(runtime: Runtime, valid_data: GPTDataset | BlendedDataset, config: RunConfig, coords: Coords, device) -> float:
     """Mean loss over the first eval_iters global batches of the validation split (the same ones each time)."""
     losses = []
     for i in range(config.train.eval_iters):
@@ -174,9 +175,3 @@ def _mean_over_dp(loss: torch.Tensor | None, coords: Coords) -> torch.Tensor | N
     dist.all_reduce(loss, group=group("dp"))
     return loss / coords.size("dp")
 
-
-def _check_vocab(dataset: GPTDataset, config: RunConfig) -> None:
-    largest = int(dataset.tokens.max())
-    if largest >= config.model.vocab_size:
-        raise ConfigError(f"the data holds token id {largest} but vocab_size={config.model.vocab_size}; "
-                          f"raise --vocab-size to at least {largest + 1} or use data from this tokenizer")

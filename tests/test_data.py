@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from gcompile import data
+from gcompile import data, tokenizer
 from gcompile.data import DataConfig, DataError, GPTDataset, build_datasets, load_tokens
 from gcompile.indexed_dataset import IndexedDataset, IndexedDatasetWriter
 
@@ -116,10 +116,10 @@ def test_raw_nanogpt_bin(tmp_path):
 
 def test_byte_tokenizer():
     text = "def f():\n    return 'héllo'"
-    ids = data.encode(text.encode())
-    assert ids.dtype == np.uint16 and ids[-1] == data.EOD == 256 and data.VOCAB_SIZE == 257
+    ids = tokenizer.encode(text.encode())
+    assert ids.dtype == np.uint16 and ids[-1] == tokenizer.EOD == 256 and tokenizer.VOCAB_SIZE == 257
     assert list(ids[:-1]) == list(text.encode())
-    assert data.decode(ids) == text + "\n"
+    assert tokenizer.decode(ids) == text + "\n"
 
 
 # --- samples, order, split -----------------------------------------------------------------------
@@ -239,13 +239,14 @@ def test_prepare_cli_on_a_folder(tmp_path):
     extra = tmp_path / "extra.txt"
     extra.write_text("hi")
     out = tmp_path / "out" / "corpus"
-    result = run_cli("prepare", "--input", str(folder), str(extra), "--output", str(out), "--pattern", "*.py")
+    result = run_cli("prepare", "--input", str(folder), str(extra), "--output", str(out), "--pattern", "*.py",
+                     "--append-eod")
     assert result.returncode == 0, result.stderr
     assert "4/4 files" in result.stderr and "4 documents" in result.stdout
     ds = IndexedDataset(str(out))
     expected = [b"x = '\xc3\xa9'\n", b"print('b')\n", b"", b"hi"]  # a.py, b.py, sub/c.py, then extra.txt
     for i, doc in enumerate(expected):
-        assert ds.get(i).tolist() == list(doc) + [data.EOD]
+        assert ds.get(i).tolist() == list(doc) + [tokenizer.EOD]
 
 
 @pytest.mark.parametrize("args, match", [
@@ -279,10 +280,10 @@ def test_default_corpus_prepared_once_and_reused(tmp_path, monkeypatch):
     assert len(set(prefixes)) == 1
     prefix = prefixes[0]
     assert os.path.basename(prefix).startswith(f"stdlib-py{sys.version_info.major}.{sys.version_info.minor}")
-    assert sorted(os.listdir(cache)) == [os.path.basename(prefix) + ext for ext in (".bin", ".idx")]
+    assert sorted(os.listdir(cache)) == [os.path.basename(prefix) + ext for ext in (".bin", ".idx", ".meta.json")]
     ds = IndexedDataset(prefix)
     assert len(ds) == 3  # a.py, b.py, sub/c.py; not notes.txt, not site-packages
-    assert data.decode(ds.tokens) == "x = 'é'\n\nprint('b')\n\n\n"
+    assert tokenizer.decode(ds.tokens) == "x = 'é'\n\nprint('b')\n\n\n"
     mtime = os.path.getmtime(prefix + ".idx")
     assert data.default_corpus(str(cache)) == prefix and os.path.getmtime(prefix + ".idx") == mtime
     train, valid = build_datasets(DataConfig(cache_dir=str(cache), split="1,1"), seq_length=4, seed=0)

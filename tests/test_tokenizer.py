@@ -1,0 +1,183 @@
+"""Tokenizers in `prepare`: each --tokenizer-type on a small corpus, a BPE trained here, workers, EOD,
+the vocab size that travels with the data, and one-line errors.
+
+Expected ids come from the `tokenizers` library called directly on each file's text;
+decoding the prepared ids must give the text back.
+"""
+
+import json
+import os
+import re
+
+import numpy as np
+import pytest
+from tokenizers import ByteLevelBPETokenizer, Tokenizer, models, pre_tokenizers, trainers
+
+import run_gpt
+from gcompile import prepare, tokenizer
+from gcompile.data import DataConfig, DataError, check_vocab
+from gcompile.indexed_dataset import IndexedDataset, IndexedDatasetWriter
+
+TEXTS = {
+    "a.py": "def add(x, y):\n    return x + y\n\nprint(add(1, 2))\n",
+    "b.txt": "Héllo, wörld! 你好 — tabs\tand  spaces  \n" * 3,
+    "c.md": "# Title\n\nSome *markdown* with `code` and émojis 🙂.\n",
+    "d.py": "class Point:\n    def __init__(self, x, y):\n        self.x, self.y = x, y\n" * 4,
+}
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    for name, text in TEXTS.items():
+        (folder / name).write_text(text, encoding="utf-8")
+    return folder
+
+
+def cli(*args) -> int:
+    try:
+        prepare.main(["prepare", *map(str, args)])
+    except SystemExit as e:
+        return e.code
+    return 0
+
+
+def documents(prefix) -> list[list[int]]:
+    ds = IndexedDataset(str(prefix))
+    return [ds.get(i).tolist() for i in range(len(ds))]
+
+
+def gpt2_files(folder) -> tuple[str, str]:
+    """A tiny GPT-2-style vocab.json + merges.txt, trained here on the same texts."""
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(list(TEXTS.values()), vocab_size=280, special_tokens=["<|endoftext|>"],
+                            show_progress=False)
+    bpe.save_model(str(folder))
+    return str(folder / "vocab.json"), str(folder / "merges.txt")
+
+
+def test_byte_level(corpus, tmp_path):
+    assert cli("--input", corpus, "--output", tmp_path / "bytes", "--append-eod") == 0
+    docs = documents(tmp_path / "bytes")
+    for doc, text in zip(docs, TEXTS.values()):
+        assert doc == list(text.encode()) + [256]
+        assert tokenizer.ByteLevel().decode(doc[:-1]) == text
+    meta = json.loads((tmp_path / "bytes.meta.json").read_text())
+    assert meta["vocab_size"] == 257 and meta["eod"] == 256 and meta["largest_id"] == max(max(d) for d in docs)
+
+
+def test_train_tokenizer_then_hugging_face(corpus, tmp_path, capsys):
+    assert cli("--input", corpus, "--output", tmp_path / "bpe", "--train-tokenizer", "--vocab-size", 300,
+               "--append-eod") == 0
+    path = tmp_path / "bpe.tokenizer.json"
+    assert "trained a byte-level BPE of 300 entries on 4 files" in capsys.readouterr().err
+    reference = Tokenizer.from_file(str(path))
+    eod = reference.token_to_id("<|endoftext|>")
+    assert reference.get_vocab_size() == 300
+    docs = documents(tmp_path / "bpe")
+    ours = tokenizer.build(tokenizer.TokenizerSpec("HuggingFaceTokenizer", tokenizer_model=str(path)))
+    for doc, text in zip(docs, TEXTS.values()):
+        assert doc == reference.encode(text).ids + [eod]
+        assert len(doc) < len(text.encode())  # merges were learned
+        assert ours.decode(doc[:-1]) == text
+    meta = json.loads((tmp_path / "bpe.meta.json").read_text())
+    assert meta["tokenizer_type"] == "HuggingFaceTokenizer" and meta["tokenizer_model"] == str(path)
+    assert meta["vocab_size"] == 300 and meta["eod"] == eod and meta["num_tokens"] == sum(map(len, docs))
+
+    # the same tokenizer.json, given back: a folder holding it, with transformers' config naming the EOD
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    reference.add_special_tokens(["<|end|>"])
+    reference.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "<|end|>"}}))
+    assert cli("--input", corpus, "--output", tmp_path / "again", "--tokenizer-type", "HuggingFaceTokenizer",
+               "--tokenizer-model", folder, "--append-eod") == 0
+    end = reference.token_to_id("<|end|>")
+    assert end == 300 and [d[:-1] for d in documents(tmp_path / "again")] == [d[:-1] for d in docs]
+    assert {d[-1] for d in documents(tmp_path / "again")} == {end}
+
+
+def test_gpt2_bpe_with_workers(corpus, tmp_path):
+    vocab, merges = gpt2_files(tmp_path)
+    outputs = {}
+    for workers in (1, 2):
+        outputs[workers] = tmp_path / f"gpt2-{workers}"
+        assert cli("--input", corpus, "--output", outputs[workers], "--tokenizer-type", "GPT2BPETokenizer",
+                   "--vocab-file", vocab, "--merge-file", merges, "--workers", workers, "--append-eod") == 0
+    for ext in (".bin", ".idx"):  # the worker count does not change the output
+        assert (tmp_path / f"gpt2-1{ext}").read_bytes() == (tmp_path / f"gpt2-2{ext}").read_bytes()
+    reference = ByteLevelBPETokenizer(vocab, merges)
+    eod = json.loads(open(vocab).read())["<|endoftext|>"]
+    ours = tokenizer.build(tokenizer.TokenizerSpec("GPT2BPETokenizer", vocab, merges))
+    for doc, text in zip(documents(outputs[2]), TEXTS.values()):
+        assert doc == reference.encode(text).ids + [eod]
+        assert ours.decode(doc[:-1]) == text
+
+
+def test_without_append_eod_documents_end_as_they_are(corpus, tmp_path):
+    assert cli("--input", corpus / "a.py", "--output", tmp_path / "plain") == 0
+    assert documents(tmp_path / "plain") == [list(TEXTS["a.py"].encode())]
+
+
+def test_progress_line_counts_files_and_tokens(corpus, tmp_path, capsys):
+    assert cli("--input", corpus, "--output", tmp_path / "p") == 0
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    tokens = sum(len(t.encode()) for t in TEXTS.values())
+    assert "4/4 files" in last and f"{tokens} tokens" in last and "tokens/s" in last
+
+
+def test_run_refuses_a_vocab_smaller_than_the_data(corpus, tmp_path, capsys):
+    assert cli("--input", corpus, "--output", tmp_path / "bpe", "--train-tokenizer", "--vocab-size", 400,
+               "--append-eod") == 0
+    largest = max(max(d) for d in documents(tmp_path / "bpe"))
+    vocab = json.loads((tmp_path / "bpe.meta.json").read_text())["vocab_size"]
+    assert largest >= 257 and vocab > largest
+    assert f"of {vocab} entries (the corpus had no more pairs to merge for 400)" in capsys.readouterr().err
+    status = run_gpt.main(["--data-path", str(tmp_path / "bpe"), "--split", "1,1", "--seq-length", "8"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and err == [f"run_gpt.py: error: --data-path {tmp_path / 'bpe'}: holds token id {largest} "
+                                   f"(its tokenizer has {vocab}) but vocab_size=257; raise --vocab-size to at least {vocab} "
+                                   "or use data made with this model's tokenizer"]
+    check_vocab(DataConfig(str(tmp_path / "bpe")), vocab)
+
+
+def test_vocab_check_reads_the_tokens_without_a_record(tmp_path):
+    """Megatron's files carry no .meta.json; a stale one (another token count) is not believed."""
+    with IndexedDatasetWriter(str(tmp_path / "meg")) as writer:
+        writer.add_document([1, 2, 300, 4])
+    with pytest.raises(DataError, match=r"holds token id 300 but vocab_size=257; raise --vocab-size to at least 301"):
+        check_vocab(DataConfig(str(tmp_path / "meg")), 257)
+    (tmp_path / "meg.meta.json").write_text(json.dumps(dict(largest_id=5, num_tokens=3)))
+    with pytest.raises(DataError, match="holds token id 300"):
+        check_vocab(DataConfig(str(tmp_path / "meg")), 257)
+    check_vocab(DataConfig(str(tmp_path / "meg")), 301)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--tokenizer-type", "SentencePiece"], r"--tokenizer-type SentencePiece: unknown; choose one of ByteLevel, "),
+    (["--tokenizer-type", "GPT2BPETokenizer"], r"--vocab-file : no such file; GPT2BPETokenizer needs --vocab-file"),
+    (["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "NOPE"],
+     r"--tokenizer-model .*NOPE: no such file; HuggingFaceTokenizer needs --tokenizer-model tokenizer.json"),
+    (["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "BAD"],
+     r"--tokenizer-model .*BAD: not a Hugging Face tokenizer.json"),
+    (["--vocab-file", "v.json"], r"--vocab-file does not apply with --tokenizer-type ByteLevel; leave it out"),
+    (["--vocab-size", "300"], r"--train-tokenizer and --vocab-size N go together"),
+    (["--train-tokenizer", "--vocab-size", "100"], r"--vocab-size 100: a byte-level BPE needs at least 257"),
+    (["--train-tokenizer", "--vocab-size", "300", "--tokenizer-type", "GPT2BPETokenizer"],
+     r"--train-tokenizer makes a HuggingFaceTokenizer, not --tokenizer-type GPT2BPETokenizer"),
+    (["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "NO_EOD", "--append-eod"],
+     r"--append-eod: .*NO_EOD has no end-of-document token"),
+    (["--workers", "0"], r"--workers 0: must be at least 1"),
+])
+def test_bad_tokenizer_flags_are_one_line(corpus, tmp_path, capsys, args, message):
+    (tmp_path / "BAD").write_text("{not json")
+    bpe = Tokenizer(models.BPE())  # a vocabulary with no end-of-document entry
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.train_from_iterator(list(TEXTS.values()), trainers.BpeTrainer(vocab_size=270, show_progress=False))
+    bpe.save(str(tmp_path / "NO_EOD"))
+    args = [str(tmp_path / a) if a in ("NOPE", "BAD", "NO_EOD") else a for a in args]
+    assert cli("--input", corpus, "--output", tmp_path / "out", *args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and re.search(message, err[0]), err
+    assert not os.path.exists(tmp_path / "out.bin")
