@@ -61,10 +61,15 @@ class ByteLevel:
 
 
 class HuggingFace:
-    """A `tokenizers.Tokenizer`; text is decoded from UTF-8 first, invalid bytes replaced."""
+    """A `tokenizers.Tokenizer`; text is decoded from UTF-8 first, invalid bytes replaced.
+
+    A special token's text inside a document ("<|endoftext|>" in a file about tokenizers)
+    is encoded as the text it is, so documents end only where prepare ends them.
+    """
 
     def __init__(self, tokenizer, eod: int | None):
         self.tokenizer, self.eod = tokenizer, eod
+        tokenizer.encode_special_tokens = True
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
 
     def encode(self, data: bytes) -> list[int]:

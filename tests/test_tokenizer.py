@@ -23,6 +23,7 @@ TEXTS = {
     "b.txt": "Héllo, wörld! 你好 — tabs\tand  spaces  \n" * 3,
     "c.md": "# Title\n\nSome *markdown* with `code` and émojis 🙂.\n",
     "d.py": "class Point:\n    def __init__(self, x, y):\n        self.x, self.y = x, y\n" * 4,
+    "e.txt": "A document may name <|endoftext|> without ending there.\n",
 }
 
 
@@ -71,14 +72,15 @@ def test_train_tokenizer_then_hugging_face(corpus, tmp_path, capsys):
     assert cli("--input", corpus, "--output", tmp_path / "bpe", "--train-tokenizer", "--vocab-size", 300,
                "--append-eod") == 0
     path = tmp_path / "bpe.tokenizer.json"
-    assert "trained a byte-level BPE of 300 entries on 4 files" in capsys.readouterr().err
+    assert "trained a byte-level BPE of 300 entries on 5 files" in capsys.readouterr().err
     reference = Tokenizer.from_file(str(path))
+    reference.encode_special_tokens = True  # "<|endoftext|>" inside e.txt is text, not the end of it
     eod = reference.token_to_id("<|endoftext|>")
     assert reference.get_vocab_size() == 300
     docs = documents(tmp_path / "bpe")
     ours = tokenizer.build(tokenizer.TokenizerSpec("HuggingFaceTokenizer", tokenizer_model=str(path)))
     for doc, text in zip(docs, TEXTS.values()):
-        assert doc == reference.encode(text).ids + [eod]
+        assert doc == reference.encode(text).ids + [eod] and eod not in doc[:-1]
         assert len(doc) < len(text.encode())  # merges were learned
         assert ours.decode(doc[:-1]) == text
     meta = json.loads((tmp_path / "bpe.meta.json").read_text())
@@ -124,7 +126,7 @@ def test_progress_line_counts_files_and_tokens(corpus, tmp_path, capsys):
     assert cli("--input", corpus, "--output", tmp_path / "p") == 0
     last = capsys.readouterr().err.strip().splitlines()[-1]
     tokens = sum(len(t.encode()) for t in TEXTS.values())
-    assert "4/4 files" in last and f"{tokens} tokens" in last and "tokens/s" in last
+    assert "5/5 files" in last and f"{tokens} tokens" in last and "tokens/s" in last
 
 
 def test_run_refuses_a_vocab_smaller_than_the_data(corpus, tmp_path, capsys):
