@@ -53,8 +53,8 @@ class TokenizerSpec:
 class ByteLevel:
     vocab_size, eod = VOCAB_SIZE, EOD
 
-    def encode(self, data: bytes) -> list[int]:
-        return list(data)
+    def encode(self, data: bytes) -> np.ndarray:
+        return np.frombuffer(data, dtype=np.uint8)
 
     def decode(self, ids) -> str:
         return decode(ids)

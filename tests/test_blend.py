@@ -5,6 +5,7 @@ from is read off its tokens; the expected order comes from the rule written out 
 plain loop (the component whose next draw is most due), not from the sorted index.
 """
 
+import json
 import os
 
 import numpy as np
@@ -146,7 +147,6 @@ def test_bad_blend_is_one_line_before_any_rank(tmp_path, capsys):
 
 
 def losses(run_dir):
-    import json
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return [r["lm_loss"] for r in map(json.loads, f) if "lm_loss" in r]
 
