@@ -214,4 +214,5 @@ def tokenizer_spec(args: argparse.Namespace) -> tok.TokenizerSpec:
     if args.train_tokenizer and kind != "HuggingFaceTokenizer":
         raise tok.TokenizerError(f"--train-tokenizer makes a HuggingFaceTokenizer, not --tokenizer-type {kind}; "
                                  "leave out --tokenizer-type")
-    return tok.TokenizerSpec(kind, args.vocab_file, args.merge_file, args.tokenizer_model)
+    files = (args.vocab_file, args.merge_file, args.tokenizer_model)
+    return tok.TokenizerSpec(kind, *(path and os.path.abspath(path) for path in files))  # meta.json works from anywhere
