@@ -13,10 +13,14 @@ import os
 import sys
 import time
 
+from gcompile.config import ConfigError, RunConfig, answer_help, parse_args
+
+if __name__ == "__main__":
+    answer_help(sys.argv[1:])  # before the imports below load torch (seconds): --help is immediate
+
 import torch
 
 from gcompile.checkpoint import CheckpointError, check
-from gcompile.config import ConfigError, RunConfig, parse_args
 from gcompile.data import DataError, build_datasets
 from gcompile.check import PlanError, check_plan
 from gcompile.mesh import MeshError
