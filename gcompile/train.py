@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from gcompile import checkpoint
 from gcompile.checkpoint import Progress
-from gcompile.compile import Compiler, compile_rank_program, dump_generated_code
+from gcompile.compile import Compiler, compile_rank_program, dump_generated_code, format_rank_stats
 from gcompile.cuda_graphs import GraphedTrainStep
 from gcompile.config import ConfigError, RunConfig, TrainConfig
 from gcompile.data import GPTDataset, build_datasets
@@ -76,12 +76,13 @@ def train(config: RunConfig, coords: Coords, device: str = "cpu", log=print) -> 
     program = build_rank_program(config, coords, device, dump_root=config.log.dump_graphs, log=quiet)
     if config.log.dump_schedule and coords.rank == 0:
         dump_schedule(program.schedule, config.log.run_dir, log)
-    compiler = Compiler(enabled=t.compile)
+    compiler = Compiler(enabled=t.compile, log=quiet)
     functions, optimizer_step = compile_rank_program(program, compiler)
     if t.compile and config.log.dump_graphs:
         dump_generated_code(program, compiler, rank_dump_dir(config.log.dump_graphs, coords.rank))
     if t.compile:
-        log(f"rank {coords.rank} {coords} compile: {compiler.stats}")
+        for line in format_rank_stats(_every_rank(compiler.stats, coords)):
+            quiet(line)
     state = TrainState.initial(program, config.model, t.seed, device)
     progress = resume(config, program, state, log=quiet)
     runtime = Runtime(program, functions, optimizer_step, state)
@@ -92,8 +93,8 @@ def train(config: RunConfig, coords: Coords, device: str = "cpu", log=print) -> 
         elif t.cuda_graphs:
             quiet("--cuda-graphs: no CUDA device here; the instruction list runs directly")
 
-    metrics = MetricsLog(config.log.run_dir, config.log.tensorboard_dir, t.train_iters, coords.world_size) \
-        if logging else None
+    metrics = MetricsLog(config.log.run_dir, config.log.tensorboard_dir, t.train_iters, coords.world_size,
+                         progress.iteration, log) if logging else None
     flops = config.model_spec.flops(config.model, t.global_batch_size, t.seq_length)
     records, skipped, consumed = [], 0, progress.consumed_samples
     c = config.checkpoint
@@ -165,6 +166,15 @@ def evaluate(runtime: Runtime, valid_data: GPTDataset, config: RunConfig, coords
         loss = runtime.eval_step(microbatches(valid_data, i * config.train.global_batch_size, config, coords, device))
         losses.append(_mean_over_dp(loss, coords))
     return torch.stack(losses).mean().item() if losses[0] is not None else float("nan")
+
+
+def _every_rank(obj, coords: Coords) -> dict:
+    """{rank: obj} of every rank, on every rank, so that rank 0 can print one line for many alike."""
+    if not dist.is_initialized():
+        return {coords.rank: obj}
+    every = [None] * coords.world_size
+    dist.all_gather_object(every, obj)
+    return dict(enumerate(every))
 
 
 def _mean_over_dp(loss: torch.Tensor | None, coords: Coords) -> torch.Tensor | None:
