@@ -28,7 +28,7 @@ from gcompile.launch import join_world, rank_threads, run_ranks, under_launcher
 from gcompile.axes import Coords
 from gcompile.pass_manager import PassError, clear_stale_dumps
 from gcompile.program import dump_text
-from gcompile.train import train
+from gcompile.train import dump_schedule, train
 from gcompile.world import build_world, prepare_launch
 
 USER_ERRORS = (ConfigError, DataError, PassError, PlanError, CheckpointError, MeshError)
@@ -53,13 +53,16 @@ def rank_main(config: RunConfig) -> int:
 
 
 def plan_only(config: RunConfig, dump_only: bool) -> int:
-    """--dump-only / --check-plan: every rank's program, built here, checked, never run."""
+    """--dump-only / --check-plan: every rank's program, built here, checked, never run (with --dump-schedule,
+    the schedule written as a run writes it)."""
     if dump_only and not config.log.dump_graphs:
         return error("--dump-only writes the programs to --dump-graphs DIR; give a folder")
     start = time.perf_counter()
     programs = build_world(config, "cpu", dump_root=config.log.dump_graphs if dump_only else None)
     report = check_plan(programs, config.parallel.memory_budget_gb)
     print(report)
+    if config.log.dump_schedule:
+        dump_schedule(programs[0].schedule, config.log.run_dir)
     if dump_only:
         dump_text(config.log.dump_graphs, "plan.txt", report + "\n")
         print(f"{len(programs)} rank programs in {config.log.dump_graphs} ({time.perf_counter() - start:.1f} s); "
