@@ -7,6 +7,7 @@ iteration, and the batch one of the consumed-sample count, so a run resumed
 from a checkpoint takes the same steps as one that was never cut.
 """
 
+import dataclasses
 import math
 import os
 import time
@@ -31,6 +32,10 @@ from gcompile.runtime import Runtime
 from gcompile.schedule import Schedule, format_table, simulate
 from gcompile.schedule_render import render_svg
 from gcompile.state import TrainState
+
+
+LR_SCHEDULE = ("lr", "min_lr", "lr_warmup_iters", "lr_decay_iters", "lr_decay_style", "train_iters")
+"""The TrainConfig fields `lr_at` reads: a resume that changes one of them changes the learning-rate curve."""
 
 
 def lr_at(iteration: int, t: TrainConfig) -> float:
@@ -143,7 +148,27 @@ def resume(config: RunConfig, program: RankProgram, state: TrainState, log) -> P
         if root:
             log(f"no checkpoint in {root}; starting from iteration 0")
         return Progress(0, 0)
-    return checkpoint.load(folder, config, program, state, log)
+    progress = checkpoint.load(folder, config, program, state, log)
+    change = lr_schedule_change(checkpoint.Checkpoint(folder).meta["config"]["train"], config.train,
+                                progress.iteration)
+    if change:
+        log(change)
+    return progress
+
+
+def lr_schedule_change(saved_train: dict, t: TrainConfig, iteration: int) -> str | None:
+    """A line when this run's flags change the learning rate of the steps left after `iteration` from what
+    the saved run's config (`saved_train`, its `[train]` section) gives, say a reshard with another
+    --train-iters; None when the curve is the same."""
+    saved = dataclasses.replace(t, **{name: saved_train[name] for name in LR_SCHEDULE})
+    changed = [f"{name} {getattr(saved, name)} -> {getattr(t, name)}" for name in LR_SCHEDULE
+               if getattr(saved, name) != getattr(t, name)]
+    first = next((i for i in range(iteration + 1, t.train_iters + 1) if lr_at(i, saved) != lr_at(i, t)),
+                 None) if changed else None
+    if first is None:
+        return None
+    return (f"the learning-rate schedule differs from the saved run's ({'; '.join(changed)}): iteration {first} "
+            f"trains at {lr_at(first, t):.6E}, where the saved run's schedule gives {lr_at(first, saved):.6E}")
 
 
 def dump_schedule(schedule: Schedule, run_dir: str, log=print) -> None:
