@@ -3,7 +3,7 @@
 
     python run_gpt.py                                   # the default small GPT on the default corpus
     python run_gpt.py --config configs/tiny.toml --train-iters 200
-    python run_gpt.py --help                            # every flag, with its TOML section
+    python run_gpt.py --help                            # every flag, its TOML section and default
 
 Ranks: tp * pp * dp. Started plainly, this spawns them locally (gloo on CPU,
 nccl on CUDA); under torchrun it joins the given world.
