@@ -9,6 +9,7 @@ impossible combinations are `ConfigError`s that name every factor involved.
 
 import argparse
 import ast
+import contextlib
 import dataclasses
 import inspect
 import math
@@ -16,18 +17,14 @@ import textwrap
 import tomllib
 import types
 import typing
-
-import torch
 from dataclasses import dataclass, field, fields
 
 from gcompile.data import DataConfig
-from gcompile.models import DEFAULT_MODEL, model_spec, spec_of
-from gcompile.models.spec import ModelSpec
-from gcompile.tp_plan import plan_errors
+from gcompile.models import CONFIGS, DEFAULT_MODEL, spec_of
 from gcompile.schedule import SCHEDULES, SPLIT_BACKWARD, ScheduleError, check_sizes
 
 
-ModelConfig = model_spec(DEFAULT_MODEL).config
+ModelConfig = CONFIGS[DEFAULT_MODEL]
 """The `[model]` section: the config of the default model's spec (GPT-2's); its fields are the model flags."""
 
 TP_COMM_BACKENDS = ("auto", "shm", "gloo")
@@ -188,8 +185,8 @@ class RunConfig:
         return {"tp": p.tp, "cp": p.cp, "dp": p.dp, "pp": p.pp}
 
     @property
-    def model_spec(self) -> ModelSpec:
-        """The spec of the `[model]` section's model, by its config's type."""
+    def model_spec(self):
+        """The ModelSpec of the `[model]` section's model, by its config's type (imports torch)."""
         return spec_of(self.model)
 
     @property
@@ -203,6 +200,7 @@ class RunConfig:
 
     @property
     def param_dtype(self) -> "torch.dtype":
+        import torch  # here, not at the top: flags and --help are read without torch
         return torch.bfloat16 if self.train.bf16 else torch.float16 if self.train.fp16 else torch.float32
 
     @property
@@ -344,15 +342,34 @@ def parser() -> argparse.ArgumentParser:
                         "(needs --dump-graphs)")
     p.add_argument("--check-plan", action="store_true",
                    help="build every rank's program in this one process, check the plan, print it, and exit")
+    docs = {section: field_docs(cls) for section, cls in SECTIONS.items()}
     for flag, (section, f) in _field_index().items():
         aliases = [f"--{a}" for a, target in MEGATRON_ALIASES.items() if target == flag]
-        help_text = f"[{section}] {field_docs(SECTIONS[section]).get(f.name, '')}"
+        help_text = f"[{section}] {docs[section].get(f.name, '')} (default: {_show_default(f)})"
         if _base_type(f.type) is bool:
             p.add_argument(f"--{flag}", *aliases, dest=f.name, nargs="?", const="true", metavar="BOOL",
                            help=help_text)
         else:
             p.add_argument(f"--{flag}", *aliases, dest=f.name, metavar=f.name.upper(), help=help_text)
     return p
+
+
+def _show_default(f: dataclasses.Field) -> str:
+    """A field's default as it would be written on the command line (argparse's %(default)s would show
+    SUPPRESS: flags default to absent so that a preset's keys are not overridden)."""
+    value = f.default_factory() if f.default is dataclasses.MISSING else f.default
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, tuple):
+        return ",".join(map(str, value)) or "empty"
+    return "none" if value is None else str(value)
+
+
+def answer_help(argv: list[str]) -> None:
+    """Print --help and exit when argv asks for it (by argparse's own rules); anything else, including
+    a bad flag, is left for `parse_args`. Callers ask before importing torch, which takes seconds."""
+    with contextlib.suppress(ConfigError):
+        parser().parse_known_args(argv)
 
 
 def parse_args(argv: list[str]) -> tuple[RunConfig, argparse.Namespace]:
@@ -415,6 +432,7 @@ def validate(config: RunConfig) -> None:
     if p.pipeline_schedule not in SCHEDULES:
         errors.append(f"pipeline_schedule={p.pipeline_schedule!r} must be {', '.join(SCHEDULES[:-1])} "
                       f"or {SCHEDULES[-1]}")
+    from gcompile.tp_plan import plan_errors  # builds the model on meta: torch, which --help does without
     errors += plan_errors(config.model_spec, m, config.tp_plan, p.tp)
     if p.sequence_parallel and p.tp == 1:
         errors.append("sequence_parallel shards the sequence over the tp ranks and needs tp > 1 (tp=1)")

@@ -29,7 +29,6 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from gcompile.indexed_dataset import DataError, IndexedDataset, IndexedDatasetWriter
 
@@ -204,7 +203,7 @@ class GPTDataset:
             self._order = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
         return self._order
 
-    def batch(self, consumed_samples: int, batch_size: int) -> torch.Tensor:
+    def batch(self, consumed_samples: int, batch_size: int) -> "torch.Tensor":
         """Draws consumed_samples .. consumed_samples + batch_size - 1 -> (B, L + 1) int64."""
         draws = np.arange(consumed_samples, consumed_samples + batch_size)
         epochs, positions = np.divmod(draws, self.num_samples)
@@ -213,6 +212,7 @@ class GPTDataset:
             mask = epochs == epoch
             samples[mask] = self.order(int(epoch))[positions[mask]]
         windows = samples[:, None] * self.seq_length + np.arange(self.seq_length + 1)  # (B, L+1)
+        import torch  # here, not at the top: the run config (and --help) reads DataConfig without torch
         return torch.from_numpy(np.array(self.tokens[windows], dtype=np.int64))
 
 
