@@ -2,9 +2,10 @@
 
 One table: a case is the command (`run_gpt.py` flags, `python -m gcompile.checkpoint`, `gcompile.inspect`,
 `gcompile.data`), what it finds in tmp_path (a file in the way, a damaged checkpoint, a data file), and a
-part of the line it must print. The CLIs' `main` functions run in this process (each refuses before it
-spawns anything); run_gpt.py's cases also pass a tiny model and `--run-dir`, and the run folder must stay
-without metrics: no training step ran. One case runs as a real process, where argv holds raw bytes.
+part of the line it must print. The CLIs' `main` functions run in this process, so a case also checks
+that nothing was logged (torch logs tracebacks before some failures) and that run_gpt.py never called
+run_ranks: refused before any rank starts. run_gpt.py's cases pass a tiny model and `--run-dir`, whose
+metrics must stay unwritten: no training step ran. One case runs as a real process, where argv holds raw bytes.
 """
 
 import json
@@ -19,10 +20,10 @@ import pytest
 
 import run_gpt
 from gcompile import checkpoint, data, inspect
-from gcompile.launch import run_ranks
 from gcompile.checkpoint import TRACKER
 from gcompile.data import VOCAB_SIZE
 from gcompile.indexed_dataset import IndexedDatasetWriter
+from gcompile.launch import run_ranks
 from tests.multirank import ROOT
 
 TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--block-size", "16", "--seq-length", "16",
