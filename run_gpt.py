@@ -21,12 +21,13 @@ if __name__ == "__main__":
 import torch
 
 from gcompile.checkpoint import CheckpointError, check
-from gcompile.data import DataError, build_datasets
-from gcompile.check import PlanError, check_plan
+from gcompile.data import DataError, build_datasets, check_batches, check_token_ids
+from gcompile.check import PlanError, check_fits_machine, check_plan
 from gcompile.mesh import MeshError
 from gcompile.launch import join_world, rank_threads, run_ranks, under_launcher
 from gcompile.axes import Coords
 from gcompile.pass_manager import PassError, clear_stale_dumps
+from gcompile.pipeline import load_passes
 from gcompile.program import dump_text
 from gcompile.train import dump_schedule, train
 from gcompile.world import build_world, prepare_launch
@@ -78,7 +79,12 @@ def main(argv: list[str]) -> int:
                 clear_stale_dumps(config.log.dump_graphs, config.world_size)
             if flags.dump_only or flags.check_plan:
                 return plan_only(config, flags.dump_only)
-            build_datasets(config.data, config.train.seq_length, config.train.seed)  # prepare once, check early
+            check_fits_machine(config)  # before anything is allocated
+            load_passes(config)
+            t = config.train
+            train_data, valid_data = build_datasets(config.data, t.seq_length, t.seed)  # prepare once, check early
+            check_token_ids(config.data, train_data, valid_data, config.model.vocab_size)
+            check_batches(config.data, train_data, valid_data, t.global_batch_size, evaluates=t.eval_interval > 0)
             check(config)  # --save can be written, the checkpoint to --load is whole and fits
             if config.world_size > 1:
                 device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -13,14 +13,16 @@ import contextlib
 import dataclasses
 import inspect
 import math
+import os
 import textwrap
 import tomllib
 import types
 import typing
 from dataclasses import dataclass, field, fields
 
-from gcompile.data import DataConfig
+from gcompile.data import DataConfig, DataError, parse_split
 from gcompile.models import CONFIGS, DEFAULT_MODEL, spec_of
+from gcompile.paths import path_error
 from gcompile.schedule import SCHEDULES, SPLIT_BACKWARD, ScheduleError, check_sizes
 
 
@@ -259,18 +261,25 @@ def _base_type(annotation):
     return typing.get_origin(annotation) or annotation
 
 
+TOML_TYPES = {bool: "true or false", int: "an integer", float: "a number", str: "a string", tuple: "a list"}
+"""What a key of each field type takes, in TOML's words."""
+
+
 def _coerce(value, annotation, key: str):
     """A TOML or CLI value as the field's type; strings from the CLI are parsed."""
     kind = _base_type(annotation)
     if value is None or (isinstance(value, str) and value.lower() == "none" and kind is not str):
         return None
+    if isinstance(value, bool) != (kind is bool) and not isinstance(value, str):  # TOML `n_layer = true`
+        shown = str(value).lower() if isinstance(value, bool) else repr(value)
+        raise ConfigError(f"{key} = {shown}, but it takes {TOML_TYPES[kind]}")
     try:
         if kind is bool:
             if isinstance(value, str):
                 if value.lower() not in ("true", "false", "1", "0"):
                     raise ValueError(value)
                 return value.lower() in ("true", "1")
-            return bool(value)
+            return value
         if kind is tuple:
             items = [v for v in value.split(",") if v.strip()] if isinstance(value, str) else value
             return tuple(_coerce(v, typing.get_args(annotation)[0], key) for v in items)
@@ -290,6 +299,12 @@ def load_toml(path: str) -> dict[str, dict]:
             raw = tomllib.load(f)
     except FileNotFoundError:
         raise ConfigError(f"--config {path}: no such file") from None
+    except IsADirectoryError:
+        raise ConfigError(f"--config {path} is a folder; name a TOML file in it (configs/*.toml)") from None
+    except OSError as e:
+        raise ConfigError(f"--config {path}: cannot read it ({e.strerror})") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"--config {path}: not UTF-8 text (byte {e.start}); a preset is a TOML file") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"--config {path}: not valid TOML ({e})") from None
     overrides = {}
@@ -399,12 +414,15 @@ def validate(config: RunConfig) -> None:
     positive("model", m, "n_layer", "n_head", "n_embd", "block_size", "vocab_size")
     positive("parallel", p, "tp", "pp", "dp", "cp", "virtual_pipeline_size", "make_vocab_size_divisible_by")
     positive("train", t, "micro_batch_size", "global_batch_size", "seq_length", "train_iters")
+    positive("log", config.log, "log_interval")
+    if not 0.0 <= m.dropout < 1.0:  # nn.Dropout refuses it with a traceback when the plan below builds the model
+        errors.append(f"dropout={m.dropout} must be in [0, 1)")
     if errors:
         raise ConfigError("; ".join(errors))
+    errors += _number_errors(config)
+    errors += _path_errors(config)
     if m.n_embd % m.n_head:
         errors.append(f"n_embd={m.n_embd} is not divisible by n_head={m.n_head}")
-    if not 0.0 <= m.dropout < 1.0:
-        errors.append(f"dropout={m.dropout} must be in [0, 1)")
     if t.seq_length > m.block_size:
         errors.append(f"seq_length={t.seq_length} is longer than the model's block_size={m.block_size}; "
                       f"raise --block-size or lower --seq-length")
@@ -468,6 +486,46 @@ def validate(config: RunConfig) -> None:
         errors.append(f"memory_budget_gb={p.memory_budget_gb} must be positive")
     if errors:
         raise ConfigError("; ".join(errors))
+
+
+def _number_errors(config: RunConfig) -> list[str]:
+    """Numbers out of their range that would otherwise train silently wrong (a NaN lr) or fail late."""
+    t, d = config.train, config.data
+    errors = [f"{_flag(f.name)}={getattr(section, f.name)} must be a finite number"
+              for section in (config.parallel, t) for f in fields(section)
+              if _base_type(f.type) is float and getattr(section, f.name) is not None
+              and not math.isfinite(getattr(section, f.name))]
+    errors += [f"{_flag(name)}={getattr(t, name)} must not be negative"
+               for name in ("lr", "min_lr", "clip_grad", "weight_decay", "lr_warmup_iters", "eval_interval")
+               if getattr(t, name) < 0]
+    errors += [f"{_flag(name)}={getattr(t, name)} must be in [0, 1)" for name in ("adam_beta1", "adam_beta2")
+               if not 0 <= getattr(t, name) < 1]
+    if t.lr_decay_iters is not None and t.lr_decay_iters < 1:
+        errors.append(f"lr-decay-iters={t.lr_decay_iters} must be at least 1 (leave it out to decay over train_iters)")
+    if t.eval_interval > 0 and t.eval_iters < 1:
+        errors.append(f"eval-iters={t.eval_iters} must be at least 1 while evaluation is on; "
+                      f"turn it off with --eval-interval 0")
+    if not 0 <= t.seed < 2 ** 63:
+        errors.append(f"seed={t.seed} must be in [0, 2^63)")
+    try:
+        parse_split(d.split)
+    except DataError as e:
+        errors.append(str(e))
+    return errors
+
+
+def _path_errors(config: RunConfig) -> list[str]:
+    """Paths given empty (which would silently mean the default), and folders a run writes with a file in the way."""
+    folders = {"--run-dir": config.log.run_dir, "--tensorboard-dir": config.log.tensorboard_dir,
+               "--dump-graphs": config.log.dump_graphs, "--cache-dir": config.data.cache_dir,
+               "--save": config.checkpoint.save}
+    load = config.checkpoint.load
+    given = {**folders, "--data-path": config.data.data_path, "--load": load}
+    errors = [f"{flag} is empty; give a path, or leave the flag out" for flag, path in given.items() if path == ""]
+    errors += [e for flag, path in folders.items() if path and (e := path_error(flag, path))]
+    if load and os.path.exists(load) and not os.path.isdir(load):
+        errors.append(f"--load {load} is a file; give the SAVE folder a run wrote with --save")
+    return errors
 
 
 def _user_pass_errors(entry: str) -> list[str]:

@@ -28,6 +28,10 @@ def rank_dirs(root: str) -> dict[int, str]:
              if (m := re.fullmatch(r"rank(\d+)", name))}
     if not ranks:
         raise InspectError(f"{root}: no rank folders in it; is it a --dump-graphs folder?")
+    files = [path for path in ranks.values() if not os.path.isdir(path)]
+    if files:
+        raise InspectError(f"{files[0]} is a file where a rank folder belongs; is {root} a --dump-graphs folder? "
+                           f"Write one with run_gpt.py --dump-graphs DIR")
     return dict(sorted(ranks.items()))
 
 
@@ -41,8 +45,12 @@ def find_file(rank_dir: str, part: str) -> str:
 
 
 def _read(path: str) -> list[str]:
-    with open(path) as f:
-        return f.read().splitlines(keepends=True)
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read().splitlines(keepends=True)
+    except UnicodeDecodeError as e:
+        raise InspectError(f"{path}: not UTF-8 text (byte {e.start}); dumps are text that run_gpt.py "
+                           f"--dump-graphs wrote, write it again") from None
 
 
 def list_ranks(root: str) -> str:

@@ -32,7 +32,8 @@ from gcompile.flat import flat_layout
 from gcompile.lower_rank import lower_rank
 from gcompile.optimizer import tied_reductions
 import passes  # noqa: F401  registers the built-in passes
-from gcompile.pass_manager import PassContext, PassError, clear_rank_dump, rank_dump_dir, run_passes, run_rank_passes
+from gcompile.pass_manager import (PassContext, PassError, clear_rank_dump, rank_dump_dir, resolve_pass, run_passes,
+                                   run_rank_passes)
 from gcompile.program import Stage, dump_text, format_graph
 from gcompile.rank_program import AdamWSettings, LoweredStage, LossScaling, RankProgram, StepSettings
 from gcompile.schedule import build_schedule, simulate
@@ -82,6 +83,13 @@ def pass_lists(config: RunConfig) -> tuple[list[str], list[str]]:
     placed.sort(key=lambda item: item[0])
     lower = POINTS.index("lower")
     return [name for at, name in placed if at < lower], [name for at, name in placed if at > lower]
+
+
+def load_passes(config: RunConfig) -> None:
+    """Import every pass a build of `config` runs, so that a user pass that cannot be placed or loaded
+    (a syntax error, an exception at import, no such function) is refused before any rank starts."""
+    for spec in sum(pass_lists(config), []):
+        resolve_pass(spec)
 
 
 def passes_until(forward_passes: list[str], rank_passes: list[str], last: str) -> tuple[list[str], list[str]]:

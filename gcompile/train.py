@@ -19,8 +19,8 @@ from gcompile import checkpoint
 from gcompile.checkpoint import Progress
 from gcompile.compile import Compiler, compile_rank_program, dump_generated_code, format_rank_stats
 from gcompile.cuda_graphs import GraphedTrainStep
-from gcompile.config import ConfigError, RunConfig, TrainConfig
-from gcompile.data import GPTDataset, build_datasets
+from gcompile.config import RunConfig, TrainConfig
+from gcompile.data import GPTDataset, build_datasets, check_token_ids
 from gcompile.log import MetricsLog
 from gcompile.axes import Coords
 from gcompile.mesh import group
@@ -74,7 +74,7 @@ def train(config: RunConfig, coords: Coords, device: str = "cpu", log=print) -> 
     """Run the whole training; returns the logged records (on the logging rank; empty elsewhere)."""
     t = config.train
     train_data, valid_data = build_datasets(config.data, t.seq_length, t.seed)
-    _check_vocab(train_data, config)
+    check_token_ids(config.data, train_data, valid_data, config.model.vocab_size)  # under torchrun too
     logging = is_logging_rank(coords)
     quiet = (lambda _: None) if coords.rank != 0 else log
 
@@ -208,10 +208,3 @@ def _mean_over_dp(loss: torch.Tensor | None, coords: Coords) -> torch.Tensor | N
     loss = loss.clone()
     dist.all_reduce(loss, group=group("dp"))
     return loss / coords.size("dp")
-
-
-def _check_vocab(dataset: GPTDataset, config: RunConfig) -> None:
-    largest = int(dataset.tokens.max())
-    if largest >= config.model.vocab_size:
-        raise ConfigError(f"the data holds token id {largest} but vocab_size={config.model.vocab_size}; "
-                          f"raise --vocab-size to at least {largest + 1} or use data from this tokenizer")
