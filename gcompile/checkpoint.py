@@ -5,6 +5,7 @@ On disk (Megatron's folders, torch.distributed.checkpoint files inside):
     SAVE/latest_checkpointed_iteration.txt      "100": the last committed save
     SAVE/iter_0000100/.metadata, __R_0.distcp   DCP: one file per rank, plain tensors by key
     SAVE/iter_0000100/gcompile.json             what the keys mean (below), the model, the run config, progress
+    SAVE/iter_0000100/checksums.json            CRC-32 of gcompile.json and .metadata (gcompile.checkpoint_files)
     SAVE/iter_0000200.tmp/                      a save in progress (or killed): never read
 
 Keys. A parameter's piece is named by the ranks it was cut for (`tp1`; `full` when uncut);
@@ -50,6 +51,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from gcompile.checkpoint_files import CHECKSUMS, CheckpointError, MetadataReader, read_checked, write_checksums
 from gcompile.config import RunConfig
 from gcompile.flat import Span
 from gcompile.layout import Param, Shard, first_holder, full_value, local_value
@@ -67,10 +69,6 @@ TMP = ".tmp"
 STATES = ("main", "exp_avg", "exp_avg_sq")
 SCALER = ("loss_scale", "growth_tracker", "hysteresis_left")
 """fp16 loss-scaler scalars of TrainState."""
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded here; the message names what does not match."""
 
 
 @dataclass(frozen=True)
@@ -128,6 +126,7 @@ def save(root: str, progress: Progress, config: RunConfig, program: RankProgram,
                                 main=state.main is not None),
                     model=config.model_spec.name, config=dataclasses.asdict(config), params=params, keys=keys)
         _write_durably(os.path.join(tmp, METADATA), json.dumps(meta, indent=1))
+        _write_durably(os.path.join(tmp, CHECKSUMS), write_checksums(tmp))
     _barrier()  # every rank's files are complete
     if coords.rank == 0:
         _commit(root, tmp, final, progress.iteration)
@@ -198,11 +197,10 @@ class Checkpoint:
         path = os.path.join(folder, METADATA)
         if not os.path.isdir(folder):
             raise CheckpointError(f"{folder}: no such checkpoint folder")
+        if not os.path.isfile(path):
+            raise CheckpointError(f"{folder}: not a gcompile checkpoint (no {METADATA})")
         try:
-            with open(path) as f:
-                self.meta = json.load(f)
-        except FileNotFoundError:
-            raise CheckpointError(f"{folder}: not a gcompile checkpoint (no {METADATA})") from None
+            self.meta = json.loads(read_checked(folder, METADATA))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{path}: unreadable ({e})") from None
         layout = self.meta["layout"]
@@ -214,7 +212,8 @@ class Checkpoint:
                 _, state, rest = key.split("/", 2)
                 name, piece, span = rest.rsplit("/", 2)
                 self.ranges.setdefault((state, name, piece), []).append((int(span.split("-")[0]), key))
-        self.reader = _MetadataOnceReader(folder)
+        self.reader = MetadataReader(folder)
+        self.reader.read_metadata()  # refuses a damaged or unsafe .metadata with its own message
         self.files = None  # key -> file name, read on the first failure
 
     @property
@@ -360,19 +359,6 @@ def load(folder: str, config: RunConfig, program: RankProgram, state: TrainState
         f"(saved on {checkpoint.describe_layout()}"
         f"{'' if same_ranks else '; on other ranks, so RNG states are not restored'})")
     return Progress(meta["iteration"], meta["consumed_samples"])
-
-
-class _MetadataOnceReader(dcp.FileSystemReader):
-    """DCP reads its .metadata on every load; a parameter at a time, that read would dominate."""
-
-    def __init__(self, folder: str):
-        super().__init__(folder)
-        self.metadata = None
-
-    def read_metadata(self, *args, **kwargs):
-        if self.metadata is None:
-            self.metadata = super().read_metadata(*args, **kwargs)
-        return self.metadata
 
 
 # ---------------------------------------------------------------- export
