@@ -31,6 +31,7 @@ from gcompile.runtime import Runtime
 from gcompile.schedule import Schedule, format_table, simulate
 from gcompile.schedule_render import render_svg
 from gcompile.state import TrainState
+from gcompile.stop import check_state, check_step
 
 
 def lr_at(iteration: int, t: TrainConfig) -> float:
@@ -115,6 +116,8 @@ def train(config: RunConfig, coords: Coords, device: str = "cpu", log=print) -> 
                           skipped_iterations=skipped)
             metrics.step(**record, print_line=iteration % config.log.log_interval == 0)
             records.append(record)
+        if t.check_for_nan_in_loss_and_grad:
+            check_step(iteration, loss, result.grad_norm, report=coords.rank == 0)
         if t.eval_interval and (iteration % t.eval_interval == 0 or iteration == t.train_iters):
             val_loss = evaluate(runtime, valid_data, config, coords, device)
             if metrics:
@@ -123,6 +126,8 @@ def train(config: RunConfig, coords: Coords, device: str = "cpu", log=print) -> 
         exiting = c.exit_interval is not None and iteration % c.exit_interval == 0
         interval = c.save_interval is not None and iteration % c.save_interval == 0
         if c.save and (exiting or interval or iteration == t.train_iters):
+            if t.check_for_nan_in_loss_and_grad:
+                check_state(iteration, state, report=coords.rank == 0)
             started = time.perf_counter()
             folder = checkpoint.save(c.save, Progress(iteration, consumed), config, program, state)
             quiet(f"saved checkpoint at iteration {iteration} to {folder} ({time.perf_counter() - started:.2f} s)")
