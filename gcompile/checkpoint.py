@@ -61,6 +61,7 @@ from gcompile.models.spec import ModelSpec
 from gcompile.rank_program import RankProgram
 from gcompile.sample import generate_text
 from gcompile.state import TrainState
+from gcompile.stop import PhaseFailed, RunStopped, all_ranks, first_line, size_text, together
 
 TRACKER = "latest_checkpointed_iteration.txt"
 METADATA = "gcompile.json"
@@ -99,38 +100,49 @@ def latest(root: str) -> str | None:
 
 
 def save(root: str, progress: Progress, config: RunConfig, program: RankProgram, state: TrainState) -> str:
-    """Write this rank's pieces; every rank calls it. Returns the committed folder."""
+    """Write this rank's pieces; every rank calls it. Returns the committed folder.
+
+    The ranks agree after each phase, so a failure on any rank (a full disk, most often) fails the
+    save on every rank: the half-written folder is removed, the tracker still names the previous
+    checkpoint, and every rank raises RunStopped, whose line says why and how much space it takes."""
     coords = program.coords
     final = iteration_dir(root, progress.iteration)
     tmp = final + TMP
-    if coords.rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # a save of this iteration killed earlier
-        os.makedirs(tmp)
-    _barrier()
     tensors = _rank_tensors(program, state)
-    with _quiet_dcp():
-        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp), no_dist=not dist.is_initialized())
-    mine = ({p.name: _describe(p) for p in program.layout.params if not p.tied_copy},
-            {key: _key_record(t) for key, t in tensors.items()})
-    gathered = _gather(mine)
-    if coords.rank == 0:
-        params, keys = {}, {}
-        for rank_params, rank_keys in gathered:
-            params.update(rank_params)
-            keys.update(rank_keys)
-        meta = dict(iteration=progress.iteration, consumed_samples=progress.consumed_samples,
-                    step=state.step.item(),
-                    scaler={n: getattr(state, n).item() for n in SCALER} if state.loss_scale is not None else None,
-                    layout=dict(coords.axis_sizes, distributed_optimizer=program.optimizer_shard is not None,
-                                param_dtype=str(program.step_settings.param_dtype).removeprefix("torch."),
-                                main=state.main is not None),
-                    model=config.model_spec.name, config=dataclasses.asdict(config), params=params, keys=keys)
-        _write_durably(os.path.join(tmp, METADATA), json.dumps(meta, indent=1))
-        _write_durably(os.path.join(tmp, CHECKSUMS), write_checksums(tmp))
-    _barrier()  # every rank's files are complete
-    if coords.rank == 0:
-        _commit(root, tmp, final, progress.iteration)
-    _barrier()
+    try:
+        with together():
+            if coords.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)  # a save of this iteration killed earlier
+                os.makedirs(tmp)
+        with together(), _quiet_dcp():
+            dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp), no_dist=not dist.is_initialized())
+        mine = ({p.name: _describe(p) for p in program.layout.params if not p.tied_copy},
+                {key: _key_record(t) for key, t in tensors.items()})
+        gathered = _gather(mine)
+        with together():
+            if coords.rank == 0:
+                params, keys = {}, {}
+                for rank_params, rank_keys in gathered:
+                    params.update(rank_params)
+                    keys.update(rank_keys)
+                meta = dict(iteration=progress.iteration, consumed_samples=progress.consumed_samples,
+                            step=state.step.item(),
+                            scaler={n: getattr(state, n).item() for n in SCALER}
+                            if state.loss_scale is not None else None,
+                            layout=dict(coords.axis_sizes, distributed_optimizer=program.optimizer_shard is not None,
+                                        param_dtype=str(program.step_settings.param_dtype).removeprefix("torch."),
+                                        main=state.main is not None),
+                            model=config.model_spec.name, config=dataclasses.asdict(config), params=params, keys=keys)
+                _write_durably(os.path.join(tmp, METADATA), json.dumps(meta, indent=1))
+                _write_durably(os.path.join(tmp, CHECKSUMS), write_checksums(tmp))
+        with together():  # every rank's files are complete
+            if coords.rank == 0:
+                _commit(root, tmp, final, progress.iteration)
+    except PhaseFailed as failure:
+        if coords.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        needed = sum(all_ranks(sum(t.numel() * t.element_size() for t in tensors.values())))
+        raise RunStopped(_save_failure(root, tmp, progress.iteration, failure, needed), coords.rank == 0) from None
     return final
 
 
@@ -168,16 +180,27 @@ def _commit(root: str, tmp: str, final: str, iteration: int) -> None:
     if os.path.exists(final):  # saving an iteration again after resuming from an earlier one
         os.rename(final, replaced)
     os.rename(tmp, final)
-    _write_durably(os.path.join(root, TRACKER), f"{iteration}\n")
+    try:
+        _write_durably(os.path.join(root, TRACKER), f"{iteration}\n")
+    except OSError:  # the tracker still names the previous save: put the folders back as they were
+        os.rename(final, tmp)
+        if os.path.exists(replaced):
+            os.rename(replaced, final)
+        raise
     shutil.rmtree(replaced, ignore_errors=True)
 
 
 def _write_durably(path: str, text: str) -> None:
     """Write a temporary file, fsync it, rename it over `path`, fsync the folder."""
-    with open(path + TMP, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(path + TMP, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.remove(path + TMP)
+        raise
     os.replace(path + TMP, path)
     folder = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
     try:
@@ -284,7 +307,7 @@ class Checkpoint:
                 dcp.load(tensors, storage_reader=self.reader, no_dist=True)
         except (Exception, dcp.CheckpointException) as e:  # a bad file fails as whatever its reader raised
             raise CheckpointError(f"{self.folder}: cannot read {self._file_of(keys[0])} "
-                                  f"(truncated or damaged?): {_reason(e)}") from None
+                                  f"(truncated or damaged?): {first_line(e)}") from None
         for key, value in tensors.items():
             if _crc32(value) != records[key]["crc32"]:
                 raise CheckpointError(f"{self.folder}: {key} in {self._file_of(key)} does not match its "
@@ -401,7 +424,7 @@ def load_exported(path: str, spec: ModelSpec) -> tuple[torch.nn.Module, object]:
         model = spec.module(config)
         model.load_state_dict(exported["model"])
     except Exception as e:  # anything torch.load or load_state_dict refuses
-        raise CheckpointError(f"{path}: not a model exported by gcompile.checkpoint ({_reason(e)})") from None
+        raise CheckpointError(f"{path}: not a model exported by gcompile.checkpoint ({first_line(e)})") from None
     return model, config
 
 
@@ -481,17 +504,17 @@ def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 
 
-def _reason(error: BaseException) -> str:
-    """The first line of what went wrong; DCP wraps what its reader raised in a CheckpointException."""
-    if isinstance(error, dcp.CheckpointException) and error.failures:
-        error = next(iter(error.failures.values()))[0]
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
+def _save_failure(root: str, tmp: str, iteration: int, failure: PhaseFailed, needed: int) -> str:
+    """The one line a failed save ends the run with (on rank 0, after the half-written folder is removed)."""
+    tracker = os.path.join(root, TRACKER)
+    kept = (f"{TRACKER} still names iteration {open(tracker).read().strip()}" if os.path.isfile(tracker)
+            else "no checkpoint was committed before")
+    if failure.no_space:
+        why = (f"no space left on the device: the checkpoint needs {size_text(needed)}, "
+               f"{size_text(shutil.disk_usage(root).free)} is free")
+    else:
+        why = f"{failure}"
+    return f"--save {root}: saving iteration {iteration} failed, {why}; removed the half-written {os.path.basename(tmp)}; {kept}"
 
 
 def _gather(obj) -> list:
