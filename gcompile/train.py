@@ -11,6 +11,7 @@ import math
 import os
 import time
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -84,7 +85,8 @@ def train(config: RunConfig, coords: Coords, device: str = "cpu", log=print) -> 
     if t.compile:
         log(f"rank {coords.rank} {coords} compile: {compiler.stats}")
     state = TrainState.initial(program, config.model, t.seed, device)
-    progress = resume(config, program, state, log=quiet)
+    seed_generators(t.seed, coords)
+    progress = resume(config, program, state, log=quiet)  # on the saving layout, restores the generators
     runtime = Runtime(program, functions, optimizer_step, state)
     train_step = runtime.train_step
     if t.cuda_graphs if t.cuda_graphs is not None else t.compile:
@@ -137,6 +139,17 @@ def train(config: RunConfig, coords: Coords, device: str = "cpu", log=print) -> 
     if metrics:
         metrics.close()
     return records
+
+
+def seed_generators(seed: int, coords: Coords) -> None:
+    """Seed this rank's default generators (CPU and CUDA; dropout draws from them) from --seed and its
+    pipeline and dp ranks. The ranks of a tp (and cp) group share the seed: they hold some activations
+    alike (after a row-parallel all-reduce), whose dropout masks must agree, and they draw as many
+    elements in the same order (their heads, their sequence slices), so their streams stay in step.
+    The price: a tp-sharded region repeats one mask over the ranks' pieces (Megatron draws those from
+    a second, per-tp-rank generator)."""
+    mixed = np.random.SeedSequence([seed, coords.axis_rank("pp"), coords.axis_rank("dp")]).generate_state(1, np.uint64)
+    torch.manual_seed(int(mixed[0]))
 
 
 def resume(config: RunConfig, program: RankProgram, state: TrainState, log) -> Progress:
