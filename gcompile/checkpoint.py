@@ -197,11 +197,11 @@ def _write_durably(path: str, text: str) -> None:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
+        os.replace(path + TMP, path)
     except OSError:
         with contextlib.suppress(OSError):
             os.remove(path + TMP)
         raise
-    os.replace(path + TMP, path)
     folder = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
     try:
         os.fsync(folder)

@@ -98,3 +98,18 @@ def test_full_disk_stops_every_rank(tmp_path):
         logs = [(tmp_path / f"rank{r}.log").read_text() for r in range(2)]
         assert all("saving iteration 1 failed, no space left on the device" in log for log in logs), logs
         assert os.listdir(save) == []
+
+
+def test_failed_commit_puts_the_folders_back(tmp_path):
+    """The tracker cannot be replaced (here: it is a folder): the renamed folders go back where they were."""
+    from gcompile import checkpoint
+
+    for name in ("iter_0000002", "iter_0000002.tmp"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "was").write_text(name)
+    (tmp_path / TRACKER).mkdir()
+    with pytest.raises(IsADirectoryError):
+        checkpoint._commit(str(tmp_path), str(tmp_path / "iter_0000002.tmp"), str(tmp_path / "iter_0000002"), 2)
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000002", "iter_0000002.tmp", TRACKER]
+    for name in ("iter_0000002", "iter_0000002.tmp"):
+        assert (tmp_path / name / "was").read_text() == name
