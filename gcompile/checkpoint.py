@@ -51,7 +51,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from gcompile.checkpoint_files import CHECKSUMS, CheckpointError, MetadataReader, read_checked, write_checksums
+from gcompile.checkpoint_files import (CHECKSUMS, GCOMPILE_JSON, CheckpointError, MetadataReader, read_checked,
+                                       write_checksums)
 from gcompile.config import RunConfig
 from gcompile.flat import Span
 from gcompile.layout import Param, Shard, first_holder, full_value, local_value
@@ -64,7 +65,7 @@ from gcompile.state import TrainState
 from gcompile.stop import PhaseFailed, RunStopped, all_ranks, first_line, size_text, together
 
 TRACKER = "latest_checkpointed_iteration.txt"
-METADATA = "gcompile.json"
+METADATA = GCOMPILE_JSON
 TMP = ".tmp"
 """Suffix of a folder that is not a committed checkpoint."""
 STATES = ("main", "exp_avg", "exp_avg_sq")

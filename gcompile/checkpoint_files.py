@@ -30,10 +30,12 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from gcompile.torch_api import DCP_METADATA_GLOBALS
 
+GCOMPILE_JSON = "gcompile.json"
+"""What the keys mean, the model, the run config, progress (gcompile.checkpoint)."""
 DCP_METADATA = ".metadata"
 """The file DCP's FileSystemWriter writes its pickled Metadata to."""
 CHECKSUMS = "checksums.json"
-DESCRIBED = ("gcompile.json", DCP_METADATA)
+DESCRIBED = (GCOMPILE_JSON, DCP_METADATA)
 """The files checksums.json covers."""
 
 
@@ -69,7 +71,7 @@ class _AllowListUnpickler(pickle.Unpickler):
         self.path = path
 
     def find_class(self, module: str, name: str):
-        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        dtype = module == "torch" and isinstance(vars(torch).get(name), torch.dtype)  # no lazy import
         if not dtype and (module, name) not in DCP_METADATA_GLOBALS:
             raise CheckpointError(f"{self.path} names {module}.{name}, which a checkpoint's metadata never "
                                   f"holds; refusing to load it (a checkpoint is data, never code)")
