@@ -24,8 +24,10 @@ per key its dtype, shape and CRC-32. Loading reassembles one parameter at a time
 `layout.full_value` and cuts it for the loading rank with `layout.local_value`, so any layout
 (tp, pp, dp, the distributed optimizer, main-weight dtype) loads any other.
 
-A save is atomic: every rank writes into iter_N.tmp, rank 0 adds gcompile.json, and after
-a barrier rank 0 renames the folder into place and then replaces the tracker file.
+A save is atomic: every rank writes into iter_N.tmp, rank 0 adds gcompile.json and
+checksums.json, and once every rank's files are complete rank 0 renames the folder into place
+and then replaces the tracker file. The ranks agree after each of these phases: a failure on
+one (a full disk) fails the save on all, which remove iter_N.tmp and stop (gcompile.stop).
 
     python -m gcompile.checkpoint export SAVE --output model.pt
     python -m gcompile.checkpoint generate model.pt --prompt "def " --max-new-tokens 200
