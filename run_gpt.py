@@ -29,6 +29,7 @@ from gcompile.axes import Coords
 from gcompile.pass_manager import PassError, clear_stale_dumps
 from gcompile.pipeline import load_passes
 from gcompile.program import dump_text
+from gcompile.stop import RunStopped
 from gcompile.train import dump_schedule, train
 from gcompile.world import build_world, prepare_launch
 
@@ -50,6 +51,10 @@ def rank_main(config: RunConfig) -> int:
         train(config, coords, device)
     except USER_ERRORS as e:
         return error(str(e))
+    except RunStopped as e:  # every rank stops; one says why
+        if e.report:
+            print(f"run_gpt.py: error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

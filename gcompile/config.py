@@ -143,6 +143,9 @@ class TrainConfig:
     """Capture the steady-state iteration once and replay it as a CUDA graph; None = on with --compile on CUDA."""
     recompute_activations: bool = False
     """Recompute the forward in backward instead of saving activations (full recompute; saves memory)."""
+    check_for_nan_in_loss_and_grad: bool = True
+    """Stop every rank when a loss or gradient norm is NaN or inf (fp16 skipped steps aside), and never
+    save weights that are."""
 
 
 @dataclass(frozen=True)

@@ -70,7 +70,7 @@ class MetricsLog:
                   flush=True)
 
     def validation(self, *, iteration: int, consumed_samples: int, loss: float) -> None:
-        ppl = math.exp(min(20.0, loss))
+        ppl = math.nan if math.isnan(loss) else math.exp(min(20.0, loss))  # min(20, nan) is 20
         self._write(dict(iteration=iteration, val_loss=loss, val_ppl=ppl))
         self.tensorboard.add_scalar("lm loss validation", loss, iteration)
         self.tensorboard.add_scalar("lm loss validation vs samples", loss, consumed_samples)

@@ -12,6 +12,7 @@ import math
 import os
 import time
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -32,6 +33,7 @@ from gcompile.runtime import Runtime
 from gcompile.schedule import Schedule, format_table, simulate
 from gcompile.schedule_render import render_svg
 from gcompile.state import TrainState
+from gcompile.stop import check_state, check_step
 
 
 LR_SCHEDULE = ("lr", "min_lr", "lr_warmup_iters", "lr_decay_iters", "lr_decay_style", "train_iters")
@@ -89,7 +91,8 @@ def train(config: RunConfig, coords: Coords, device: str = "cpu", log=print) -> 
         for line in format_rank_stats(_every_rank(compiler.stats, coords)):
             quiet(line)
     state = TrainState.initial(program, config.model, t.seed, device)
-    progress = resume(config, program, state, log=quiet)
+    seed_generators(t.seed, coords)
+    progress = resume(config, program, state, log=quiet)  # on the saving layout, restores the generators
     runtime = Runtime(program, functions, optimizer_step, state)
     train_step = runtime.train_step
     if t.cuda_graphs if t.cuda_graphs is not None else t.compile:
@@ -121,6 +124,8 @@ def train(config: RunConfig, coords: Coords, device: str = "cpu", log=print) -> 
                           skipped_iterations=skipped)
             metrics.step(**record, print_line=iteration % config.log.log_interval == 0)
             records.append(record)
+        if t.check_for_nan_in_loss_and_grad:
+            check_step(iteration, loss, result.grad_norm, report=coords.rank == 0)
         if t.eval_interval and (iteration % t.eval_interval == 0 or iteration == t.train_iters):
             val_loss = evaluate(runtime, valid_data, config, coords, device)
             if metrics:
@@ -129,6 +134,8 @@ def train(config: RunConfig, coords: Coords, device: str = "cpu", log=print) -> 
         exiting = c.exit_interval is not None and iteration % c.exit_interval == 0
         interval = c.save_interval is not None and iteration % c.save_interval == 0
         if c.save and (exiting or interval or iteration == t.train_iters):
+            if t.check_for_nan_in_loss_and_grad:
+                check_state(iteration, state, report=coords.rank == 0)
             started = time.perf_counter()
             folder = checkpoint.save(c.save, Progress(iteration, consumed), config, program, state)
             quiet(f"saved checkpoint at iteration {iteration} to {folder} ({time.perf_counter() - started:.2f} s)")
@@ -138,6 +145,17 @@ def train(config: RunConfig, coords: Coords, device: str = "cpu", log=print) -> 
     if metrics:
         metrics.close()
     return records
+
+
+def seed_generators(seed: int, coords: Coords) -> None:
+    """Seed this rank's default generators (CPU and CUDA; dropout draws from them) from --seed and its
+    pipeline and dp ranks. The ranks of a tp (and cp) group share the seed: they hold some activations
+    alike (after a row-parallel all-reduce), whose dropout masks must agree, and they draw as many
+    elements in the same order (their heads, their sequence slices), so their streams stay in step.
+    The price: a tp-sharded region repeats one mask over the ranks' pieces (Megatron draws those from
+    a second, per-tp-rank generator)."""
+    mixed = np.random.SeedSequence([seed, coords.axis_rank("pp"), coords.axis_rank("dp")]).generate_state(1, np.uint64)
+    torch.manual_seed(int(mixed[0]))
 
 
 def resume(config: RunConfig, program: RankProgram, state: TrainState, log) -> Progress:

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import run_gpt
+from gcompile.checkpoint_files import CHECKSUMS, write_checksums
 from gcompile import checkpoint, data, inspect
 from gcompile.checkpoint import TRACKER
 from gcompile.data import VOCAB_SIZE
@@ -77,17 +78,21 @@ def copy_checkpoint(damage):
 
 
 def edit_meta(edit):
+    """A gcompile.json edited and checksummed again: what the field checks must catch, past the checksum."""
     def damage(save):
         path = save / ITERATION / "gcompile.json"
         meta = json.loads(path.read_text())
         edit(meta)
         path.write_text(json.dumps(meta))
+        (save / ITERATION / CHECKSUMS).write_text(write_checksums(str(save / ITERATION)))
     return damage
 
 
 def truncate_metadata(save):
+    """Cut short and checksummed again: what the reader itself must refuse."""
     path = save / ITERATION / ".metadata"
     os.truncate(path, os.path.getsize(path) // 2)
+    (save / ITERATION / CHECKSUMS).write_text(write_checksums(str(save / ITERATION)))
 
 
 def dump_folder(rank0):
@@ -159,9 +164,9 @@ CASES = [
     ("gcompile.json of a wrong type", "checkpoint", ["export", "{tmp}/save", "--output", "{tmp}/model.pt"],
      copy_checkpoint(edit_meta(lambda meta: meta["layout"].update(tp="2"))), "'layout.tp' is \"2\", of the wrong type"),
     (".metadata missing", "run_gpt", ["--load", "{tmp}/save"],
-     copy_checkpoint(lambda save: os.remove(save / ITERATION / ".metadata")), "cannot read its DCP .metadata"),
+     copy_checkpoint(lambda save: os.remove(save / ITERATION / ".metadata")), "no .metadata; the checkpoint is incomplete"),
     (".metadata truncated", "checkpoint", ["export", "{tmp}/save", "--output", "{tmp}/model.pt"],
-     copy_checkpoint(truncate_metadata), "cannot read its DCP .metadata"),
+     copy_checkpoint(truncate_metadata), ".metadata: not DCP metadata"),
     ("export under a file", "checkpoint", ["export", "{saved}/save", "--output", "{tmp}/file/model.pt"], a_file,
      "--output {tmp}/file/model.pt: {tmp}/file is a file"),
     ("generate top-k -5", "checkpoint", ["generate", "{saved}/model.pt", "--top-k", "-5"], None,
