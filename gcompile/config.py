@@ -21,14 +21,22 @@ import torch
 from dataclasses import dataclass, field, fields
 
 from gcompile.data import DataConfig
-from gcompile.models import DEFAULT_MODEL, model_spec, spec_of
+from gcompile.models import DEFAULT_MODEL, MODELS, model_spec, spec_of
 from gcompile.models.spec import ModelSpec
 from gcompile.tp_plan import plan_errors
 from gcompile.schedule import SCHEDULES, SPLIT_BACKWARD, ScheduleError, check_sizes
 
 
 ModelConfig = model_spec(DEFAULT_MODEL).config
-"""The `[model]` section: the config of the default model's spec (GPT-2's); its fields are the model flags."""
+"""The `[model]` section by default: the config of the default model's spec (GPT-2's). `arch` picks another
+family; the section's keys are then that family's config fields."""
+
+
+@dataclass(frozen=True)
+class ModelChoice:
+    arch: str = DEFAULT_MODEL
+    """Model family (gcompile/models): gpt2 or llama. The other [model] keys are that family's; a key
+    another family has is an error."""
 
 TP_COMM_BACKENDS = ("auto", "shm", "gloo")
 """Values of parallel.tp_comm_backend (gcompile.mesh.tp_group_backend)."""
@@ -245,13 +253,32 @@ def field_docs(cls) -> dict[str, str]:
     return docs
 
 
+def _section_classes(section: str) -> list[type]:
+    """The dataclasses whose fields are a section's keys: for [model], `arch` and every family's config."""
+    if section == "model":
+        return [ModelChoice, *(spec.config for spec in MODELS.values())]
+    return [SECTIONS[section]]
+
+
+def section_fields(section: str) -> dict[str, dataclasses.Field]:
+    """A section's keys -> their fields; a key several model families share comes from the first of them."""
+    known = {}
+    for cls in _section_classes(section):
+        for f in fields(cls):
+            known.setdefault(f.name, f)
+    return known
+
+
+def section_docs(section: str) -> dict[str, str]:
+    docs = {}
+    for cls in reversed(_section_classes(section)):
+        docs.update(field_docs(cls))
+    return docs
+
+
 def _field_index() -> dict[str, tuple[str, dataclasses.Field]]:
     """Every config key by flag name -> (section, field); keys are unique across sections."""
-    index = {}
-    for section, cls in SECTIONS.items():
-        for f in fields(cls):
-            index[_flag(f.name)] = (section, f)
-    return index
+    return {_flag(name): (section, f) for section in SECTIONS for name, f in section_fields(section).items()}
 
 
 def _base_type(annotation):
@@ -298,7 +325,7 @@ def load_toml(path: str) -> dict[str, dict]:
     for section, values in raw.items():
         if section not in SECTIONS or not isinstance(values, dict):
             raise ConfigError(f"{path}: unknown section [{section}]; known: {', '.join(SECTIONS)}")
-        known = {f.name: f for f in fields(SECTIONS[section])}
+        known = section_fields(section)
         for key, value in values.items():
             if key not in known:
                 raise ConfigError(f"{path}: unknown key {key!r} in [{section}]; known: {', '.join(known)}")
@@ -308,12 +335,29 @@ def load_toml(path: str) -> dict[str, dict]:
 
 def build_config(overrides: dict[str, dict]) -> RunConfig:
     """RunConfig from {section: {field: value}} over the defaults, validated."""
-    sections = {name: cls(**overrides.get(name, {})) for name, cls in SECTIONS.items()}
+    sections = {name: cls(**overrides.get(name, {})) for name, cls in SECTIONS.items() if name != "model"}
+    sections["model"] = _model_config(overrides.get("model", {}))
     sections["parallel"] = _derive_interleaving(sections["parallel"], sections["model"].n_layer,
                                                 given=overrides.get("parallel", {}))
     config = RunConfig(**sections)
     validate(config)
     return config
+
+
+def _model_config(values: dict):
+    """The config of the family `arch` names, from the [model] keys; keys of another family are an error."""
+    values = dict(values)
+    arch = values.pop("arch", DEFAULT_MODEL)
+    if arch not in MODELS:
+        raise ConfigError(f"arch={arch!r} is not a model family here; known: {', '.join(MODELS)}")
+    spec = MODELS[arch]
+    own = {f.name for f in fields(spec.config)}
+    foreign = [key for key in values if key not in own]
+    if foreign:
+        raise ConfigError(f"{', '.join(foreign)}: not a key of arch={arch} (its keys: {', '.join(sorted(own))}); "
+                          f"drop {'them' if len(foreign) > 1 else 'it'} or choose the arch that has "
+                          f"{'them' if len(foreign) > 1 else 'it'}")
+    return spec.config(**values)
 
 
 def _derive_interleaving(p: ParallelConfig, n_layer: int, given: dict) -> ParallelConfig:
@@ -346,7 +390,7 @@ def parser() -> argparse.ArgumentParser:
                    help="build every rank's program in this one process, check the plan, print it, and exit")
     for flag, (section, f) in _field_index().items():
         aliases = [f"--{a}" for a, target in MEGATRON_ALIASES.items() if target == flag]
-        help_text = f"[{section}] {field_docs(SECTIONS[section]).get(f.name, '')}"
+        help_text = f"[{section}] {section_docs(section).get(f.name, '')}"
         if _base_type(f.type) is bool:
             p.add_argument(f"--{flag}", *aliases, dest=f.name, nargs="?", const="true", metavar="BOOL",
                            help=help_text)
@@ -384,10 +428,7 @@ def validate(config: RunConfig) -> None:
     positive("train", t, "micro_batch_size", "global_batch_size", "seq_length", "train_iters")
     if errors:
         raise ConfigError("; ".join(errors))
-    if m.n_embd % m.n_head:
-        errors.append(f"n_embd={m.n_embd} is not divisible by n_head={m.n_head}")
-    if not 0.0 <= m.dropout < 1.0:
-        errors.append(f"dropout={m.dropout} must be in [0, 1)")
+    errors += config.model_spec.config_errors(m)
     if t.seq_length > m.block_size:
         errors.append(f"seq_length={t.seq_length} is longer than the model's block_size={m.block_size}; "
                       f"raise --block-size or lower --seq-length")

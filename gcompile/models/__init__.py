@@ -1,9 +1,10 @@
 """The models gcompile knows, by name: each brings its ModelSpec (gcompile/models/spec.py)."""
 
 from gcompile.models.gpt2 import GPT2
+from gcompile.models.llama import LLAMA
 from gcompile.models.spec import ModelSpec
 
-MODELS = {spec.name: spec for spec in (GPT2,)}
+MODELS = {spec.name: spec for spec in (GPT2, LLAMA)}
 DEFAULT_MODEL = "gpt2"
 """The model of the `[model]` section; its config's fields are the model flags."""
 
