@@ -56,6 +56,7 @@ from gcompile.layout import Param, Shard, first_holder, full_value, local_value
 from gcompile.axes import AXES, Coords
 from gcompile.models import DEFAULT_MODEL, MODELS, model_spec, spec_of
 from gcompile.models.spec import ModelSpec
+from gcompile.paths import path_error
 from gcompile.rank_program import RankProgram
 from gcompile.sample import generate_text
 from gcompile.state import TrainState
@@ -88,9 +89,11 @@ def latest(root: str) -> str | None:
     tracker = os.path.join(root, TRACKER)
     if not os.path.isfile(tracker):
         return None
-    text = open(tracker).read().strip()
-    if not text.isdigit():
-        raise CheckpointError(f"{tracker}: expected an iteration number, found {text[:40]!r}")
+    with open(tracker, "rb") as f:
+        text = f.read().decode("utf-8", errors="replace").strip()
+    if not (text.isascii() and text.isdigit()):  # '١٢'.isdigit() and int('١٢') == 12
+        raise CheckpointError(f"{tracker}: expected an iteration number in ASCII digits, found {text[:40]!r}; "
+                              f"write the N of a folder iter_N beside it, or remove the file")
     folder = iteration_dir(root, int(text))
     if not os.path.isdir(folder):
         raise CheckpointError(f"{tracker} names iteration {text} but {folder} does not exist")
@@ -205,16 +208,28 @@ class Checkpoint:
             raise CheckpointError(f"{folder}: not a gcompile checkpoint (no {METADATA})") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{path}: unreadable ({e})") from None
-        layout = self.meta["layout"]
-        self.axis_sizes = {axis: layout.get(axis, 1) for axis in AXES}  # cp came later: absent = 1
-        self.params = {name: _param(name, d) for name, d in self.meta["params"].items()}
-        self.ranges = {}  # (state, name, piece) -> [(start, key)]
-        for key in self.meta["keys"]:
-            if key.startswith("optim/"):
-                _, state, rest = key.split("/", 2)
-                name, piece, span = rest.rsplit("/", 2)
-                self.ranges.setdefault((state, name, piece), []).append((int(span.split("-")[0]), key))
+        try:
+            _check_meta(self.meta)
+            layout = self.meta["layout"]
+            self.axis_sizes = {axis: layout.get(axis, 1) for axis in AXES}  # cp came later: absent = 1
+            self.params = {name: _param(name, d) for name, d in self.meta["params"].items()}
+            self.ranges = {}  # (state, name, piece) -> [(start, key)]
+            for key in self.meta["keys"]:
+                if key.startswith("optim/"):
+                    _, state, rest = key.split("/", 2)
+                    name, piece, span = rest.rsplit("/", 2)
+                    self.ranges.setdefault((state, name, piece), []).append((int(span.split("-")[0]), key))
+        except (TypeError, ValueError) as e:  # a field missing, of the wrong type, or a key not of our making
+            raise CheckpointError(f"{path}: {_reason(e)}; the file is damaged or not written by gcompile, "
+                                  f"load an earlier checkpoint or save again") from None
         self.reader = _MetadataOnceReader(folder)
+        try:  # here, so that DCP's own read does not print its tracebacks before failing
+            self.reader.read_metadata()
+        except CheckpointError:
+            raise
+        except Exception as e:  # a missing or damaged file fails as whatever its reader raised
+            raise CheckpointError(f"{folder}: cannot read its DCP .metadata ({_reason(e)}); the save is "
+                                  f"incomplete or damaged, load an earlier checkpoint or save again") from None
         self.files = None  # key -> file name, read on the first failure
 
     @property
@@ -400,6 +415,7 @@ def export(path: str, output: str) -> str:
     weights = {name: checkpoint.full("model", name) for name in names.values()}
     # every state-dict key, a tied alias included, as the same tensor as its parameter
     state_dict = {key: weights[names[id(p)]] for key, p in model.state_dict(keep_vars=True).items()}
+    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     torch.save(dict(model=state_dict, model_args=dataclasses.asdict(config),
                     iter_num=checkpoint.meta["iteration"]), output)
     return checkpoint.folder
@@ -437,11 +453,22 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "export":
+            problem = ("--output is empty; name the file to write" if not args.output
+                       else f"--output {args.output} is a folder; name a file in it" if os.path.isdir(args.output)
+                       else path_error("--output", args.output, folder=False))
+            if problem:  # before the checkpoint is read, which takes a while
+                raise CheckpointError(problem)
             folder = export(args.checkpoint, args.output)
             print(f"exported {folder} to {args.output}")
         else:
             if args.temperature <= 0:
                 raise CheckpointError(f"--temperature {args.temperature} must be above 0")
+            if args.top_k < 0:
+                raise CheckpointError(f"--top-k {args.top_k} must be 0 (all tokens) or more")
+            try:
+                args.prompt.encode("utf-8")
+            except UnicodeEncodeError as e:  # bytes that are not UTF-8 reach Python as lone surrogates
+                raise CheckpointError(f"--prompt is not valid UTF-8 (at character {e.start}); give UTF-8 text") from None
             spec = model_spec(args.model_name)
             model, model_config = load_exported(args.model, spec)
             print(generate_text(model, spec.context_length(model_config), args.prompt, args.max_new_tokens,
@@ -476,6 +503,42 @@ def _piece_names(param: Param, axis_sizes) -> list[str]:
 
 def _describe(param: Param) -> dict:
     return dict(full_shape=list(param.full_shape), shards=[dataclasses.asdict(s) for s in param.shards])
+
+
+META_FIELDS = {
+    "": dict(iteration=int, consumed_samples=int, step=(int, float), scaler=(dict, type(None)), layout=dict,
+             model=str, config=dict, params=dict, keys=dict),
+    "layout": dict(tp=int, pp=int, dp=int, distributed_optimizer=bool, param_dtype=str, main=bool),
+    "config": dict(model=dict),
+    "params": dict(full_shape=list, shards=list),
+    "keys": dict(dtype=str, shape=list, crc32=int),
+}
+"""gcompile.json's fields and their JSON types: at the top, in the layout and the run config, per parameter
+and per key."""
+
+
+def _check_meta(meta) -> None:
+    """ValueError naming the first field of gcompile.json that is missing or of the wrong type."""
+    records = [("", meta)]
+    if isinstance(meta, dict):
+        records += [(section, meta.get(section, {})) for section in ("layout", "config")]
+        for section in ("params", "keys"):
+            records += [(section, record) for record in (meta.get(section) or {}).values()]
+    for section, record in records:
+        if not isinstance(record, dict):
+            raise ValueError(f"{section or 'the file'} holds {type(record).__name__} where an object belongs")
+        for name, kind in META_FIELDS[section].items():
+            where = f"{section}.{name}" if section else name
+            if name not in record:
+                raise ValueError(f"no {where!r}")
+            if not isinstance(record[name], kind) or (isinstance(record[name], bool) and kind is int):
+                raise ValueError(f"{where!r} is {json.dumps(record[name])[:40]}, of the wrong type")
+    if meta["model"] not in MODELS:
+        raise ValueError(f"model {meta['model']!r} is none of {', '.join(MODELS)}")
+    model_spec(meta["model"]).config(**meta["config"]["model"])  # TypeError: a field this model does not have
+    for key, record in meta["keys"].items():
+        if not isinstance(getattr(torch, record["dtype"], None), torch.dtype):
+            raise ValueError(f"{key!r} has dtype {record['dtype']!r}, not a torch dtype")
 
 
 def _param(name: str, described: dict) -> Param:

@@ -29,9 +29,9 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from gcompile.indexed_dataset import DataError, IndexedDataset, IndexedDatasetWriter
+from gcompile.paths import path_error
 
 EOD = 256
 """End of document, appended after each file's bytes."""
@@ -108,6 +108,11 @@ class Progress:
 def prepare(inputs: list[str], output: str, pattern: str = "*",
             skip_dirs: tuple[str, ...] = ()) -> IndexedDataset:
     """Tokenize every file (one file = one document) into OUTPUT.bin / OUTPUT.idx."""
+    if not output or output.endswith(("/", os.sep)):
+        raise DataError(f"--output {output!r} names no file; give a PREFIX such as data/corpus "
+                        f"(writes data/corpus.bin and data/corpus.idx)")
+    if problem := path_error("--output", output, folder=False):
+        raise DataError(problem)
     files = find_files(inputs, pattern, skip_dirs)
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     progress = Progress(len(files))
@@ -173,8 +178,9 @@ def parse_split(split: str) -> list[float]:
         weights = [float(w) for w in split.split(",")]
     except ValueError:
         weights = []
-    if len(weights) not in (2, 3) or min(weights) < 0 or not (weights[0] > 0 and weights[1] > 0):
-        raise DataError(f"split {split!r}: expected 'train,valid' or 'train,valid,test' weights such as "
+    if (len(weights) not in (2, 3) or not all(math.isfinite(w) and w >= 0 for w in weights)
+            or not (weights[0] > 0 and weights[1] > 0)):
+        raise DataError(f"split {split!r}: expected 'train,valid' or 'train,valid,test' finite weights such as "
                         "'98,2', train and valid above 0")
     return weights
 
@@ -204,7 +210,7 @@ class GPTDataset:
             self._order = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
         return self._order
 
-    def batch(self, consumed_samples: int, batch_size: int) -> torch.Tensor:
+    def batch(self, consumed_samples: int, batch_size: int) -> "torch.Tensor":
         """Draws consumed_samples .. consumed_samples + batch_size - 1 -> (B, L + 1) int64."""
         draws = np.arange(consumed_samples, consumed_samples + batch_size)
         epochs, positions = np.divmod(draws, self.num_samples)
@@ -213,6 +219,7 @@ class GPTDataset:
             mask = epochs == epoch
             samples[mask] = self.order(int(epoch))[positions[mask]]
         windows = samples[:, None] * self.seq_length + np.arange(self.seq_length + 1)  # (B, L+1)
+        import torch  # here, not at the top: the run config (and --help) reads DataConfig without torch
         return torch.from_numpy(np.array(self.tokens[windows], dtype=np.int64))
 
 
@@ -233,6 +240,43 @@ def build_datasets(config: DataConfig, seq_length: int, seed: int) -> tuple[GPTD
     train = GPTDataset(tokens[:train_end], seq_length, seed)
     valid = GPTDataset(tokens[train_end:valid_end], seq_length, seed)
     return train, valid
+
+
+def _source(config: DataConfig) -> str:
+    return f"--data-path {config.data_path}" if config.data_path else "the default corpus"
+
+
+def check_token_ids(config: DataConfig, train: GPTDataset, valid: GPTDataset, vocab_size: int) -> None:
+    """Every id of both parts is a whole number in [0, vocab_size): an id outside indexes the embedding
+    out of range, and a NaN or a fraction in a float index would become some other id without a word."""
+    for part, dataset in (("train", train), ("valid", valid)):
+        tokens = dataset.tokens
+        where = f"{_source(config)}: the {part} part"
+        if tokens.dtype.kind == "f" and (fractional := tokens[np.floor(tokens) != tokens]).size:
+            raise DataError(f"{where} holds token id {fractional[0]} in a {tokens.dtype.name} index; token ids "
+                            f"are whole numbers: prepare the data again with an integer dtype")
+        smallest, largest = tokens.min(), tokens.max()
+        if smallest < 0:
+            raise DataError(f"{where} holds token id {smallest}; token ids are 0 .. vocab_size - 1: "
+                            f"prepare the data again with this tokenizer")
+        if largest >= vocab_size:
+            raise DataError(f"{where} holds token id {largest} but vocab_size={vocab_size}; raise --vocab-size "
+                            f"to at least {int(largest) + 1} or use data from this tokenizer")
+
+
+def check_batches(config: DataConfig, train: GPTDataset, valid: GPTDataset, global_batch_size: int,
+                  evaluates: bool) -> None:
+    """A train part of fewer samples than one global batch is refused: every batch would repeat samples.
+    A valid part that small is only warned about (one line): a validation batch that repeats samples
+    still measures the loss, weighting some samples more."""
+    shortfall = f"samples of seq_length + 1 = {train.seq_length + 1} tokens, fewer than one global batch of " \
+                f"{global_batch_size}, so each batch repeats samples"
+    if len(train) < global_batch_size:
+        raise DataError(f"{_source(config)}: the train part holds {len(train)} {shortfall}; give more data, "
+                        f"or lower --global-batch-size or --seq-length")
+    if evaluates and len(valid) < global_batch_size:
+        print(f"warning: {_source(config)}: the valid part holds {len(valid)} {shortfall}; a larger valid "
+              f"weight in --split gives it more", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -7,6 +7,7 @@ iteration, and the batch one of the consumed-sample count, so a run resumed
 from a checkpoint takes the same steps as one that was never cut.
 """
 
+import dataclasses
 import math
 import os
 import time
@@ -16,10 +17,10 @@ import torch.distributed as dist
 
 from gcompile import checkpoint
 from gcompile.checkpoint import Progress
-from gcompile.compile import Compiler, compile_rank_program, dump_generated_code
+from gcompile.compile import Compiler, compile_rank_program, dump_generated_code, format_rank_stats
 from gcompile.cuda_graphs import GraphedTrainStep
-from gcompile.config import ConfigError, RunConfig, TrainConfig
-from gcompile.data import GPTDataset, build_datasets
+from gcompile.config import RunConfig, TrainConfig
+from gcompile.data import GPTDataset, build_datasets, check_token_ids
 from gcompile.log import MetricsLog
 from gcompile.axes import Coords
 from gcompile.mesh import group
@@ -31,6 +32,10 @@ from gcompile.runtime import Runtime
 from gcompile.schedule import Schedule, format_table, simulate
 from gcompile.schedule_render import render_svg
 from gcompile.state import TrainState
+
+
+LR_SCHEDULE = ("lr", "min_lr", "lr_warmup_iters", "lr_decay_iters", "lr_decay_style", "train_iters")
+"""The TrainConfig fields `lr_at` reads: a resume that changes one of them changes the learning-rate curve."""
 
 
 def lr_at(iteration: int, t: TrainConfig) -> float:
@@ -69,19 +74,20 @@ def train(config: RunConfig, coords: Coords, device: str = "cpu", log=print) -> 
     """Run the whole training; returns the logged records (on the logging rank; empty elsewhere)."""
     t = config.train
     train_data, valid_data = build_datasets(config.data, t.seq_length, t.seed)
-    _check_vocab(train_data, config)
+    check_token_ids(config.data, train_data, valid_data, config.model.vocab_size)  # under torchrun too
     logging = is_logging_rank(coords)
     quiet = (lambda _: None) if coords.rank != 0 else log
 
     program = build_rank_program(config, coords, device, dump_root=config.log.dump_graphs, log=quiet)
     if config.log.dump_schedule and coords.rank == 0:
         dump_schedule(program.schedule, config.log.run_dir, log)
-    compiler = Compiler(enabled=t.compile)
+    compiler = Compiler(enabled=t.compile, log=quiet)
     functions, optimizer_step = compile_rank_program(program, compiler)
     if t.compile and config.log.dump_graphs:
         dump_generated_code(program, compiler, rank_dump_dir(config.log.dump_graphs, coords.rank))
     if t.compile:
-        log(f"rank {coords.rank} {coords} compile: {compiler.stats}")
+        for line in format_rank_stats(_every_rank(compiler.stats, coords)):
+            quiet(line)
     state = TrainState.initial(program, config.model, t.seed, device)
     progress = resume(config, program, state, log=quiet)
     runtime = Runtime(program, functions, optimizer_step, state)
@@ -92,8 +98,8 @@ def train(config: RunConfig, coords: Coords, device: str = "cpu", log=print) -> 
         elif t.cuda_graphs:
             quiet("--cuda-graphs: no CUDA device here; the instruction list runs directly")
 
-    metrics = MetricsLog(config.log.run_dir, config.log.tensorboard_dir, t.train_iters, coords.world_size) \
-        if logging else None
+    metrics = MetricsLog(config.log.run_dir, config.log.tensorboard_dir, t.train_iters, coords.world_size,
+                         progress.iteration, log) if logging else None
     flops = config.model_spec.flops(config.model, t.global_batch_size, t.seq_length)
     records, skipped, consumed = [], 0, progress.consumed_samples
     c = config.checkpoint
@@ -142,7 +148,27 @@ def resume(config: RunConfig, program: RankProgram, state: TrainState, log) -> P
         if root:
             log(f"no checkpoint in {root}; starting from iteration 0")
         return Progress(0, 0)
-    return checkpoint.load(folder, config, program, state, log)
+    progress = checkpoint.load(folder, config, program, state, log)
+    change = lr_schedule_change(checkpoint.Checkpoint(folder).meta["config"]["train"], config.train,
+                                progress.iteration)
+    if change:
+        log(change)
+    return progress
+
+
+def lr_schedule_change(saved_train: dict, t: TrainConfig, iteration: int) -> str | None:
+    """A line when this run's flags change the learning rate of the steps left after `iteration` from what
+    the saved run's config (`saved_train`, its `[train]` section) gives, say a reshard with another
+    --train-iters; None when the curve is the same."""
+    saved = dataclasses.replace(t, **{name: saved_train[name] for name in LR_SCHEDULE})
+    changed = [f"{name} {getattr(saved, name)} -> {getattr(t, name)}" for name in LR_SCHEDULE
+               if getattr(saved, name) != getattr(t, name)]
+    first = next((i for i in range(iteration + 1, t.train_iters + 1) if lr_at(i, saved) != lr_at(i, t)),
+                 None) if changed else None
+    if first is None:
+        return None
+    return (f"the learning-rate schedule differs from the saved run's ({'; '.join(changed)}): iteration {first} "
+            f"trains at {lr_at(first, t):.6E}, where the saved run's schedule gives {lr_at(first, saved):.6E}")
 
 
 def dump_schedule(schedule: Schedule, run_dir: str, log=print) -> None:
@@ -167,16 +193,18 @@ def evaluate(runtime: Runtime, valid_data: GPTDataset, config: RunConfig, coords
     return torch.stack(losses).mean().item() if losses[0] is not None else float("nan")
 
 
+def _every_rank(obj, coords: Coords) -> dict:
+    """{rank: obj} of every rank, on every rank, so that rank 0 can print one line for many alike."""
+    if not dist.is_initialized():
+        return {coords.rank: obj}
+    every = [None] * coords.world_size
+    dist.all_gather_object(every, obj)
+    return dict(enumerate(every))
+
+
 def _mean_over_dp(loss: torch.Tensor | None, coords: Coords) -> torch.Tensor | None:
     if loss is None or coords.size("dp") == 1:
         return loss
     loss = loss.clone()
     dist.all_reduce(loss, group=group("dp"))
     return loss / coords.size("dp")
-
-
-def _check_vocab(dataset: GPTDataset, config: RunConfig) -> None:
-    largest = int(dataset.tokens.max())
-    if largest >= config.model.vocab_size:
-        raise ConfigError(f"the data holds token id {largest} but vocab_size={config.model.vocab_size}; "
-                          f"raise --vocab-size to at least {largest + 1} or use data from this tokenizer")

@@ -8,35 +8,13 @@ Names follow nanoGPT so that its checkpoints and ours line up.
 
 import math
 import zlib
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from gcompile.models.gpt2_config import GPTConfig
 from gcompile.models.spec import Input, ModelSpec
-
-
-@dataclass(frozen=True)
-class GPTConfig:
-    block_size: int = 256
-    """Learned positions; the longest sequence the model accepts."""
-    vocab_size: int = 257
-    """256 byte values + end-of-document; padding for tp happens in the pass, not here."""
-    n_layer: int = 4
-    """Transformer blocks."""
-    n_head: int = 8
-    """Attention heads; tp must divide it (8: the default model splits over up to 8 tp ranks)."""
-    n_embd: int = 128
-    """Hidden size; n_head must divide it."""
-    dropout: float = 0.0
-    """0 by default: dropout makes runs depend on the layout's RNG streams."""
-    bias: bool = True
-    """Biases in Linear and LayerNorm, as GPT-2."""
-
-    @property
-    def ffn_hidden_size(self) -> int:
-        return 4 * self.n_embd
 
 
 class CausalSelfAttention(nn.Module):
