@@ -27,7 +27,15 @@ from gcompile.schedule import SCHEDULES, SPLIT_BACKWARD, ScheduleError, check_si
 
 
 ModelConfig = CONFIGS[DEFAULT_MODEL]
-"""The `[model]` section: the config of the default model's spec (GPT-2's); its fields are the model flags."""
+"""The `[model]` section by default: the config of the default model's spec (GPT-2's). `arch` picks another
+family; the section's keys are then that family's config fields."""
+
+
+@dataclass(frozen=True)
+class ModelChoice:
+    arch: str = DEFAULT_MODEL
+    """Model family (gcompile/models): gpt2 or llama. The other [model] keys are that family's; a key
+    another family has is an error."""
 
 TP_COMM_BACKENDS = ("auto", "shm", "gloo")
 """Values of parallel.tp_comm_backend (gcompile.mesh.tp_group_backend)."""
@@ -248,13 +256,32 @@ def field_docs(cls) -> dict[str, str]:
     return docs
 
 
+def _section_classes(section: str) -> list[type]:
+    """The dataclasses whose fields are a section's keys: for [model], `arch` and every family's config."""
+    if section == "model":
+        return [ModelChoice, *CONFIGS.values()]
+    return [SECTIONS[section]]
+
+
+def section_fields(section: str) -> dict[str, dataclasses.Field]:
+    """A section's keys -> their fields; a key several model families share comes from the first of them."""
+    known = {}
+    for cls in _section_classes(section):
+        for f in fields(cls):
+            known.setdefault(f.name, f)
+    return known
+
+
+def section_docs(section: str) -> dict[str, str]:
+    docs = {}
+    for cls in reversed(_section_classes(section)):
+        docs.update(field_docs(cls))
+    return docs
+
+
 def _field_index() -> dict[str, tuple[str, dataclasses.Field]]:
     """Every config key by flag name -> (section, field); keys are unique across sections."""
-    index = {}
-    for section, cls in SECTIONS.items():
-        for f in fields(cls):
-            index[_flag(f.name)] = (section, f)
-    return index
+    return {_flag(name): (section, f) for section in SECTIONS for name, f in section_fields(section).items()}
 
 
 def _base_type(annotation):
@@ -314,7 +341,7 @@ def load_toml(path: str) -> dict[str, dict]:
     for section, values in raw.items():
         if section not in SECTIONS or not isinstance(values, dict):
             raise ConfigError(f"{path}: unknown section [{section}]; known: {', '.join(SECTIONS)}")
-        known = {f.name: f for f in fields(SECTIONS[section])}
+        known = section_fields(section)
         for key, value in values.items():
             if key not in known:
                 raise ConfigError(f"{path}: unknown key {key!r} in [{section}]; known: {', '.join(known)}")
@@ -324,12 +351,28 @@ def load_toml(path: str) -> dict[str, dict]:
 
 def build_config(overrides: dict[str, dict]) -> RunConfig:
     """RunConfig from {section: {field: value}} over the defaults, validated."""
-    sections = {name: cls(**overrides.get(name, {})) for name, cls in SECTIONS.items()}
+    sections = {name: cls(**overrides.get(name, {})) for name, cls in SECTIONS.items() if name != "model"}
+    sections["model"] = _model_config(overrides.get("model", {}))
     sections["parallel"] = _derive_interleaving(sections["parallel"], sections["model"].n_layer,
                                                 given=overrides.get("parallel", {}))
     config = RunConfig(**sections)
     validate(config)
     return config
+
+
+def _model_config(values: dict):
+    """The config of the family `arch` names, from the [model] keys; keys of another family are an error."""
+    values = dict(values)
+    arch = values.pop("arch", DEFAULT_MODEL)
+    if arch not in CONFIGS:
+        raise ConfigError(f"arch={arch!r} is not a model family here; known: {', '.join(CONFIGS)}")
+    own = {f.name for f in fields(CONFIGS[arch])}
+    foreign = [key for key in values if key not in own]
+    if foreign:
+        raise ConfigError(f"{', '.join(foreign)}: not a key of arch={arch} (its keys: {', '.join(sorted(own))}); "
+                          f"drop {'them' if len(foreign) > 1 else 'it'} or choose the arch that has "
+                          f"{'them' if len(foreign) > 1 else 'it'}")
+    return CONFIGS[arch](**values)
 
 
 def _derive_interleaving(p: ParallelConfig, n_layer: int, given: dict) -> ParallelConfig:
@@ -360,7 +403,7 @@ def parser() -> argparse.ArgumentParser:
                         "(needs --dump-graphs)")
     p.add_argument("--check-plan", action="store_true",
                    help="build every rank's program in this one process, check the plan, print it, and exit")
-    docs = {section: field_docs(cls) for section, cls in SECTIONS.items()}
+    docs = {section: section_docs(section) for section in SECTIONS}
     for flag, (section, f) in _field_index().items():
         aliases = [f"--{a}" for a, target in MEGATRON_ALIASES.items() if target == flag]
         help_text = f"[{section}] {docs[section].get(f.name, '')} (default: {_show_default(f)})"
@@ -418,14 +461,12 @@ def validate(config: RunConfig) -> None:
     positive("parallel", p, "tp", "pp", "dp", "cp", "virtual_pipeline_size", "make_vocab_size_divisible_by")
     positive("train", t, "micro_batch_size", "global_batch_size", "seq_length", "train_iters")
     positive("log", config.log, "log_interval")
-    if not 0.0 <= m.dropout < 1.0:  # nn.Dropout refuses it with a traceback when the plan below builds the model
-        errors.append(f"dropout={m.dropout} must be in [0, 1)")
+    if not errors:  # the model's own rules (GPT-2's dropout range) before the plan below builds the model
+        errors += config.model_spec.config_errors(m)
     if errors:
         raise ConfigError("; ".join(errors))
     errors += _number_errors(config)
     errors += _path_errors(config)
-    if m.n_embd % m.n_head:
-        errors.append(f"n_embd={m.n_embd} is not divisible by n_head={m.n_head}")
     if t.seq_length > m.block_size:
         errors.append(f"seq_length={t.seq_length} is longer than the model's block_size={m.block_size}; "
                       f"raise --block-size or lower --seq-length")

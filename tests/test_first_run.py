@@ -13,7 +13,7 @@ import pytest
 
 import run_gpt
 from gcompile.compile import CompileStats, format_rank_stats
-from gcompile.config import SECTIONS, TrainConfig, parse_args
+from gcompile.config import SECTIONS, TrainConfig, parse_args, section_fields
 from gcompile.inspect import main as inspect_main
 from gcompile.axes import Coords
 from gcompile.log import MetricsLog
@@ -40,7 +40,7 @@ def test_help_imports_no_torch_and_shows_every_default():
     assert "--seed SEED [train] Seeds initial weights" in text and "(default: 1234)" in text
     assert "--tp-comm-backend TP_COMM_BACKEND" in text and "(default: auto)" in text
     assert "(default: false)" in text and "(default: none)" in text
-    assert text.count("(default: ") == sum(len(dataclasses.fields(cls)) for cls in SECTIONS.values())
+    assert text.count("(default: ") == sum(len(section_fields(section)) for section in SECTIONS)
 
 
 # --- progress instead of silence ---------------------------------------------------------------------

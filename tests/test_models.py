@@ -49,10 +49,10 @@ TINY = ModelSpec(
     config=TinyConfig,
     module=Tiny,
     init_value=init_value,
-    tied=(("emb.weight", "head.weight"),),
     example_batch=lambda b, t: (Input("tokens", (b, t), torch.long), Input("labels", (b, t), torch.long)),
     tp_plan=("up=column", "down=row"),
     tp_errors=lambda model, name, placement, tp: [],
+    config_errors=lambda config: [],
     decays=lambda name, shape: name != "down.weight",  # a rule GPT-2 would not choose: the embedding decays
     context_length=lambda config: 4,
     flops=lambda config, batch, seq: 0.0,

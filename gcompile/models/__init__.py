@@ -8,10 +8,11 @@ flags, presets and `run_gpt.py --help` never waits for it.
 import importlib
 
 from gcompile.models.gpt2_config import GPTConfig
+from gcompile.models.llama_config import LlamaConfig
 
-MODELS = {"gpt2": "gcompile.models.gpt2:GPT2"}
+MODELS = {"gpt2": "gcompile.models.gpt2:GPT2", "llama": "gcompile.models.llama:LLAMA"}
 """Where each model's ModelSpec lives, by name: `module:attribute`."""
-CONFIGS = {"gpt2": GPTConfig}
+CONFIGS = {"gpt2": GPTConfig, "llama": LlamaConfig}
 """Each model's `[model]` config class (its spec's `config`), importable without torch."""
 DEFAULT_MODEL = "gpt2"
 """The model of the `[model]` section; its config's fields are the model flags."""

@@ -139,6 +139,16 @@ def tp_errors(model: GPT, name: str, placement: str, tp: int) -> list[str]:
     return [f"{what}={size} is not divisible by tp={tp}"]
 
 
+def config_errors(config: GPTConfig) -> list[str]:
+    """Sizes the model cannot be built with, in the config's words."""
+    errors = []
+    if config.n_embd % config.n_head:
+        errors.append(f"n_embd={config.n_embd} is not divisible by n_head={config.n_head}")
+    if not 0.0 <= config.dropout < 1.0:
+        errors.append(f"dropout={config.dropout} must be in [0, 1)")
+    return errors
+
+
 def decays(name: str, full_shape: tuple[int, ...]) -> bool:
     """Weight decay on matmul weights only: not on biases, LayerNorm, or the embeddings."""
     return len(full_shape) == 2 and not name.startswith(("transformer.wte.", "transformer.wpe."))
@@ -162,10 +172,10 @@ GPT2 = ModelSpec(
     config=GPTConfig,
     module=module,
     init_value=init_value,
-    tied=(("transformer.wte.weight", "lm_head.weight"),),
     example_batch=example_batch,
     tp_plan=MEGATRON_PLAN,
     tp_errors=tp_errors,
+    config_errors=config_errors,
     decays=decays,
     context_length=lambda config: config.block_size,
     flops=num_floating_point_operations,
