@@ -53,6 +53,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from gcompile import hf
+
 from gcompile.checkpoint_files import (CHECKSUMS, GCOMPILE_JSON, CheckpointError, MetadataReader, read_checked,
                                        write_checksums)
 from gcompile.config import RunConfig
@@ -448,11 +450,19 @@ def load_exported(path: str, spec: ModelSpec) -> tuple[torch.nn.Module, object]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gcompile.checkpoint",
-                                     description="Export a distributed checkpoint, or sample from an export.")
+                                     description="Export a distributed checkpoint, sample from an export, or convert "
+                                                 "to and from Hugging Face.")
     commands = parser.add_subparsers(dest="command", required=True)
     ex = commands.add_parser("export", help="write a single-device state dict with the model's names")
     ex.add_argument("checkpoint", help="SAVE folder (its latest checkpoint) or one SAVE/iter_N folder")
     ex.add_argument("--output", required=True, help="file to write (torch.save)")
+    imp = commands.add_parser("import-hf", help="a Hugging Face model folder (config.json + safetensors) as an "
+                                                "iteration-0 checkpoint any layout loads")
+    imp.add_argument("hf_dir", help="folder written by save_pretrained (GPT2LMHeadModel or LlamaForCausalLM)")
+    imp.add_argument("--save", required=True, help="checkpoint folder to write (as run_gpt.py --save)")
+    exh = commands.add_parser("export-hf", help="write config.json + model.safetensors that from_pretrained loads")
+    exh.add_argument("checkpoint", help="SAVE folder (its latest checkpoint) or one SAVE/iter_N folder")
+    exh.add_argument("output_dir", help="folder to write")
     gen = commands.add_parser("generate", help="sample text from an exported model")
     gen.add_argument("model", help="a file written by export")
     gen.add_argument("--model-name", choices=sorted(MODELS), default=DEFAULT_MODEL, help="the model the file holds")
@@ -471,6 +481,16 @@ def main(argv: list[str] | None = None) -> int:
                 raise CheckpointError(problem)
             folder = export(args.checkpoint, args.output)
             print(f"exported {folder} to {args.output}")
+        elif args.command == "import-hf":
+            problem = path_error("--save", args.save)
+            if problem:
+                raise CheckpointError(problem)
+            hf.import_hf(args.hf_dir, args.save)
+        elif args.command == "export-hf":
+            problem = path_error("output_dir", args.output_dir)
+            if problem:
+                raise CheckpointError(problem)
+            hf.export_hf(args.checkpoint, args.output_dir)
         else:
             if args.temperature <= 0:
                 raise CheckpointError(f"--temperature {args.temperature} must be above 0")

@@ -42,7 +42,7 @@ class MLP(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.c_fc = nn.Linear(config.n_embd, config.ffn_hidden_size, bias=config.bias)
-        self.gelu = nn.GELU()
+        self.gelu = nn.GELU(approximate="tanh" if config.activation == "gelu_tanh" else "none")
         self.c_proj = nn.Linear(config.ffn_hidden_size, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
@@ -139,6 +139,9 @@ def tp_errors(model: GPT, name: str, placement: str, tp: int) -> list[str]:
     return [f"{what}={size} is not divisible by tp={tp}"]
 
 
+ACTIVATIONS = ("gelu", "gelu_tanh")
+
+
 def config_errors(config: GPTConfig) -> list[str]:
     """Sizes the model cannot be built with, in the config's words."""
     errors = []
@@ -146,6 +149,8 @@ def config_errors(config: GPTConfig) -> list[str]:
         errors.append(f"n_embd={config.n_embd} is not divisible by n_head={config.n_head}")
     if not 0.0 <= config.dropout < 1.0:
         errors.append(f"dropout={config.dropout} must be in [0, 1)")
+    if config.activation not in ACTIVATIONS:
+        errors.append(f"activation={config.activation!r} must be {' or '.join(ACTIVATIONS)}")
     return errors
 
 

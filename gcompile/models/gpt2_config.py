@@ -23,6 +23,9 @@ class GPTConfig:
     """0 by default: dropout makes runs depend on the layout's RNG streams."""
     bias: bool = True
     """Biases in Linear and LayerNorm, as GPT-2."""
+    activation: str = "gelu"
+    """MLP activation: gelu (exact, nanoGPT's) or gelu_tanh (the tanh approximation of the original GPT-2,
+    Hugging Face's gelu_new)."""
 
     @property
     def ffn_hidden_size(self) -> int:
