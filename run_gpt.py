@@ -10,6 +10,7 @@ nccl on CUDA); under torchrun it joins the given world.
 """
 
 import os
+import signal
 import sys
 import time
 
@@ -19,7 +20,8 @@ from gcompile.checkpoint import CheckpointError, check
 from gcompile.config import ConfigError, RunConfig, parse_args
 from gcompile.data import DataError, build_datasets
 from gcompile.check import PlanError, check_plan
-from gcompile.mesh import MeshError
+from gcompile.mesh import MeshError, check_shm_room
+from gcompile import stop
 from gcompile.launch import join_world, rank_threads, run_ranks, under_launcher
 from gcompile.axes import Coords
 from gcompile.pass_manager import PassError, clear_stale_dumps
@@ -39,12 +41,14 @@ def rank_main(config: RunConfig) -> int:
     try:
         if under_launcher():
             p = config.parallel
-            coords, device = join_world(config.mesh_sizes, p.tp_comm_backend)
+            coords, device = join_world(config.mesh_sizes, p.tp_comm_backend, p.distributed_timeout_minutes)
         else:
             coords, device = Coords.from_rank(0, {}), "cuda" if torch.cuda.is_available() else "cpu"
         train(config, coords, device)
     except USER_ERRORS as e:
         return error(str(e))
+    if stop.requested.is_set():  # --exit-signal-handler: saved after the iteration SIGTERM ended
+        return stop.stopped(signal.SIGTERM)
     return 0
 
 
@@ -74,12 +78,14 @@ def main(argv: list[str]) -> int:
             build_datasets(config.data, config.train.seq_length, config.train.seed)  # prepare once, check early
             check(config)  # --save can be written, the checkpoint to --load is whole and fits
             if config.world_size > 1:
+                check_shm_room(config)
                 device = "cuda" if torch.cuda.is_available() else "cpu"
                 prepare_launch(config, device, rank_threads(config.world_size))
     except USER_ERRORS as e:
         return error(str(e))
-    return run_ranks(config.world_size, [os.path.abspath(__file__), *argv], lambda: rank_main(config))
+    return run_ranks(config, [os.path.abspath(__file__), *argv], lambda: rank_main(config))
 
 
 if __name__ == "__main__":
+    stop.install(stop.stopper(exit_signal_handler=False))  # SIGINT/SIGTERM: one line, 130/143
     sys.exit(main(sys.argv[1:]))
