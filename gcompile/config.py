@@ -85,7 +85,7 @@ class ParallelConfig:
     memory_budget_gb: float | None = None
     """Refuse to launch when a rank's estimated peak memory exceeds this many GiB (checked before launch)."""
     distributed_timeout_minutes: float = 10
-    """A collective (or joining the world) that waits longer than this fails (Megatron's flag)."""
+    """Minutes a collective (or joining the world) may wait before it fails (Megatron's flag)."""
     hang_timeout_s: float = 300
     """Local launcher: when no rank has progressed for this long, print where each rank is (RUN_DIR/flight)
     and stop the job; long enough for a cold compile; 0 = never."""

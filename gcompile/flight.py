@@ -55,21 +55,24 @@ class FlightRecorder:
         self._put("progress", "0")
 
     def phase(self, text: str) -> None:
-        """What the rank does between instruction lists: joining, compiling, iteration N, saving."""
-        self._put("phase", text)
+        """What the rank does between instruction lists: compiling, iteration N, saving."""
+        if self._map is not None:
+            self._put("phase", text)
 
     def start(self, kind: str, text: str) -> None:
         """`kind` ("instruction" or "collective") `text` begins."""
+        if self._map is None:
+            return
         self._started[kind] = f"@{self._count + 1} {text}"
         self._put(f"{kind} started", self._started[kind])
 
     def finish(self, kind: str) -> None:
         """The last started `kind` has ended."""
+        if self._map is None:
+            return
         self._put(f"{kind} finished", self._started[kind])
 
     def _put(self, field: str, text: str) -> None:
-        if self._map is None:
-            return
         self._count += 1
         start = FIELDS.index(field) * _LINE + _LABEL
         self._map[start:start + _WIDTH] = text.encode(errors="replace")[:_WIDTH].ljust(_WIDTH)

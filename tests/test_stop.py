@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+import run_gpt
 from gcompile import flight
 from gcompile.checkpoint import TRACKER
 from gcompile.config import parse_args
@@ -128,6 +129,17 @@ def test_killed_launcher_takes_its_ranks_along(tmp_path):
     proc.kill()
     proc.wait()
     assert_all_gone(tmp_path, within=10)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--exit-signal-handler"], "exit-signal-handler saves a checkpoint on SIGTERM and needs --save DIR"),
+    (["--hang-timeout-s", "-1"], "hang-timeout-s=-1.0 must be 0 (no watchdog) or positive"),
+    (["--distributed-timeout-minutes", "0"], "distributed-timeout-minutes=0.0 must be positive"),
+])
+def test_bad_stop_flags_are_one_line(flags, message, capsys):
+    assert run_gpt.main(flags) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and message in err[0], err
 
 
 def test_one_process_run_stops_on_sigterm_with_one_line(tmp_path):
