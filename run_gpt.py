@@ -10,6 +10,7 @@ nccl on CUDA); under torchrun it joins the given world.
 """
 
 import os
+import signal
 import sys
 import time
 
@@ -23,7 +24,8 @@ import torch
 from gcompile.checkpoint import CheckpointError, check
 from gcompile.data import DataError, build_datasets, check_batches, check_token_ids
 from gcompile.check import PlanError, check_fits_machine, check_plan
-from gcompile.mesh import MeshError
+from gcompile.mesh import MeshError, check_shm_room
+from gcompile import shutdown
 from gcompile.launch import join_world, rank_threads, run_ranks, under_launcher
 from gcompile.axes import Coords
 from gcompile.pass_manager import PassError, clear_stale_dumps
@@ -45,7 +47,7 @@ def rank_main(config: RunConfig) -> int:
     try:
         if under_launcher():
             p = config.parallel
-            coords, device = join_world(config.mesh_sizes, p.tp_comm_backend)
+            coords, device = join_world(config.mesh_sizes, p.tp_comm_backend, p.distributed_timeout_minutes)
         else:
             coords, device = Coords.from_rank(0, {}), "cuda" if torch.cuda.is_available() else "cpu"
         train(config, coords, device)
@@ -55,6 +57,8 @@ def rank_main(config: RunConfig) -> int:
         if e.report:
             print(f"run_gpt.py: error: {e}", file=sys.stderr)
         return 1
+    if shutdown.requested.is_set():  # --exit-signal-handler: saved after the iteration SIGTERM ended
+        return shutdown.stopped(signal.SIGTERM)
     return 0
 
 
@@ -92,12 +96,14 @@ def main(argv: list[str]) -> int:
             check_batches(config.data, train_data, valid_data, t.global_batch_size, evaluates=t.eval_interval > 0)
             check(config)  # --save can be written, the checkpoint to --load is whole and fits
             if config.world_size > 1:
+                check_shm_room(config)
                 device = "cuda" if torch.cuda.is_available() else "cpu"
                 prepare_launch(config, device, rank_threads(config.world_size))
     except USER_ERRORS as e:
         return error(str(e))
-    return run_ranks(config.world_size, [os.path.abspath(__file__), *argv], lambda: rank_main(config))
+    return run_ranks(config, [os.path.abspath(__file__), *argv], lambda: rank_main(config))
 
 
 if __name__ == "__main__":
+    shutdown.install(shutdown.stopper(exit_signal_handler=False))  # SIGINT/SIGTERM: one line, 130/143
     sys.exit(main(sys.argv[1:]))

@@ -91,6 +91,11 @@ class ParallelConfig:
     """Start each bucket's dp reduction inside the last microbatch's backward, as soon as it is final."""
     memory_budget_gb: float | None = None
     """Refuse to launch when a rank's estimated peak memory exceeds this many GiB (checked before launch)."""
+    distributed_timeout_minutes: float = 10
+    """Minutes a collective (or joining the world) may wait before it fails (Megatron's flag)."""
+    hang_timeout_s: float = 300
+    """Local launcher: when no rank has progressed for this long, print where each rank is (RUN_DIR/flight)
+    and stop the job; long enough for a cold compile; 0 = never."""
     passes: tuple[str, ...] = ()
     """User passes (this imports and runs their code in the launcher and every rank): `pkg.module:function` or
     `path/to/file.py:function` (after pipeline_split, before lowering), or `after:POINT=...` / `before:POINT=...`
@@ -180,6 +185,8 @@ class CheckpointConfig:
     """Save every this many iterations (needs --save); None = only at the end of training."""
     exit_interval: int | None = None
     """Save (with --save) and exit when the iteration is a multiple of this (Megatron's meaning)."""
+    exit_signal_handler: bool = False
+    """On SIGTERM, every rank finishes the iteration, saves to --save and exits 143 (Megatron's flag)."""
 
 
 @dataclass(frozen=True)
@@ -484,6 +491,12 @@ def validate(config: RunConfig) -> None:
             errors.append(f"{_flag(name)}={getattr(c, name)} must be at least 1")
     if c.save_interval is not None and c.save is None:
         errors.append(f"save-interval={c.save_interval} needs --save DIR")
+    if c.exit_signal_handler and c.save is None:
+        errors.append("exit-signal-handler saves a checkpoint on SIGTERM and needs --save DIR")
+    if not p.distributed_timeout_minutes > 0:
+        errors.append(f"distributed-timeout-minutes={p.distributed_timeout_minutes} must be positive")
+    if not p.hang_timeout_s >= 0:
+        errors.append(f"hang-timeout-s={p.hang_timeout_s} must be 0 (no watchdog) or positive")
     if p.ddp_bucket_size is not None and p.ddp_bucket_size < 1:
         errors.append(f"ddp_bucket_size={p.ddp_bucket_size} must be at least 1 element")
     if t.min_lr > t.lr:

@@ -16,12 +16,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from gcompile import checkpoint
+from gcompile import checkpoint, shutdown
 from gcompile.checkpoint import Progress
 from gcompile.compile import Compiler, compile_rank_program, dump_generated_code, format_rank_stats
 from gcompile.cuda_graphs import GraphedTrainStep
 from gcompile.config import RunConfig, TrainConfig
 from gcompile.data import GPTDataset, build_datasets, check_token_ids
+from gcompile.flight import FlightRecorder, flight_dir, rank_file
 from gcompile.log import MetricsLog
 from gcompile.axes import Coords
 from gcompile.mesh import group
@@ -75,15 +76,19 @@ def is_logging_rank(coords: Coords) -> bool:
 def train(config: RunConfig, coords: Coords, device: str = "cpu", log=print) -> list[dict]:
     """Run the whole training; returns the logged records (on the logging rank; empty elsewhere)."""
     t = config.train
+    recorder = FlightRecorder(rank_file(flight_dir(config.log.run_dir), coords.rank))
+    recorder.phase("reading data")
     train_data, valid_data = build_datasets(config.data, t.seq_length, t.seed)
     check_token_ids(config.data, train_data, valid_data, config.model.vocab_size)  # under torchrun too
     logging = is_logging_rank(coords)
     quiet = (lambda _: None) if coords.rank != 0 else log
 
+    recorder.phase("building the rank program")
     program = build_rank_program(config, coords, device, dump_root=config.log.dump_graphs, log=quiet)
     if config.log.dump_schedule and coords.rank == 0:
         dump_schedule(program.schedule, config.log.run_dir, log)
     compiler = Compiler(enabled=t.compile, log=quiet)
+    recorder.phase("compiling" if t.compile else "preparing the graphs")
     functions, optimizer_step = compile_rank_program(program, compiler)
     if t.compile and config.log.dump_graphs:
         dump_generated_code(program, compiler, rank_dump_dir(config.log.dump_graphs, coords.rank))
@@ -92,8 +97,9 @@ def train(config: RunConfig, coords: Coords, device: str = "cpu", log=print) -> 
             quiet(line)
     state = TrainState.initial(program, config.model, t.seed, device)
     seed_generators(t.seed, coords)
+    recorder.phase("loading the checkpoint")
     progress = resume(config, program, state, log=quiet)  # on the saving layout, restores the generators
-    runtime = Runtime(program, functions, optimizer_step, state)
+    runtime = Runtime(program, functions, optimizer_step, state, recorder=recorder)
     train_step = runtime.train_step
     if t.cuda_graphs if t.cuda_graphs is not None else t.compile:
         if device.startswith("cuda"):
@@ -107,12 +113,13 @@ def train(config: RunConfig, coords: Coords, device: str = "cpu", log=print) -> 
     records, skipped, consumed = [], 0, progress.consumed_samples
     c = config.checkpoint
     for iteration in range(progress.iteration + 1, t.train_iters + 1):
+        recorder.phase(f"iteration {iteration}")
         batch = microbatches(train_data, consumed, config, coords, device)
         lr = lr_at(iteration, t)
         state.lr.fill_(lr)
         start = time.perf_counter()
         result = train_step(batch)
-        loss = _mean_over_dp(result.loss, coords)
+        loss = _mean_over_dp(result.loss, coords, recorder)
         skipped += int(result.skipped.item())
         elapsed_ms = (time.perf_counter() - start) * 1e3
         consumed += t.global_batch_size
@@ -127,21 +134,28 @@ def train(config: RunConfig, coords: Coords, device: str = "cpu", log=print) -> 
         if t.check_for_nan_in_loss_and_grad:
             check_step(iteration, loss, result.grad_norm, report=coords.rank == 0)
         if t.eval_interval and (iteration % t.eval_interval == 0 or iteration == t.train_iters):
+            recorder.phase(f"validation at iteration {iteration}")
             val_loss = evaluate(runtime, valid_data, config, coords, device)
             if metrics:
                 metrics.validation(iteration=iteration, consumed_samples=consumed, loss=val_loss)
                 records.append(dict(iteration=iteration, val_loss=val_loss))
         exiting = c.exit_interval is not None and iteration % c.exit_interval == 0
+        signalled = c.exit_signal_handler and _stop_agreed(coords, device, recorder)
         interval = c.save_interval is not None and iteration % c.save_interval == 0
-        if c.save and (exiting or interval or iteration == t.train_iters):
+        if c.save and (exiting or signalled or interval or iteration == t.train_iters):
             if t.check_for_nan_in_loss_and_grad:
                 check_state(iteration, state, report=coords.rank == 0)
+            recorder.phase(f"saving the checkpoint of iteration {iteration}")
             started = time.perf_counter()
             folder = checkpoint.save(c.save, Progress(iteration, consumed), config, program, state)
             quiet(f"saved checkpoint at iteration {iteration} to {folder} ({time.perf_counter() - started:.2f} s)")
         if exiting:
             quiet(f"exiting at iteration {iteration} (--exit-interval {c.exit_interval})")
             break
+        if signalled:
+            quiet(f"exiting at iteration {iteration} on SIGTERM (--exit-signal-handler)")
+            break
+    recorder.phase("done")
     if metrics:
         metrics.close()
     return records
@@ -207,7 +221,7 @@ def evaluate(runtime: Runtime, valid_data: GPTDataset, config: RunConfig, coords
     losses = []
     for i in range(config.train.eval_iters):
         loss = runtime.eval_step(microbatches(valid_data, i * config.train.global_batch_size, config, coords, device))
-        losses.append(_mean_over_dp(loss, coords))
+        losses.append(_mean_over_dp(loss, coords, runtime.recorder))
     return torch.stack(losses).mean().item() if losses[0] is not None else float("nan")
 
 
@@ -220,9 +234,21 @@ def _every_rank(obj, coords: Coords) -> dict:
     return dict(enumerate(every))
 
 
-def _mean_over_dp(loss: torch.Tensor | None, coords: Coords) -> torch.Tensor | None:
+def _mean_over_dp(loss: torch.Tensor | None, coords: Coords, recorder: FlightRecorder) -> torch.Tensor | None:
     if loss is None or coords.size("dp") == 1:
         return loss
     loss = loss.clone()
+    recorder.start("collective", "all_reduce of the loss over dp")
     dist.all_reduce(loss, group=group("dp"))
+    recorder.finish("collective")
     return loss / coords.size("dp")
+
+
+def _stop_agreed(coords: Coords, device: str, recorder: FlightRecorder) -> bool:
+    """--exit-signal-handler: whether any rank got SIGTERM, the same answer on every rank."""
+    recorder.start("collective", "all_reduce of the SIGTERM flag over the world (--exit-signal-handler)")
+    agreed = shutdown.agreed(coords.world_size, device)
+    recorder.finish("collective")
+    if agreed:
+        shutdown.requested.set()  # this rank too exits as signalled, whichever rank got the signal
+    return agreed
