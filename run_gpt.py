@@ -3,28 +3,36 @@
 
     python run_gpt.py                                   # the default small GPT on the default corpus
     python run_gpt.py --config configs/tiny.toml --train-iters 200
-    python run_gpt.py --help                            # every flag, with its TOML section
+    python run_gpt.py --help                            # every flag, its TOML section and default
 
 Ranks: tp * pp * dp. Started plainly, this spawns them locally (gloo on CPU,
 nccl on CUDA); under torchrun it joins the given world.
 """
 
 import os
+import signal
 import sys
 import time
+
+from gcompile.config import ConfigError, RunConfig, answer_help, parse_args
+
+if __name__ == "__main__":
+    answer_help(sys.argv[1:])  # before the imports below load torch (seconds): --help is immediate
 
 import torch
 
 from gcompile.checkpoint import CheckpointError, check
-from gcompile.config import ConfigError, RunConfig, parse_args
-from gcompile.data import DataError, build_datasets, check_vocab
-from gcompile.check import PlanError, check_plan
-from gcompile.mesh import MeshError
+from gcompile.data import DataError, build_datasets, check_batches, check_token_ids
+from gcompile.check import PlanError, check_fits_machine, check_plan
+from gcompile.mesh import MeshError, check_shm_room
+from gcompile import shutdown
 from gcompile.launch import join_world, rank_threads, run_ranks, under_launcher
 from gcompile.axes import Coords
 from gcompile.pass_manager import PassError, clear_stale_dumps
+from gcompile.pipeline import load_passes
 from gcompile.program import dump_text
-from gcompile.train import train
+from gcompile.stop import RunStopped
+from gcompile.train import dump_schedule, train
 from gcompile.world import build_world, prepare_launch
 
 USER_ERRORS = (ConfigError, DataError, PassError, PlanError, CheckpointError, MeshError)
@@ -39,23 +47,32 @@ def rank_main(config: RunConfig) -> int:
     try:
         if under_launcher():
             p = config.parallel
-            coords, device = join_world(config.mesh_sizes, p.tp_comm_backend)
+            coords, device = join_world(config.mesh_sizes, p.tp_comm_backend, p.distributed_timeout_minutes)
         else:
             coords, device = Coords.from_rank(0, {}), "cuda" if torch.cuda.is_available() else "cpu"
         train(config, coords, device)
     except USER_ERRORS as e:
         return error(str(e))
+    except RunStopped as e:  # every rank stops; one says why
+        if e.report:
+            print(f"run_gpt.py: error: {e}", file=sys.stderr)
+        return 1
+    if shutdown.requested.is_set():  # --exit-signal-handler: saved after the iteration SIGTERM ended
+        return shutdown.stopped(signal.SIGTERM)
     return 0
 
 
 def plan_only(config: RunConfig, dump_only: bool) -> int:
-    """--dump-only / --check-plan: every rank's program, built here, checked, never run."""
+    """--dump-only / --check-plan: every rank's program, built here, checked, never run (with --dump-schedule,
+    the schedule written as a run writes it)."""
     if dump_only and not config.log.dump_graphs:
         return error("--dump-only writes the programs to --dump-graphs DIR; give a folder")
     start = time.perf_counter()
     programs = build_world(config, "cpu", dump_root=config.log.dump_graphs if dump_only else None)
     report = check_plan(programs, config.parallel.memory_budget_gb)
     print(report)
+    if config.log.dump_schedule:
+        dump_schedule(programs[0].schedule, config.log.run_dir)
     if dump_only:
         dump_text(config.log.dump_graphs, "plan.txt", report + "\n")
         print(f"{len(programs)} rank programs in {config.log.dump_graphs} ({time.perf_counter() - start:.1f} s); "
@@ -71,16 +88,22 @@ def main(argv: list[str]) -> int:
                 clear_stale_dumps(config.log.dump_graphs, config.world_size)
             if flags.dump_only or flags.check_plan:
                 return plan_only(config, flags.dump_only)
-            build_datasets(config.data, config.train.seq_length, config.train.seed)  # prepare once, check early
-            check_vocab(config.data, config.model.vocab_size)
+            check_fits_machine(config)  # before anything is allocated
+            load_passes(config)
+            t = config.train
+            train_data, valid_data = build_datasets(config.data, t.seq_length, t.seed)  # prepare once, check early
+            check_token_ids(config.data, train_data, valid_data, config.model.vocab_size)
+            check_batches(config.data, train_data, valid_data, t.global_batch_size, evaluates=t.eval_interval > 0)
             check(config)  # --save can be written, the checkpoint to --load is whole and fits
             if config.world_size > 1:
+                check_shm_room(config)
                 device = "cuda" if torch.cuda.is_available() else "cpu"
                 prepare_launch(config, device, rank_threads(config.world_size))
     except USER_ERRORS as e:
         return error(str(e))
-    return run_ranks(config.world_size, [os.path.abspath(__file__), *argv], lambda: rank_main(config))
+    return run_ranks(config, [os.path.abspath(__file__), *argv], lambda: rank_main(config))
 
 
 if __name__ == "__main__":
+    shutdown.install(shutdown.stopper(exit_signal_handler=False))  # SIGINT/SIGTERM: one line, 130/143
     sys.exit(main(sys.argv[1:]))

@@ -93,7 +93,9 @@ def unsplit(config: RunConfig) -> RunConfig:
 def bisect(config: RunConfig, tol: float = TOL, log: Callable[[str], None] = print) -> PassReport | None:
     """Check the program after every pass; the report of the first over `tol`, or None."""
     t = config.train
-    if t.bf16 or t.fp16 or config.model.dropout > 0:
+    with torch.device("meta"):
+        draws_dropout = config.model_spec.module(config.model).training  # the mode capture traces
+    if t.bf16 or t.fp16 or draws_dropout:
         raise ConfigError("bisect compares fp32 runs without dropout; drop --bf16 / --fp16 / --dropout")
     tokens = torch.randint(0, config.model.vocab_size, (t.global_batch_size, t.seq_length + 1),
                            generator=torch.Generator().manual_seed(t.seed))

@@ -22,7 +22,6 @@ import math
 import shlex
 
 import numpy as np
-import torch
 
 from gcompile.indexed_dataset import DataError
 
@@ -80,9 +79,14 @@ class BlendedDataset:
             self._components, self._draws = blend_index(self.weights, max(size, 2 * len(self._components), 4096))
         return self._components[:size], self._draws[:size]
 
-    def batch(self, consumed_samples: int, batch_size: int) -> torch.Tensor:
+    def __len__(self) -> int:
+        """Distinct samples across the components."""
+        return sum(map(len, self.datasets))
+
+    def batch(self, consumed_samples: int, batch_size: int) -> "torch.Tensor":
         """Draws consumed_samples .. consumed_samples + batch_size - 1 -> (B, L + 1) int64."""
         components, draws = (a[consumed_samples:] for a in self.index(consumed_samples + batch_size))
+        import torch  # here, not at the top: the run config (and --help) reads data.py without torch
         out = torch.empty(batch_size, self.seq_length + 1, dtype=torch.int64)
         for i in np.unique(components):
             rows = components == i  # a component's draws in a run of the blend are consecutive

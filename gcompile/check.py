@@ -10,9 +10,14 @@ From every rank's program, built in one process, it checks that
 - each rank's estimated peak memory (weights, gradients, optimizer state,
   in-flight saved activations) fits a budget, when one is given.
 
+Before any of that, `check_fits_machine` asks only the model's size, from its
+module built on meta: a model whose weights cannot fit the machine at all is
+refused with the bytes it needs before anything is allocated.
+
 A failure is a PlanError that names the two ranks, the group and the instruction.
 """
 
+import os
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -20,6 +25,7 @@ import torch
 import torch.fx as fx
 
 from gcompile.collectives import collective_nodes
+from gcompile.config import RunConfig
 from gcompile.axes import group_members
 from gcompile.rank_program import RankProgram
 from gcompile.schedule import Kind, in_flight_bound, rank_in_flight_bound, waiting_weight_bound
@@ -215,3 +221,25 @@ def check_plan(programs: dict[int, RankProgram], memory_budget_gb: float | None 
             raise PlanError(f"rank {rank} {program.coords} needs about {estimate.total / 2 ** 30:.2f} GiB "
                             f"(> --memory-budget-gb {memory_budget_gb}): {estimate}")
     return "\n".join(lines)
+
+
+def check_fits_machine(config: RunConfig) -> None:
+    """Before anything is allocated: the model's weights, fp32 gradients and AdamW states (fp32 main weights
+    too under bf16/fp16), each held at least once over all ranks, fit this machine's memory: its RAM, or
+    the memory of the GPUs its ranks take. A lower bound, so what it refuses can never run here."""
+    with torch.device("meta"):
+        numel = sum(p.numel() for p in config.model_spec.module(config.model).parameters())
+    itemsize = config.param_dtype.itemsize
+    per_param = itemsize + 4 + 8 + (4 if itemsize != 4 else 0)
+    need = numel * per_param
+    if torch.cuda.is_available():
+        devices = range(min(config.world_size, torch.cuda.device_count()))
+        have = sum(torch.cuda.get_device_properties(d).total_memory for d in devices)
+        where = f"the {len(devices)} GPU(s) its ranks take"
+    else:
+        have, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's RAM"
+    if need > have:
+        raise PlanError(f"the model's {numel:,} parameters need at least {need:,} bytes ({need / 2 ** 30:,.1f} GiB: "
+                        f"{per_param} bytes each for weights, gradients and AdamW states) but {where} holds "
+                        f"{have:,} bytes ({have / 2 ** 30:,.1f} GiB); choose a smaller model "
+                        f"(--n-layer, --n-embd, --vocab-size, --block-size)")

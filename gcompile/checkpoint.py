@@ -5,6 +5,7 @@ On disk (Megatron's folders, torch.distributed.checkpoint files inside):
     SAVE/latest_checkpointed_iteration.txt      "100": the last committed save
     SAVE/iter_0000100/.metadata, __R_0.distcp   DCP: one file per rank, plain tensors by key
     SAVE/iter_0000100/gcompile.json             what the keys mean (below), the model, the run config, progress
+    SAVE/iter_0000100/checksums.json            CRC-32 of gcompile.json and .metadata (gcompile.checkpoint_files)
     SAVE/iter_0000200.tmp/                      a save in progress (or killed): never read
 
 Keys. A parameter's piece is named by the ranks it was cut for (`tp1`; `full` when uncut);
@@ -23,8 +24,10 @@ per key its dtype, shape and CRC-32. Loading reassembles one parameter at a time
 `layout.full_value` and cuts it for the loading rank with `layout.local_value`, so any layout
 (tp, pp, dp, the distributed optimizer, main-weight dtype) loads any other.
 
-A save is atomic: every rank writes into iter_N.tmp, rank 0 adds gcompile.json, and after
-a barrier rank 0 renames the folder into place and then replaces the tracker file.
+A save is atomic: every rank writes into iter_N.tmp, rank 0 adds gcompile.json and
+checksums.json, and once every rank's files are complete rank 0 renames the folder into place
+and then replaces the tracker file. The ranks agree after each of these phases: a failure on
+one (a full disk) fails the save on all, which remove iter_N.tmp and stop (gcompile.stop).
 
     python -m gcompile.checkpoint export SAVE --output model.pt
     python -m gcompile.checkpoint generate model.pt --prompt "def " --max-new-tokens 200
@@ -50,27 +53,29 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from gcompile import hf
+
+from gcompile.checkpoint_files import (CHECKSUMS, GCOMPILE_JSON, CheckpointError, MetadataReader, read_checked,
+                                       write_checksums)
 from gcompile.config import RunConfig
 from gcompile.flat import Span
 from gcompile.layout import Param, Shard, first_holder, full_value, local_value
 from gcompile.axes import AXES, Coords
 from gcompile.models import DEFAULT_MODEL, MODELS, model_spec, spec_of
 from gcompile.models.spec import ModelSpec
+from gcompile.paths import path_error
 from gcompile.rank_program import RankProgram
 from gcompile.sample import generate_text
 from gcompile.state import TrainState
+from gcompile.stop import PhaseFailed, RunStopped, all_ranks, first_line, size_text, together
 
 TRACKER = "latest_checkpointed_iteration.txt"
-METADATA = "gcompile.json"
+METADATA = GCOMPILE_JSON
 TMP = ".tmp"
 """Suffix of a folder that is not a committed checkpoint."""
 STATES = ("main", "exp_avg", "exp_avg_sq")
 SCALER = ("loss_scale", "growth_tracker", "hysteresis_left")
 """fp16 loss-scaler scalars of TrainState."""
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded here; the message names what does not match."""
 
 
 @dataclass(frozen=True)
@@ -88,9 +93,11 @@ def latest(root: str) -> str | None:
     tracker = os.path.join(root, TRACKER)
     if not os.path.isfile(tracker):
         return None
-    text = open(tracker).read().strip()
-    if not text.isdigit():
-        raise CheckpointError(f"{tracker}: expected an iteration number, found {text[:40]!r}")
+    with open(tracker, "rb") as f:
+        text = f.read().decode("utf-8", errors="replace").strip()
+    if not (text.isascii() and text.isdigit()):  # '١٢'.isdigit() and int('١٢') == 12
+        raise CheckpointError(f"{tracker}: expected an iteration number in ASCII digits, found {text[:40]!r}; "
+                              f"write the N of a folder iter_N beside it, or remove the file")
     folder = iteration_dir(root, int(text))
     if not os.path.isdir(folder):
         raise CheckpointError(f"{tracker} names iteration {text} but {folder} does not exist")
@@ -101,37 +108,49 @@ def latest(root: str) -> str | None:
 
 
 def save(root: str, progress: Progress, config: RunConfig, program: RankProgram, state: TrainState) -> str:
-    """Write this rank's pieces; every rank calls it. Returns the committed folder."""
+    """Write this rank's pieces; every rank calls it. Returns the committed folder.
+
+    The ranks agree after each phase, so a failure on any rank (a full disk, most often) fails the
+    save on every rank: the half-written folder is removed, the tracker still names the previous
+    checkpoint, and every rank raises RunStopped, whose line says why and how much space it takes."""
     coords = program.coords
     final = iteration_dir(root, progress.iteration)
     tmp = final + TMP
-    if coords.rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # a save of this iteration killed earlier
-        os.makedirs(tmp)
-    _barrier()
     tensors = _rank_tensors(program, state)
-    with _quiet_dcp():
-        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp), no_dist=not dist.is_initialized())
-    mine = ({p.name: _describe(p) for p in program.layout.params if not p.tied_copy},
-            {key: _key_record(t) for key, t in tensors.items()})
-    gathered = _gather(mine)
-    if coords.rank == 0:
-        params, keys = {}, {}
-        for rank_params, rank_keys in gathered:
-            params.update(rank_params)
-            keys.update(rank_keys)
-        meta = dict(iteration=progress.iteration, consumed_samples=progress.consumed_samples,
-                    step=state.step.item(),
-                    scaler={n: getattr(state, n).item() for n in SCALER} if state.loss_scale is not None else None,
-                    layout=dict(coords.axis_sizes, distributed_optimizer=program.optimizer_shard is not None,
-                                param_dtype=str(program.step_settings.param_dtype).removeprefix("torch."),
-                                main=state.main is not None),
-                    model=config.model_spec.name, config=dataclasses.asdict(config), params=params, keys=keys)
-        _write_durably(os.path.join(tmp, METADATA), json.dumps(meta, indent=1))
-    _barrier()  # every rank's files are complete
-    if coords.rank == 0:
-        _commit(root, tmp, final, progress.iteration)
-    _barrier()
+    try:
+        with together():
+            if coords.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)  # a save of this iteration killed earlier
+                os.makedirs(tmp)
+        with together(), _quiet_dcp():
+            dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp), no_dist=not dist.is_initialized())
+        mine = ({p.name: _describe(p) for p in program.layout.params if not p.tied_copy},
+                {key: _key_record(t) for key, t in tensors.items()})
+        gathered = _gather(mine)
+        with together():
+            if coords.rank == 0:
+                params, keys = {}, {}
+                for rank_params, rank_keys in gathered:
+                    params.update(rank_params)
+                    keys.update(rank_keys)
+                meta = dict(iteration=progress.iteration, consumed_samples=progress.consumed_samples,
+                            step=state.step.item(),
+                            scaler={n: getattr(state, n).item() for n in SCALER}
+                            if state.loss_scale is not None else None,
+                            layout=dict(coords.axis_sizes, distributed_optimizer=program.optimizer_shard is not None,
+                                        param_dtype=str(program.step_settings.param_dtype).removeprefix("torch."),
+                                        main=state.main is not None),
+                            model=config.model_spec.name, config=dataclasses.asdict(config), params=params, keys=keys)
+                _write_durably(os.path.join(tmp, METADATA), json.dumps(meta, indent=1))
+                _write_durably(os.path.join(tmp, CHECKSUMS), write_checksums(tmp))
+        with together():  # every rank's files are complete
+            if coords.rank == 0:
+                _commit(root, tmp, final, progress.iteration)
+    except PhaseFailed as failure:
+        if coords.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        needed = sum(all_ranks(sum(t.numel() * t.element_size() for t in tensors.values())))
+        raise RunStopped(_save_failure(root, tmp, progress.iteration, failure, needed), coords.rank == 0) from None
     return final
 
 
@@ -169,17 +188,28 @@ def _commit(root: str, tmp: str, final: str, iteration: int) -> None:
     if os.path.exists(final):  # saving an iteration again after resuming from an earlier one
         os.rename(final, replaced)
     os.rename(tmp, final)
-    _write_durably(os.path.join(root, TRACKER), f"{iteration}\n")
+    try:
+        _write_durably(os.path.join(root, TRACKER), f"{iteration}\n")
+    except OSError:  # the tracker still names the previous save: put the folders back as they were
+        os.rename(final, tmp)
+        if os.path.exists(replaced):
+            os.rename(replaced, final)
+        raise
     shutil.rmtree(replaced, ignore_errors=True)
 
 
 def _write_durably(path: str, text: str) -> None:
     """Write a temporary file, fsync it, rename it over `path`, fsync the folder."""
-    with open(path + TMP, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + TMP, path)
+    try:
+        with open(path + TMP, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(path + TMP, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.remove(path + TMP)
+        raise
     folder = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
     try:
         os.fsync(folder)
@@ -198,23 +228,34 @@ class Checkpoint:
         path = os.path.join(folder, METADATA)
         if not os.path.isdir(folder):
             raise CheckpointError(f"{folder}: no such checkpoint folder")
+        if not os.path.isfile(path):
+            raise CheckpointError(f"{folder}: not a gcompile checkpoint (no {METADATA})")
         try:
-            with open(path) as f:
-                self.meta = json.load(f)
-        except FileNotFoundError:
-            raise CheckpointError(f"{folder}: not a gcompile checkpoint (no {METADATA})") from None
+            self.meta = json.loads(read_checked(folder, METADATA))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{path}: unreadable ({e})") from None
-        layout = self.meta["layout"]
-        self.axis_sizes = {axis: layout.get(axis, 1) for axis in AXES}  # cp came later: absent = 1
-        self.params = {name: _param(name, d) for name, d in self.meta["params"].items()}
-        self.ranges = {}  # (state, name, piece) -> [(start, key)]
-        for key in self.meta["keys"]:
-            if key.startswith("optim/"):
-                _, state, rest = key.split("/", 2)
-                name, piece, span = rest.rsplit("/", 2)
-                self.ranges.setdefault((state, name, piece), []).append((int(span.split("-")[0]), key))
-        self.reader = _MetadataOnceReader(folder)
+        try:
+            _check_meta(self.meta)
+            layout = self.meta["layout"]
+            self.axis_sizes = {axis: layout.get(axis, 1) for axis in AXES}  # cp came later: absent = 1
+            self.params = {name: _param(name, d) for name, d in self.meta["params"].items()}
+            self.ranges = {}  # (state, name, piece) -> [(start, key)]
+            for key in self.meta["keys"]:
+                if key.startswith("optim/"):
+                    _, state, rest = key.split("/", 2)
+                    name, piece, span = rest.rsplit("/", 2)
+                    self.ranges.setdefault((state, name, piece), []).append((int(span.split("-")[0]), key))
+        except (TypeError, ValueError) as e:  # a field missing, of the wrong type, or a key not of our making
+            raise CheckpointError(f"{path}: {first_line(e)}; the file is damaged or not written by gcompile, "
+                                  f"load an earlier checkpoint or save again") from None
+        self.reader = MetadataReader(folder)
+        try:  # here, so that DCP's own read does not print its tracebacks before failing
+            self.reader.read_metadata()
+        except CheckpointError:
+            raise
+        except Exception as e:  # a missing or damaged file fails as whatever its reader raised
+            raise CheckpointError(f"{folder}: cannot read its DCP .metadata ({first_line(e)}); the save is "
+                                  f"incomplete or damaged, load an earlier checkpoint or save again") from None
         self.files = None  # key -> file name, read on the first failure
 
     @property
@@ -285,7 +326,7 @@ class Checkpoint:
                 dcp.load(tensors, storage_reader=self.reader, no_dist=True)
         except (Exception, dcp.CheckpointException) as e:  # a bad file fails as whatever its reader raised
             raise CheckpointError(f"{self.folder}: cannot read {self._file_of(keys[0])} "
-                                  f"(truncated or damaged?): {_reason(e)}") from None
+                                  f"(truncated or damaged?): {first_line(e)}") from None
         for key, value in tensors.items():
             if _crc32(value) != records[key]["crc32"]:
                 raise CheckpointError(f"{self.folder}: {key} in {self._file_of(key)} does not match its "
@@ -362,19 +403,6 @@ def load(folder: str, config: RunConfig, program: RankProgram, state: TrainState
     return Progress(meta["iteration"], meta["consumed_samples"])
 
 
-class _MetadataOnceReader(dcp.FileSystemReader):
-    """DCP reads its .metadata on every load; a parameter at a time, that read would dominate."""
-
-    def __init__(self, folder: str):
-        super().__init__(folder)
-        self.metadata = None
-
-    def read_metadata(self, *args, **kwargs):
-        if self.metadata is None:
-            self.metadata = super().read_metadata(*args, **kwargs)
-        return self.metadata
-
-
 # ---------------------------------------------------------------- export
 
 
@@ -400,6 +428,7 @@ def export(path: str, output: str) -> str:
     weights = {name: checkpoint.full("model", name) for name in names.values()}
     # every state-dict key, a tied alias included, as the same tensor as its parameter
     state_dict = {key: weights[names[id(p)]] for key, p in model.state_dict(keep_vars=True).items()}
+    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     torch.save(dict(model=state_dict, model_args=dataclasses.asdict(config),
                     iter_num=checkpoint.meta["iteration"]), output)
     return checkpoint.folder
@@ -415,17 +444,25 @@ def load_exported(path: str, spec: ModelSpec) -> tuple[torch.nn.Module, object]:
         model = spec.module(config)
         model.load_state_dict(exported["model"])
     except Exception as e:  # anything torch.load or load_state_dict refuses
-        raise CheckpointError(f"{path}: not a model exported by gcompile.checkpoint ({_reason(e)})") from None
+        raise CheckpointError(f"{path}: not a model exported by gcompile.checkpoint ({first_line(e)})") from None
     return model, config
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gcompile.checkpoint",
-                                     description="Export a distributed checkpoint, or sample from an export.")
+                                     description="Export a distributed checkpoint, sample from an export, or convert "
+                                                 "to and from Hugging Face.")
     commands = parser.add_subparsers(dest="command", required=True)
     ex = commands.add_parser("export", help="write a single-device state dict with the model's names")
     ex.add_argument("checkpoint", help="SAVE folder (its latest checkpoint) or one SAVE/iter_N folder")
     ex.add_argument("--output", required=True, help="file to write (torch.save)")
+    imp = commands.add_parser("import-hf", help="a Hugging Face model folder (config.json + safetensors) as an "
+                                                "iteration-0 checkpoint any layout loads")
+    imp.add_argument("hf_dir", help="folder written by save_pretrained (GPT2LMHeadModel or LlamaForCausalLM)")
+    imp.add_argument("--save", required=True, help="checkpoint folder to write (as run_gpt.py --save)")
+    exh = commands.add_parser("export-hf", help="write config.json + model.safetensors that from_pretrained loads")
+    exh.add_argument("checkpoint", help="SAVE folder (its latest checkpoint) or one SAVE/iter_N folder")
+    exh.add_argument("output_dir", help="folder to write")
     gen = commands.add_parser("generate", help="sample text from an exported model")
     gen.add_argument("model", help="a file written by export")
     gen.add_argument("--model-name", choices=sorted(MODELS), default=DEFAULT_MODEL, help="the model the file holds")
@@ -437,11 +474,32 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "export":
+            problem = ("--output is empty; name the file to write" if not args.output
+                       else f"--output {args.output} is a folder; name a file in it" if os.path.isdir(args.output)
+                       else path_error("--output", args.output, folder=False))
+            if problem:  # before the checkpoint is read, which takes a while
+                raise CheckpointError(problem)
             folder = export(args.checkpoint, args.output)
             print(f"exported {folder} to {args.output}")
+        elif args.command == "import-hf":
+            problem = path_error("--save", args.save)
+            if problem:
+                raise CheckpointError(problem)
+            hf.import_hf(args.hf_dir, args.save)
+        elif args.command == "export-hf":
+            problem = path_error("output_dir", args.output_dir)
+            if problem:
+                raise CheckpointError(problem)
+            hf.export_hf(args.checkpoint, args.output_dir)
         else:
             if args.temperature <= 0:
                 raise CheckpointError(f"--temperature {args.temperature} must be above 0")
+            if args.top_k < 0:
+                raise CheckpointError(f"--top-k {args.top_k} must be 0 (all tokens) or more")
+            try:
+                args.prompt.encode("utf-8")
+            except UnicodeEncodeError as e:  # bytes that are not UTF-8 reach Python as lone surrogates
+                raise CheckpointError(f"--prompt is not valid UTF-8 (at character {e.start}); give UTF-8 text") from None
             spec = model_spec(args.model_name)
             model, model_config = load_exported(args.model, spec)
             print(generate_text(model, spec.context_length(model_config), args.prompt, args.max_new_tokens,
@@ -478,6 +536,42 @@ def _describe(param: Param) -> dict:
     return dict(full_shape=list(param.full_shape), shards=[dataclasses.asdict(s) for s in param.shards])
 
 
+META_FIELDS = {
+    "": dict(iteration=int, consumed_samples=int, step=(int, float), scaler=(dict, type(None)), layout=dict,
+             model=str, config=dict, params=dict, keys=dict),
+    "layout": dict(tp=int, pp=int, dp=int, distributed_optimizer=bool, param_dtype=str, main=bool),
+    "config": dict(model=dict),
+    "params": dict(full_shape=list, shards=list),
+    "keys": dict(dtype=str, shape=list, crc32=int),
+}
+"""gcompile.json's fields and their JSON types: at the top, in the layout and the run config, per parameter
+and per key."""
+
+
+def _check_meta(meta) -> None:
+    """ValueError naming the first field of gcompile.json that is missing or of the wrong type."""
+    records = [("", meta)]
+    if isinstance(meta, dict):
+        records += [(section, meta.get(section, {})) for section in ("layout", "config")]
+        for section in ("params", "keys"):
+            records += [(section, record) for record in (meta.get(section) or {}).values()]
+    for section, record in records:
+        if not isinstance(record, dict):
+            raise ValueError(f"{section or 'the file'} holds {type(record).__name__} where an object belongs")
+        for name, kind in META_FIELDS[section].items():
+            where = f"{section}.{name}" if section else name
+            if name not in record:
+                raise ValueError(f"no {where!r}")
+            if not isinstance(record[name], kind) or (isinstance(record[name], bool) and kind is int):
+                raise ValueError(f"{where!r} is {json.dumps(record[name])[:40]}, of the wrong type")
+    if meta["model"] not in MODELS:
+        raise ValueError(f"model {meta['model']!r} is none of {', '.join(MODELS)}")
+    model_spec(meta["model"]).config(**meta["config"]["model"])  # TypeError: a field this model does not have
+    for key, record in meta["keys"].items():
+        if not isinstance(getattr(torch, record["dtype"], None), torch.dtype):
+            raise ValueError(f"{key!r} has dtype {record['dtype']!r}, not a torch dtype")
+
+
 def _param(name: str, described: dict) -> Param:
     return Param(name=name, full_shape=tuple(described["full_shape"]),
                  shards=tuple(Shard(**s) for s in described["shards"]))
@@ -495,17 +589,17 @@ def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 
 
-def _reason(error: BaseException) -> str:
-    """The first line of what went wrong; DCP wraps what its reader raised in a CheckpointException."""
-    if isinstance(error, dcp.CheckpointException) and error.failures:
-        error = next(iter(error.failures.values()))[0]
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
+def _save_failure(root: str, tmp: str, iteration: int, failure: PhaseFailed, needed: int) -> str:
+    """The one line a failed save ends the run with (on rank 0, after the half-written folder is removed)."""
+    tracker = os.path.join(root, TRACKER)
+    kept = (f"{TRACKER} still names iteration {open(tracker).read().strip()}" if os.path.isfile(tracker)
+            else "no checkpoint was committed before")
+    if failure.no_space:
+        why = (f"no space left on the device: the checkpoint needs {size_text(needed)}, "
+               f"{size_text(shutil.disk_usage(root).free)} is free")
+    else:
+        why = f"{failure}"
+    return f"--save {root}: saving iteration {iteration} failed, {why}; removed the half-written {os.path.basename(tmp)}; {kept}"
 
 
 def _gather(obj) -> list:

@@ -15,6 +15,8 @@ import torch
 import torch.fx as fx
 
 from gcompile.comm_summary import graph_runs
+from gcompile.instructions import OPTIMIZER
+from gcompile.log import rank_ranges
 from gcompile.program import dump_text
 from gcompile.rank_program import RankProgram
 from gcompile.runtime import StageFunctions
@@ -32,33 +34,41 @@ class CompileStats:
     """Inductor FX-graph cache hits (compiled by an earlier process or run)."""
     cache_misses: int = 0
 
-    def __str__(self) -> str:
-        return (f"{self.graphs} graphs, {self.distinct} distinct, compiled in {self.seconds:.1f} s "
-                f"(inductor cache: {self.cache_hits} hits, {self.cache_misses} misses)")
-
 
 @dataclass
 class Compiler:
     enabled: bool
+    log: Callable[[str], None] = lambda _: None
+    """Gets a line per graph Inductor compiles (its time and whether Inductor's cache had it)."""
     compiled: dict[str, Callable] = field(default_factory=dict)
     stats: CompileStats = field(default_factory=CompileStats)
 
-    def __call__(self, gm: fx.GraphModule) -> Callable:
-        self.stats.graphs += 1
+    def compile_graphs(self, graphs: dict[str, fx.GraphModule]) -> dict[str, Callable]:
+        """A callable per named graph; with Inductor each distinct graph is compiled once, with a progress line
+        (`compiled 2/6 stage0.backward in 7.9 s (inductor cache miss)`), so a cold compile is never silent."""
+        self.stats.graphs += len(graphs)
         if not self.enabled:
-            return gm
-        key = graph_key(gm)
-        if key not in self.compiled:
+            return dict(graphs)
+        keys = {name: graph_key(gm) for name, gm in graphs.items()}
+        todo = {}
+        for name, key in keys.items():
+            if key not in self.compiled:
+                todo.setdefault(key, name)  # a graph shared by several names is compiled under its first
+        for i, (key, name) in enumerate(todo.items(), 1):
+            gm = graphs[name]
             hits, misses = inductor_cache_counts()
             start = time.perf_counter()
             example = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")]
             self.compiled[key] = standalone_compile(gm, example)
-            self.stats.seconds += time.perf_counter() - start
+            seconds = time.perf_counter() - start
             hits_after, misses_after = inductor_cache_counts()
+            self.stats.seconds += seconds
             self.stats.cache_hits += hits_after - hits
             self.stats.cache_misses += misses_after - misses
             self.stats.distinct += 1
-        return self.compiled[key]
+            self.log(f"compiled {i}/{len(todo)} {name} in {seconds:.1f} s "
+                     f"(inductor cache {'hit' if hits_after > hits else 'miss'})")
+        return {name: self.compiled[key] for name, key in keys.items()}
 
 
 def graph_key(gm: fx.GraphModule) -> str:
@@ -68,14 +78,32 @@ def graph_key(gm: fx.GraphModule) -> str:
     return hashlib.sha256((gm.code + repr(inputs)).encode()).hexdigest()
 
 
-def compile_rank_program(program: RankProgram, compiler: Compiler) -> tuple[dict[int, StageFunctions], Callable]:
-    def optional(gm: fx.GraphModule | None) -> Callable | None:
-        return compiler(gm) if gm is not None else None
+def format_rank_stats(stats: dict[int, CompileStats]) -> list[str]:
+    """A line per group of ranks whose compiles went alike (times aside): 16 identical ranks make one line."""
+    groups = {}
+    for rank, s in stats.items():
+        groups.setdefault((s.graphs, s.distinct, s.cache_hits, s.cache_misses), []).append(rank)
+    lines = []
+    for (graphs, distinct, hits, misses), ranks in groups.items():
+        seconds = sorted(stats[r].seconds for r in ranks)
+        took = f"{seconds[0]:.1f} s" if len(ranks) == 1 else f"{seconds[0]:.1f} to {seconds[-1]:.1f} s"
+        lines.append(f"compile, {'rank' if len(ranks) == 1 else 'ranks'} {rank_ranges(ranks)}: {graphs} graphs, "
+                     f"{distinct} distinct, in {took} (inductor cache: {hits} hits, {misses} misses"
+                     f"{'' if len(ranks) == 1 else ' each'})")
+    return lines
 
-    functions = {s: StageFunctions(compiler(stage.forward), compiler(stage.backward),
-                                   optional(stage.backward_last), optional(stage.backward_weight))
+
+def named_graphs(program: RankProgram) -> dict[str, fx.GraphModule]:
+    """Every graph a rank holds, by the name the dumps use: `stage{s}.{forward,backward,...}` and `optimizer`."""
+    graphs = {f"stage{s}.{name}": gm for s, stage in program.stages.items() for name, gm in stage.graphs().items()}
+    return {**graphs, OPTIMIZER: program.optimizer.graph}
+
+
+def compile_rank_program(program: RankProgram, compiler: Compiler) -> tuple[dict[int, StageFunctions], Callable]:
+    compiled = compiler.compile_graphs(named_graphs(program))
+    functions = {s: StageFunctions(**{name: compiled[f"stage{s}.{name}"] for name in stage.graphs()})
                  for s, stage in program.stages.items()}
-    return functions, compiler(program.optimizer.graph)
+    return functions, compiled[OPTIMIZER]
 
 
 def generated_code(compiled: Callable | None) -> str | None:

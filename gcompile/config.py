@@ -9,27 +9,34 @@ impossible combinations are `ConfigError`s that name every factor involved.
 
 import argparse
 import ast
+import contextlib
 import dataclasses
 import inspect
 import math
+import os
 import shlex
 import textwrap
 import tomllib
 import types
 import typing
-
-import torch
 from dataclasses import dataclass, field, fields
 
-from gcompile.data import DataConfig
-from gcompile.models import DEFAULT_MODEL, model_spec, spec_of
-from gcompile.models.spec import ModelSpec
-from gcompile.tp_plan import plan_errors
+from gcompile.data import DataConfig, DataError, parse_split
+from gcompile.models import CONFIGS, DEFAULT_MODEL, spec_of
+from gcompile.paths import path_error
 from gcompile.schedule import SCHEDULES, SPLIT_BACKWARD, ScheduleError, check_sizes
 
 
-ModelConfig = model_spec(DEFAULT_MODEL).config
-"""The `[model]` section: the config of the default model's spec (GPT-2's); its fields are the model flags."""
+ModelConfig = CONFIGS[DEFAULT_MODEL]
+"""The `[model]` section by default: the config of the default model's spec (GPT-2's). `arch` picks another
+family; the section's keys are then that family's config fields."""
+
+
+@dataclass(frozen=True)
+class ModelChoice:
+    arch: str = DEFAULT_MODEL
+    """Model family (gcompile/models): gpt2 or llama. The other [model] keys are that family's; a key
+    another family has is an error."""
 
 TP_COMM_BACKENDS = ("auto", "shm", "gloo")
 """Values of parallel.tp_comm_backend (gcompile.mesh.tp_group_backend)."""
@@ -85,6 +92,11 @@ class ParallelConfig:
     """Start each bucket's dp reduction inside the last microbatch's backward, as soon as it is final."""
     memory_budget_gb: float | None = None
     """Refuse to launch when a rank's estimated peak memory exceeds this many GiB (checked before launch)."""
+    distributed_timeout_minutes: float = 10
+    """Minutes a collective (or joining the world) may wait before it fails (Megatron's flag)."""
+    hang_timeout_s: float = 300
+    """Local launcher: when no rank has progressed for this long, print where each rank is (RUN_DIR/flight)
+    and stop the job; long enough for a cold compile; 0 = never."""
     passes: tuple[str, ...] = ()
     """User passes (this imports and runs their code in the launcher and every rank): `pkg.module:function` or
     `path/to/file.py:function` (after pipeline_split, before lowering), or `after:POINT=...` / `before:POINT=...`
@@ -145,6 +157,9 @@ class TrainConfig:
     """Capture the steady-state iteration once and replay it as a CUDA graph; None = on with --compile on CUDA."""
     recompute_activations: bool = False
     """Recompute the forward in backward instead of saving activations (full recompute; saves memory)."""
+    check_for_nan_in_loss_and_grad: bool = True
+    """Stop every rank when a loss or gradient norm is NaN or inf (fp16 skipped steps aside), and never
+    save weights that are."""
 
 
 @dataclass(frozen=True)
@@ -171,6 +186,8 @@ class CheckpointConfig:
     """Save every this many iterations (needs --save); None = only at the end of training."""
     exit_interval: int | None = None
     """Save (with --save) and exit when the iteration is a multiple of this (Megatron's meaning)."""
+    exit_signal_handler: bool = False
+    """On SIGTERM, every rank finishes the iteration, saves to --save and exits 143 (Megatron's flag)."""
 
 
 @dataclass(frozen=True)
@@ -189,8 +206,8 @@ class RunConfig:
         return {"tp": p.tp, "cp": p.cp, "dp": p.dp, "pp": p.pp}
 
     @property
-    def model_spec(self) -> ModelSpec:
-        """The spec of the `[model]` section's model, by its config's type."""
+    def model_spec(self):
+        """The ModelSpec of the `[model]` section's model, by its config's type (imports torch)."""
         return spec_of(self.model)
 
     @property
@@ -204,6 +221,7 @@ class RunConfig:
 
     @property
     def param_dtype(self) -> "torch.dtype":
+        import torch  # here, not at the top: flags and --help are read without torch
         return torch.bfloat16 if self.train.bf16 else torch.float16 if self.train.fp16 else torch.float32
 
     @property
@@ -246,13 +264,32 @@ def field_docs(cls) -> dict[str, str]:
     return docs
 
 
+def _section_classes(section: str) -> list[type]:
+    """The dataclasses whose fields are a section's keys: for [model], `arch` and every family's config."""
+    if section == "model":
+        return [ModelChoice, *CONFIGS.values()]
+    return [SECTIONS[section]]
+
+
+def section_fields(section: str) -> dict[str, dataclasses.Field]:
+    """A section's keys -> their fields; a key several model families share comes from the first of them."""
+    known = {}
+    for cls in _section_classes(section):
+        for f in fields(cls):
+            known.setdefault(f.name, f)
+    return known
+
+
+def section_docs(section: str) -> dict[str, str]:
+    docs = {}
+    for cls in reversed(_section_classes(section)):
+        docs.update(field_docs(cls))
+    return docs
+
+
 def _field_index() -> dict[str, tuple[str, dataclasses.Field]]:
     """Every config key by flag name -> (section, field); keys are unique across sections."""
-    index = {}
-    for section, cls in SECTIONS.items():
-        for f in fields(cls):
-            index[_flag(f.name)] = (section, f)
-    return index
+    return {_flag(name): (section, f) for section in SECTIONS for name, f in section_fields(section).items()}
 
 
 def _base_type(annotation):
@@ -262,23 +299,30 @@ def _base_type(annotation):
     return typing.get_origin(annotation) or annotation
 
 
+TOML_TYPES = {bool: "true or false", int: "an integer", float: "a number", str: "a string", tuple: "a list"}
+"""What a key of each field type takes, in TOML's words."""
+
+
 def _coerce(value, annotation, key: str):
     """A TOML or CLI value as the field's type; strings from the CLI are parsed."""
     kind = _base_type(annotation)
     if value is None or (isinstance(value, str) and value.lower() == "none" and kind is not str):
         return None
+    if isinstance(value, bool) != (kind is bool) and not isinstance(value, str):  # TOML `n_layer = true`
+        shown = str(value).lower() if isinstance(value, bool) else repr(value)
+        raise ConfigError(f"{key} = {shown}, but it takes {TOML_TYPES[kind]}")
     try:
         if kind is bool:
             if isinstance(value, str):
                 if value.lower() not in ("true", "false", "1", "0"):
                     raise ValueError(value)
                 return value.lower() in ("true", "1")
-            return bool(value)
+            return value
         if kind is tuple:
             items = [v for v in value.split(",") if v.strip()] if isinstance(value, str) else value
             return tuple(_coerce(v, typing.get_args(annotation)[0], key) for v in items)
         if kind is str and isinstance(value, list):  # a TOML list, or the words after a flag of nargs="+"
-            return shlex.join(str(v) for v in value)
+            return shlex.join(str(v) for v in value) if value != [""] else ""  # "" stays "": validate refuses it
         if kind is int and isinstance(value, float) and not value.is_integer():
             raise ValueError(value)
         return kind(value)
@@ -295,13 +339,19 @@ def load_toml(path: str) -> dict[str, dict]:
             raw = tomllib.load(f)
     except FileNotFoundError:
         raise ConfigError(f"--config {path}: no such file") from None
+    except IsADirectoryError:
+        raise ConfigError(f"--config {path} is a folder; name a TOML file in it (configs/*.toml)") from None
+    except OSError as e:
+        raise ConfigError(f"--config {path}: cannot read it ({e.strerror})") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"--config {path}: not UTF-8 text (byte {e.start}); a preset is a TOML file") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"--config {path}: not valid TOML ({e})") from None
     overrides = {}
     for section, values in raw.items():
         if section not in SECTIONS or not isinstance(values, dict):
             raise ConfigError(f"{path}: unknown section [{section}]; known: {', '.join(SECTIONS)}")
-        known = {f.name: f for f in fields(SECTIONS[section])}
+        known = section_fields(section)
         for key, value in values.items():
             if key not in known:
                 raise ConfigError(f"{path}: unknown key {key!r} in [{section}]; known: {', '.join(known)}")
@@ -311,12 +361,28 @@ def load_toml(path: str) -> dict[str, dict]:
 
 def build_config(overrides: dict[str, dict]) -> RunConfig:
     """RunConfig from {section: {field: value}} over the defaults, validated."""
-    sections = {name: cls(**overrides.get(name, {})) for name, cls in SECTIONS.items()}
+    sections = {name: cls(**overrides.get(name, {})) for name, cls in SECTIONS.items() if name != "model"}
+    sections["model"] = _model_config(overrides.get("model", {}))
     sections["parallel"] = _derive_interleaving(sections["parallel"], sections["model"].n_layer,
                                                 given=overrides.get("parallel", {}))
     config = RunConfig(**sections)
     validate(config)
     return config
+
+
+def _model_config(values: dict):
+    """The config of the family `arch` names, from the [model] keys; keys of another family are an error."""
+    values = dict(values)
+    arch = values.pop("arch", DEFAULT_MODEL)
+    if arch not in CONFIGS:
+        raise ConfigError(f"arch={arch!r} is not a model family here; known: {', '.join(CONFIGS)}")
+    own = {f.name for f in fields(CONFIGS[arch])}
+    foreign = [key for key in values if key not in own]
+    if foreign:
+        raise ConfigError(f"{', '.join(foreign)}: not a key of arch={arch} (its keys: {', '.join(sorted(own))}); "
+                          f"drop {'them' if len(foreign) > 1 else 'it'} or choose the arch that has "
+                          f"{'them' if len(foreign) > 1 else 'it'}")
+    return CONFIGS[arch](**values)
 
 
 def _derive_interleaving(p: ParallelConfig, n_layer: int, given: dict) -> ParallelConfig:
@@ -347,9 +413,10 @@ def parser() -> argparse.ArgumentParser:
                         "(needs --dump-graphs)")
     p.add_argument("--check-plan", action="store_true",
                    help="build every rank's program in this one process, check the plan, print it, and exit")
+    docs = {section: section_docs(section) for section in SECTIONS}
     for flag, (section, f) in _field_index().items():
         aliases = [f"--{a}" for a, target in MEGATRON_ALIASES.items() if target == flag]
-        help_text = f"[{section}] {field_docs(SECTIONS[section]).get(f.name, '')}"
+        help_text = f"[{section}] {docs[section].get(f.name, '')} (default: {_show_default(f)})"
         if _base_type(f.type) is bool:
             p.add_argument(f"--{flag}", *aliases, dest=f.name, nargs="?", const="true", metavar="BOOL",
                            help=help_text)
@@ -357,6 +424,24 @@ def parser() -> argparse.ArgumentParser:
             p.add_argument(f"--{flag}", *aliases, dest=f.name, metavar=f.name.upper(), help=help_text,
                            nargs=f.metadata.get("nargs"))
     return p
+
+
+def _show_default(f: dataclasses.Field) -> str:
+    """A field's default as it would be written on the command line (argparse's %(default)s would show
+    SUPPRESS: flags default to absent so that a preset's keys are not overridden)."""
+    value = f.default_factory() if f.default is dataclasses.MISSING else f.default
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, tuple):
+        return ",".join(map(str, value)) or "empty"
+    return "none" if value is None else str(value)
+
+
+def answer_help(argv: list[str]) -> None:
+    """Print --help and exit when argv asks for it (by argparse's own rules); anything else, including
+    a bad flag, is left for `parse_args`. Callers ask before importing torch, which takes seconds."""
+    with contextlib.suppress(ConfigError):
+        parser().parse_known_args(argv)
 
 
 def parse_args(argv: list[str]) -> tuple[RunConfig, argparse.Namespace]:
@@ -386,12 +471,13 @@ def validate(config: RunConfig) -> None:
     positive("model", m, "n_layer", "n_head", "n_embd", "block_size", "vocab_size")
     positive("parallel", p, "tp", "pp", "dp", "cp", "virtual_pipeline_size", "make_vocab_size_divisible_by")
     positive("train", t, "micro_batch_size", "global_batch_size", "seq_length", "train_iters")
+    positive("log", config.log, "log_interval")
+    if not errors:  # the model's own rules (GPT-2's dropout range) before the plan below builds the model
+        errors += config.model_spec.config_errors(m)
     if errors:
         raise ConfigError("; ".join(errors))
-    if m.n_embd % m.n_head:
-        errors.append(f"n_embd={m.n_embd} is not divisible by n_head={m.n_head}")
-    if not 0.0 <= m.dropout < 1.0:
-        errors.append(f"dropout={m.dropout} must be in [0, 1)")
+    errors += _number_errors(config)
+    errors += _path_errors(config)
     if t.seq_length > m.block_size:
         errors.append(f"seq_length={t.seq_length} is longer than the model's block_size={m.block_size}; "
                       f"raise --block-size or lower --seq-length")
@@ -409,6 +495,12 @@ def validate(config: RunConfig) -> None:
             errors.append(f"{_flag(name)}={getattr(c, name)} must be at least 1")
     if c.save_interval is not None and c.save is None:
         errors.append(f"save-interval={c.save_interval} needs --save DIR")
+    if c.exit_signal_handler and c.save is None:
+        errors.append("exit-signal-handler saves a checkpoint on SIGTERM and needs --save DIR")
+    if not p.distributed_timeout_minutes > 0:
+        errors.append(f"distributed-timeout-minutes={p.distributed_timeout_minutes} must be positive")
+    if not p.hang_timeout_s >= 0:
+        errors.append(f"hang-timeout-s={p.hang_timeout_s} must be 0 (no watchdog) or positive")
     if p.ddp_bucket_size is not None and p.ddp_bucket_size < 1:
         errors.append(f"ddp_bucket_size={p.ddp_bucket_size} must be at least 1 element")
     if t.min_lr > t.lr:
@@ -419,6 +511,7 @@ def validate(config: RunConfig) -> None:
     if p.pipeline_schedule not in SCHEDULES:
         errors.append(f"pipeline_schedule={p.pipeline_schedule!r} must be {', '.join(SCHEDULES[:-1])} "
                       f"or {SCHEDULES[-1]}")
+    from gcompile.tp_plan import plan_errors  # builds the model on meta: torch, which --help does without
     errors += plan_errors(config.model_spec, m, config.tp_plan, p.tp)
     if p.sequence_parallel and p.tp == 1:
         errors.append("sequence_parallel shards the sequence over the tp ranks and needs tp > 1 (tp=1)")
@@ -454,6 +547,46 @@ def validate(config: RunConfig) -> None:
         errors.append(f"memory_budget_gb={p.memory_budget_gb} must be positive")
     if errors:
         raise ConfigError("; ".join(errors))
+
+
+def _number_errors(config: RunConfig) -> list[str]:
+    """Numbers out of their range that would otherwise train silently wrong (a NaN lr) or fail late."""
+    t, d = config.train, config.data
+    errors = [f"{_flag(f.name)}={getattr(section, f.name)} must be a finite number"
+              for section in (config.parallel, t) for f in fields(section)
+              if _base_type(f.type) is float and getattr(section, f.name) is not None
+              and not math.isfinite(getattr(section, f.name))]
+    errors += [f"{_flag(name)}={getattr(t, name)} must not be negative"
+               for name in ("lr", "min_lr", "clip_grad", "weight_decay", "lr_warmup_iters", "eval_interval")
+               if getattr(t, name) < 0]
+    errors += [f"{_flag(name)}={getattr(t, name)} must be in [0, 1)" for name in ("adam_beta1", "adam_beta2")
+               if not 0 <= getattr(t, name) < 1]
+    if t.lr_decay_iters is not None and t.lr_decay_iters < 1:
+        errors.append(f"lr-decay-iters={t.lr_decay_iters} must be at least 1 (leave it out to decay over train_iters)")
+    if t.eval_interval > 0 and t.eval_iters < 1:
+        errors.append(f"eval-iters={t.eval_iters} must be at least 1 while evaluation is on; "
+                      f"turn it off with --eval-interval 0")
+    if not 0 <= t.seed < 2 ** 63:
+        errors.append(f"seed={t.seed} must be in [0, 2^63)")
+    try:
+        parse_split(d.split)
+    except DataError as e:
+        errors.append(str(e))
+    return errors
+
+
+def _path_errors(config: RunConfig) -> list[str]:
+    """Paths given empty (which would silently mean the default), and folders a run writes with a file in the way."""
+    folders = {"--run-dir": config.log.run_dir, "--tensorboard-dir": config.log.tensorboard_dir,
+               "--dump-graphs": config.log.dump_graphs, "--cache-dir": config.data.cache_dir,
+               "--save": config.checkpoint.save}
+    load = config.checkpoint.load
+    given = {**folders, "--data-path": config.data.data_path, "--load": load}
+    errors = [f"{flag} is empty; give a path, or leave the flag out" for flag, path in given.items() if path == ""]
+    errors += [e for flag, path in folders.items() if path and (e := path_error(flag, path))]
+    if load and os.path.exists(load) and not os.path.isdir(load):
+        errors.append(f"--load {load} is a file; give the SAVE folder a run wrote with --save")
+    return errors
 
 
 def _user_pass_errors(entry: str) -> list[str]:

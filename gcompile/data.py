@@ -28,7 +28,6 @@ import sysconfig
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
 from gcompile.blend import BlendedDataset, parse_blend
 from gcompile.indexed_dataset import DataError, IndexedDataset
@@ -89,8 +88,9 @@ def parse_split(split: str) -> list[float]:
         weights = [float(w) for w in split.split(",")]
     except ValueError:
         weights = []
-    if len(weights) not in (2, 3) or min(weights) < 0 or not (weights[0] > 0 and weights[1] > 0):
-        raise DataError(f"split {split!r}: expected 'train,valid' or 'train,valid,test' weights such as "
+    if (len(weights) not in (2, 3) or not all(math.isfinite(w) and w >= 0 for w in weights)
+            or not (weights[0] > 0 and weights[1] > 0)):
+        raise DataError(f"split {split!r}: expected 'train,valid' or 'train,valid,test' finite weights such as "
                         "'98,2', train and valid above 0")
     return weights
 
@@ -120,7 +120,7 @@ class GPTDataset:
             self._order = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
         return self._order
 
-    def batch(self, consumed_samples: int, batch_size: int) -> torch.Tensor:
+    def batch(self, consumed_samples: int, batch_size: int) -> "torch.Tensor":
         """Draws consumed_samples .. consumed_samples + batch_size - 1 -> (B, L + 1) int64."""
         draws = np.arange(consumed_samples, consumed_samples + batch_size)
         epochs, positions = np.divmod(draws, self.num_samples)
@@ -129,6 +129,7 @@ class GPTDataset:
             mask = epochs == epoch
             samples[mask] = self.order(int(epoch))[positions[mask]]
         windows = samples[:, None] * self.seq_length + np.arange(self.seq_length + 1)  # (B, L+1)
+        import torch  # here, not at the top: the run config (and --help) reads DataConfig without torch
         return torch.from_numpy(np.array(self.tokens[windows], dtype=np.int64))
 
 
@@ -165,23 +166,72 @@ def split_datasets(data_path: str, split: str, seq_length: int, seed: int) -> tu
     return train, valid
 
 
-def check_vocab(config: DataConfig, vocab_size: int) -> None:
-    """Refuse a model whose vocabulary is smaller than the data's largest id, from PREFIX.meta.json when
-    prepare wrote one (no token is read), else by scanning the tokens (Megatron's files, raw .bin)."""
-    for _, path in blend_paths(config):
-        tokens, meta_path = load_tokens(path), path.removesuffix(".bin") + META_SUFFIX
-        meta = {}
-        if os.path.isfile(meta_path):
-            with open(meta_path) as f:
-                meta = json.load(f)
-        if meta.get("num_tokens") != len(tokens):  # none, or left from an earlier pair
-            meta = dict(largest_id=int(tokens.max()) if len(tokens) else -1)
-        largest = meta["largest_id"]
-        if largest >= vocab_size:
-            tokenizer = f" (its tokenizer has {meta['vocab_size']})" if "vocab_size" in meta else ""
-            raise DataError(f"--data-path {path}: holds token id {largest}{tokenizer} but vocab_size={vocab_size}; "
-                            f"raise --vocab-size to at least {meta.get('vocab_size', largest + 1)} or use data "
-                            "made with this model's tokenizer")
+def _source(config: DataConfig) -> str:
+    return f"--data-path {config.data_path}" if config.data_path else "the default corpus"
+
+
+def _streams(config: DataConfig, train, valid) -> list[tuple[str, str, list[tuple[str, GPTDataset]]]]:
+    """(how a message names it, path, [(part, dataset)]) of each token stream the run reads: one, or each
+    of a blend's."""
+    trains, valids = ([d] if isinstance(d, GPTDataset) else d.datasets for d in (train, valid))
+    paths = [path for _, path in blend_paths(config)]
+    names = [_source(config)] if len(paths) == 1 else [f"--data-path {path}" for path in paths]
+    return [(name, path, [("train", t), ("valid", v)]) for name, path, t, v in zip(names, paths, trains, valids)]
+
+
+def prepared_record(path: str) -> dict | None:
+    """PREFIX.meta.json when prepare wrote it for these very tokens (the same count), else None: Megatron's
+    files have none, and one left from an earlier pair, or damaged, is not believed."""
+    try:
+        with open(path.removesuffix(".bin") + META_SUFFIX) as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        return None
+    whole = isinstance(record, dict) and all(isinstance(record.get(k), int) for k in ("largest_id", "vocab_size"))
+    return record if whole and record.get("num_tokens") == len(load_tokens(path)) else None
+
+
+def check_token_ids(config: DataConfig, train, valid, vocab_size: int) -> None:
+    """Every id of both parts is a whole number in [0, vocab_size): an id outside indexes the embedding
+    out of range, and a NaN or a fraction in a float index would become some other id without a word.
+
+    prepare's record answers without reading a token: the ids it writes are whole and not negative, none
+    above its largest_id. That covers the unused test part too, so a record over the limit sends the
+    check to the parts themselves, which name the part and the id.
+    """
+    for name, path, parts in _streams(config, train, valid):
+        record = prepared_record(path)
+        if record is not None and record["largest_id"] < vocab_size:
+            continue
+        tokenizer = f" (its tokenizer has {record['vocab_size']})" if record else ""
+        for part, dataset in parts:
+            tokens = dataset.tokens
+            where = f"{name}: the {part} part"
+            if tokens.dtype.kind == "f" and (fractional := tokens[np.floor(tokens) != tokens]).size:
+                raise DataError(f"{where} holds token id {fractional[0]} in a {tokens.dtype.name} index; token "
+                                f"ids are whole numbers: prepare the data again with an integer dtype")
+            smallest, largest = tokens.min(), tokens.max()
+            if smallest < 0:
+                raise DataError(f"{where} holds token id {smallest}; token ids are 0 .. vocab_size - 1: "
+                                f"prepare the data again with this tokenizer")
+            if largest >= vocab_size:
+                at_least = record["vocab_size"] if record else int(largest) + 1
+                raise DataError(f"{where} holds token id {largest}{tokenizer} but vocab_size={vocab_size}; raise "
+                                f"--vocab-size to at least {at_least} or use data made with this model's tokenizer")
+
+
+def check_batches(config: DataConfig, train, valid, global_batch_size: int, evaluates: bool) -> None:
+    """A train part of fewer samples than one global batch is refused: every batch would repeat samples.
+    A valid part that small is only warned about (one line): a validation batch that repeats samples
+    still measures the loss, weighting some samples more. A blend counts the samples of all its streams."""
+    shortfall = f"samples of seq_length + 1 = {train.seq_length + 1} tokens, fewer than one global batch of " \
+                f"{global_batch_size}, so each batch repeats samples"
+    if len(train) < global_batch_size:
+        raise DataError(f"{_source(config)}: the train part holds {len(train)} {shortfall}; give more data, "
+                        f"or lower --global-batch-size or --seq-length")
+    if evaluates and len(valid) < global_batch_size:
+        print(f"warning: {_source(config)}: the valid part holds {len(valid)} {shortfall}; a larger valid "
+              f"weight in --split gives it more", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,10 @@ def rank_dirs(root: str) -> dict[int, str]:
              if (m := re.fullmatch(r"rank(\d+)", name))}
     if not ranks:
         raise InspectError(f"{root}: no rank folders in it; is it a --dump-graphs folder?")
+    files = [path for path in ranks.values() if not os.path.isdir(path)]
+    if files:
+        raise InspectError(f"{files[0]} is a file where a rank folder belongs; is {root} a --dump-graphs folder? "
+                           f"Write one with run_gpt.py --dump-graphs DIR")
     return dict(sorted(ranks.items()))
 
 
@@ -41,8 +45,12 @@ def find_file(rank_dir: str, part: str) -> str:
 
 
 def _read(path: str) -> list[str]:
-    with open(path) as f:
-        return f.read().splitlines(keepends=True)
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read().splitlines(keepends=True)
+    except UnicodeDecodeError as e:
+        raise InspectError(f"{path}: not UTF-8 text (byte {e.start}); dumps are text that run_gpt.py "
+                           f"--dump-graphs wrote, write it again") from None
 
 
 def list_ranks(root: str) -> str:
@@ -52,13 +60,26 @@ def list_ranks(root: str) -> str:
         header = ""
         if "schedule.txt" in files:
             header = _read(os.path.join(folder, "schedule.txt"))[0].strip().lstrip("# ")
-        collectives = ""
-        if "summary.txt" in files:
-            collectives = next((line.strip() for line in _read(os.path.join(folder, "summary.txt"))
-                                if line.lower().startswith("collectives")), "")
+        collectives = _collectives(os.path.join(folder, "summary.txt")) if "summary.txt" in files else ""
         lines.append(f"rank {rank:4d}  {header}  {collectives}".rstrip())
         lines.append(f"           files: {' '.join(files)}")
     return "\n".join(lines)
+
+
+def _collectives(summary: str) -> str:
+    """`collectives/iteration: all_reduce mp x1 4 B, all_reduce tp x26 1,316,864 B`, from the
+    `# per iteration` part of a summary.txt (gcompile.comm_summary.format_summary)."""
+    lines = [line.split() for line in _read(summary)]
+    start = next((i for i, words in enumerate(lines) if words[:3] == ["#", "per", "iteration"]), None)
+    if start is None:
+        return ""
+    calls = []
+    for words in lines[start + 1:]:
+        if not words or words[0].startswith(("#", "(")):
+            break
+        kind, group, count, _, nbytes, _ = words  # all_reduce tp 26 calls 1,316,864 bytes
+        calls.append(f"{kind} {group} x{count} {nbytes} B")
+    return f"collectives/iteration: {', '.join(calls) or 'none'}"
 
 
 def show(root: str, rank: int, part: str | None) -> str:

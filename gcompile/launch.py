@@ -1,27 +1,37 @@
-"""Start the ranks: join a world torchrun made, or spawn one locally with torch's elastic launcher.
+"""Start the ranks: join a world torchrun made, or start one locally and watch over it.
 
-Locally spawned ranks re-run the same command line; the launcher's environment
-(RANK, WORLD_SIZE, ...) tells them they are ranks. A standalone c10d rendezvous
-on a free port means no fixed ports. Children of the elastic launcher share
-Inductor's on-disk cache with the parent and with each other.
+Locally started ranks re-run the same command line; their environment (RANK,
+WORLD_SIZE, MASTER_ADDR, ...) tells them they are ranks, as torchrun's does. The
+launcher hosts the ranks' store on a free port of 127.0.0.1 and points gloo and nccl
+at the loopback interface, so no socket of a local run is reachable from another
+host. The launcher stays with its ranks until they end: it passes SIGINT and SIGTERM
+on (gcompile.shutdown), stops the others when one fails, and stops a job whose ranks
+have all stopped progressing (gcompile.flight). Each rank gets SIGTERM from the
+kernel if the launcher dies. Ranks are plain subprocesses of the launcher, so they
+share Inductor's on-disk cache with it and with each other.
 """
 
 import math
 import os
+import signal
+import socket
+import subprocess
 import sys
-import uuid
+import time
 from collections.abc import Callable
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from gcompile.config import ConfigError
+from gcompile import flight, shutdown
+from gcompile.config import ConfigError, RunConfig
 from gcompile.axes import Coords
 from gcompile.mesh import init_groups
 
 
 def under_launcher() -> bool:
-    """Started by torchrun or by spawn_local (the elastic agent sets these)."""
+    """Started by torchrun or by spawn_local (both set these)."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
@@ -30,51 +40,154 @@ def rank_threads(world_size: int) -> int:
     return int(os.environ.get("OMP_NUM_THREADS", max(1, (os.cpu_count() or 1) // world_size)))
 
 
-def spawn_local(world_size: int, argv: list[str]) -> int:
-    """Run `python argv...` as `world_size` local ranks; 0 if all succeeded."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+def spawn_local(world_size: int, argv: list[str], config: RunConfig | None = None) -> int:
+    """Run `python argv...` as `world_size` local ranks; 0 if all succeeded, else the status to exit with.
 
-    os.environ.setdefault("OMP_NUM_THREADS", str(rank_threads(world_size)))
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=str(uuid.uuid4()),
-                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
-                          monitor_interval=0.1)
+    `config` (the run's): its run dir holds the ranks' flight records, which the hang watchdog
+    reads (parallel.hang_timeout_s); with checkpoint.exit_signal_handler a SIGTERM is given time
+    to finish the iteration and save."""
+    listening = socket.create_server(("127.0.0.1", 0))  # loopback only: nothing off this host reaches it
+    port = listening.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, master_listen_fd=listening.detach(),  # the store's now
+                          wait_for_workers=False)
+    loopback = loopback_interface()
+    env = dict(os.environ, WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True",  # ranks are clients of `store`
+               **{shutdown.LAUNCHER_PID: str(os.getpid())})
+    env.setdefault("OMP_NUM_THREADS", str(rank_threads(world_size)))
+    env.setdefault("GLOO_SOCKET_IFNAME", loopback)  # gloo's and nccl's own listening sockets on loopback too
+    env.setdefault("NCCL_SOCKET_IFNAME", loopback)
+    watchdog = flight.Watchdog(flight.flight_dir(config.log.run_dir), world_size,
+                               config.parallel.hang_timeout_s) if config else None
+    if watchdog:
+        watchdog.clear()
+    signals = []
+    previous = shutdown.set_action(signals.append)  # acted on below, in this thread
+    procs = []
     try:
-        elastic_launch(config, sys.executable)(*argv)
-    except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
-        code = failure.exitcode
-        print(f"{argv[0]}: rank {rank} failed with exit code {code}; its output is above", file=sys.stderr)
-        return code if code > 0 else 1
-    return 0
+        for rank in range(world_size):
+            procs.append(subprocess.Popen([sys.executable, *argv], env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
+                                          start_new_session=True))  # a terminal's Ctrl-C reaches the launcher alone
+        return _supervise(procs, signals, watchdog, config)
+    finally:
+        shutdown.set_action(previous)
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+        del store
 
 
-def join_world(mesh_sizes: dict[str, int], tp_comm_backend: str = "auto") -> tuple[Coords, str]:
-    """Initialize this process as one rank of the launcher's world of `mesh_sizes`; (coords, device)."""
+GRACE_S = 5.0
+"""Ranks told to stop now get this long before they are killed."""
+
+
+def _supervise(procs: list[subprocess.Popen], signals: list[int], watchdog: "flight.Watchdog | None",
+               config: RunConfig | None) -> int:
+    """Wait for the ranks: pass signals on, stop the rest when one fails, stop a hung job."""
+    prog = os.path.basename(sys.argv[0])
+    deferred = config is not None and config.checkpoint.exit_signal_handler
+    # with --exit-signal-handler a rank sent SIGTERM itself stops, saved, with the others: no failure
+    orderly = (shutdown.exit_status(signal.SIGTERM),) if deferred else ()
+    forwarded, deadline, failure = 0, None, None
+    while True:
+        alive = [proc.poll() is None for proc in procs]
+        if len(signals) > forwarded:  # the first is passed on; another kills at once
+            signum = signals[0] if forwarded == 0 else signal.SIGKILL
+            _send(procs, signum)
+            forwarded = len(signals)
+            if not (deferred and signum == signal.SIGTERM):
+                deadline = time.monotonic() + GRACE_S
+        if failure is None and not signals:
+            failure = next(((rank, proc.returncode) for rank, proc in enumerate(procs)
+                            if proc.returncode not in (None, 0, *orderly)), None)
+            if failure:
+                _send(procs, signal.SIGKILL)  # the others would wait on it in their next collective
+        if not any(alive):
+            break
+        if deadline is not None and time.monotonic() > deadline:
+            _send(procs, signal.SIGKILL)
+        if watchdog and watchdog.hung():
+            names = [str(Coords.from_rank(r, config.mesh_sizes)) for r in range(len(procs))]
+            print(f"{prog}: error: " + flight.report(watchdog, names, [_process_note(p) for p in procs]),
+                  file=sys.stderr, flush=True)
+            _send(procs, signal.SIGKILL)
+            return 1
+        time.sleep(0.05)
+    if not signals and failure is None and any(proc.returncode in orderly for proc in procs):
+        signals = [signal.SIGTERM]
+    if signals:
+        print(f"{prog}: stopped by {shutdown.name(signals[0])}", file=sys.stderr, flush=True)
+        return shutdown.exit_status(signals[0])
+    if failure is None:
+        return 0
+    rank, code = failure
+    if code == 2:  # the rank printed its one-line error
+        return 2
+    if code < 0:
+        print(f"{prog}: rank {rank} was killed by {shutdown.name(-code)}; its output is above", file=sys.stderr)
+        return shutdown.exit_status(-code)
+    print(f"{prog}: rank {rank} failed with exit code {code}; its output is above", file=sys.stderr)
+    return code
+
+
+def _send(procs: list[subprocess.Popen], signum: int) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signum)
+
+
+def _process_note(proc: subprocess.Popen) -> str:
+    """"process stopped" for a process the kernel has stopped (SIGSTOP, a debugger), else ""."""
+    try:
+        with open(f"/proc/{proc.pid}/stat") as f:
+            state = f.read().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return ""
+    return "process stopped" if state in ("T", "t") else ""
+
+
+def loopback_interface() -> str:
+    """The name of the loopback network interface (lo on Linux)."""
+    for _, interface in socket.if_nameindex():
+        try:
+            with open(f"/sys/class/net/{interface}/flags") as f:
+                if int(f.read(), 16) & 0x8:  # IFF_LOOPBACK
+                    return interface
+        except OSError:
+            continue
+    return "lo"
+
+
+def join_world(mesh_sizes: dict[str, int], tp_comm_backend: str = "auto",
+               timeout_minutes: float = 10) -> tuple[Coords, str]:
+    """Initialize this process as one rank of the launcher's world of `mesh_sizes`; (coords, device).
+    A collective that waits longer than `timeout_minutes` fails (parallel.distributed_timeout_minutes)."""
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     if world != math.prod(mesh_sizes.values()):
         factors = " * ".join(f"{axis} {size}" for axis, size in mesh_sizes.items() if size > 1) or "1"
-        raise ConfigError(f"the launcher started {world} ranks but {factors} = {math.prod(mesh_sizes.values())}")
+        raise ConfigError(f"the launcher started {world} ranks but {factors} = {math.prod(mesh_sizes.values())}; "
+                          f"start that many (torchrun --nnodes * --nproc-per-node) or change the layout")
     if torch.cuda.is_available():
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         torch.cuda.set_device(local_rank)
         device, backend = f"cuda:{local_rank}", "nccl"
     else:
         device, backend = "cpu", "gloo"
-    dist.init_process_group(backend, rank=rank, world_size=world)
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(minutes=timeout_minutes))
     coords = Coords.from_rank(rank, mesh_sizes)
     init_groups(coords, tp_comm_backend, "cpu" if device == "cpu" else "cuda")
     return coords, device
 
 
-def run_ranks(world_size: int, argv: list[str], rank_main: Callable[[], int]) -> int:
-    """As a rank: run `rank_main`. Otherwise: run it here for one rank, or spawn `world_size` ranks."""
-    if under_launcher():
+def run_ranks(config: RunConfig, argv: list[str], rank_main: Callable[[], int]) -> int:
+    """As a rank: run `rank_main`. Otherwise: run it here for one rank, or spawn the world's ranks."""
+    if under_launcher() or config.world_size == 1:
+        shutdown.tie_to_launcher()
+        shutdown.set_action(shutdown.stopper(config.checkpoint.exit_signal_handler))
         try:
             return rank_main()
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
-    if world_size == 1:
-        return rank_main()
-    return spawn_local(world_size, argv)
+    return spawn_local(config.world_size, argv, config)

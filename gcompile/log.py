@@ -4,14 +4,29 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable
 
 
 class MetricsLog:
-    """Everything one step or validation reports, to every sink at once (one rank calls it)."""
+    """Everything one step or validation reports, to every sink at once (one rank calls it).
 
-    def __init__(self, run_dir: str, tensorboard_dir: str | None, train_iters: int, world_size: int):
+    RUN_DIR/metrics.jsonl holds one run: a run continues the file only when the file ends at the
+    iteration the run starts from (a resume of the run that wrote it); otherwise the file is kept
+    as metrics.N.jsonl (the first free N) and a fresh one is started."""
+
+    def __init__(self, run_dir: str, tensorboard_dir: str | None, train_iters: int, world_size: int,
+                 start_iteration: int, log: Callable[[str], None]):
         os.makedirs(run_dir, exist_ok=True)
-        self.jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+        path = os.path.join(run_dir, "metrics.jsonl")
+        last = last_iteration(path)
+        if last is not None and last != start_iteration:
+            n = 1
+            while os.path.exists(os.path.join(run_dir, f"metrics.{n}.jsonl")):
+                n += 1
+            os.replace(path, os.path.join(run_dir, f"metrics.{n}.jsonl"))
+            log(f"{path} held another run (up to iteration {last}); kept as metrics.{n}.jsonl, "
+                f"this run starts a fresh one")
+        self.jsonl = open(path, "a")
         self.train_iters = train_iters
         self.world_size = world_size
         from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only where logging happens
@@ -55,7 +70,7 @@ class MetricsLog:
                   flush=True)
 
     def validation(self, *, iteration: int, consumed_samples: int, loss: float) -> None:
-        ppl = math.exp(min(20.0, loss))
+        ppl = math.nan if math.isnan(loss) else math.exp(min(20.0, loss))  # min(20, nan) is 20
         self._write(dict(iteration=iteration, val_loss=loss, val_ppl=ppl))
         self.tensorboard.add_scalar("lm loss validation", loss, iteration)
         self.tensorboard.add_scalar("lm loss validation vs samples", loss, consumed_samples)
@@ -71,3 +86,30 @@ class MetricsLog:
     def close(self) -> None:
         self.jsonl.close()
         self.tensorboard.close()
+
+
+def last_iteration(path: str) -> int | None:
+    """The iteration of the last record of a metrics.jsonl; None when there is no file or no record."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 4096))  # a record is a few hundred bytes
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        return None
+    for line in reversed(lines):
+        try:
+            return int(json.loads(line)["iteration"])
+        except (ValueError, KeyError, TypeError):  # a line cut by a crash, or the tail of one
+            continue
+    return None
+
+
+def rank_ranges(ranks: list[int]) -> str:
+    """[0, 1, 2, 3, 8, 9] -> "0-3,8-9": the ranks a line speaks for, short enough for 128 of them."""
+    runs = []
+    for rank in sorted(ranks):
+        if runs and rank == runs[-1][1] + 1:
+            runs[-1][1] = rank
+        else:
+            runs.append([rank, rank])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)

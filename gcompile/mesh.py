@@ -5,6 +5,7 @@ group of each role under that name, so the same graph text is right on every ran
 and compiles once. Which ranks a group holds comes from gcompile.axes alone.
 """
 
+import os
 import socket
 
 import torch
@@ -32,7 +33,10 @@ def init_groups(coords: Coords, tp_comm_backend: str | None = None, device: str 
         for ranks in all_groups(coords, role):
             key = (ranks, backends.get(role))  # roles with the same ranks (dp_cp and dp at cp 1) share a group
             if key not in created:
-                created[key] = dist.new_group(list(ranks), backend=backends.get(role))
+                try:
+                    created[key] = dist.new_group(list(ranks), backend=backends.get(role))
+                except shm_group.ShmRoomError as e:
+                    raise MeshError(str(e)) from None
             if coords.rank in ranks:
                 groups[role] = created[key]
     for role, group in groups.items():
@@ -65,8 +69,10 @@ def tp_group_backend(requested: str, coords: Coords, device: str) -> str | None:
         if requested == "shm":
             raise MeshError("tp_comm_backend='shm' needs x86-64 Linux with /dev/shm; use gloo here")
         return None
-    hosts = [None] * coords.world_size
-    dist.all_gather_object(hosts, socket.gethostname())
+    local_groups = int(os.environ.get("LOCAL_WORLD_SIZE", coords.world_size)) // coords.size("tp")
+    seen = [None] * coords.world_size  # (host, why its /dev/shm is too small or None), from every rank
+    dist.all_gather_object(seen, (socket.gethostname(), shm_group.room_error(local_groups, coords.size("tp"))))
+    hosts = [host for host, _ in seen]
     spread = [[hosts[r] for r in ranks] for ranks in all_groups(coords, "tp")
               if len({hosts[r] for r in ranks}) > 1]
     if spread:
@@ -74,8 +80,26 @@ def tp_group_backend(requested: str, coords: Coords, device: str) -> str | None:
             raise MeshError(f"tp_comm_backend='shm' needs each tp group on one host, but one spans "
                             f"{sorted(set(spread[0]))}; use gloo or place tp ranks together")
         return None
+    short = next((why for _, why in seen if why), None)
+    if short:
+        if requested == "shm":
+            raise MeshError(short)
+        return None
     shm_group.register()
     return shm_group.BACKEND
+
+
+def check_shm_room(config, log=print) -> None:
+    """Before local ranks start: shared-memory tp groups need room in /dev/shm for every group's
+    mapping at once. With tp_comm_backend='shm' too little is an error; with auto the ranks use gloo."""
+    p = config.parallel
+    if p.tp_comm_backend == "gloo" or p.tp == 1 or torch.cuda.is_available() or not shm_group.available():
+        return
+    why = shm_group.room_error(config.world_size // p.tp, p.tp)
+    if why and p.tp_comm_backend == "shm":
+        raise MeshError(why)
+    if why:
+        log(f"tp groups use gloo, not shared memory: {why.partition(': give')[0]}")
 
 
 def group(name: str) -> dist.ProcessGroup:

@@ -14,6 +14,7 @@ import os
 import re
 import sys
 import time
+import traceback
 import typing
 from collections import Counter
 from collections.abc import Callable
@@ -67,11 +68,20 @@ def resolve_pass(spec: str) -> tuple[str, PassFn]:
         except AttributeError:
             raise PassError(f"pass {spec!r} cannot be loaded: {module_name} has no {fn_name!r}") from None
         except Exception as e:
-            raise PassError(f"pass {spec!r} cannot be loaded: {type(e).__name__}: {e}") from None
+            raise PassError(f"pass {spec!r} cannot be loaded: {_load_failure(e)}") from None
         return fn_name, fn
     if spec not in _REGISTRY:
         raise PassError(f"unknown pass {spec!r}; registered: {', '.join(sorted(_REGISTRY))}")
     return spec, _REGISTRY[spec]
+
+
+def _load_failure(error: Exception) -> str:
+    """`RuntimeError at FILE:LINE: first line of its message`: one line that points into the user's code."""
+    text = (str(error).strip().splitlines() or [""])[0]
+    if isinstance(error, SyntaxError):  # its message names the file and line already
+        return f"SyntaxError: {text}"
+    frame = traceback.extract_tb(error.__traceback__)[-1]
+    return f"{type(error).__name__} at {frame.filename}:{frame.lineno}: {text}"
 
 
 def _load_file(path: str):

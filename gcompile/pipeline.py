@@ -15,6 +15,8 @@ Every step can be dumped (`--dump-graphs DIR` -> DIR/rank{r}/NN_step.txt).
 """
 
 import functools
+import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -30,7 +32,8 @@ from gcompile.flat import flat_layout
 from gcompile.lower_rank import lower_rank
 from gcompile.optimizer import tied_reductions
 import passes  # noqa: F401  registers the built-in passes
-from gcompile.pass_manager import PassContext, PassError, clear_rank_dump, rank_dump_dir, run_passes, run_rank_passes
+from gcompile.pass_manager import (PassContext, PassError, clear_rank_dump, rank_dump_dir, resolve_pass, run_passes,
+                                   run_rank_passes)
 from gcompile.program import Stage, dump_text, format_graph
 from gcompile.rank_program import AdamWSettings, LoweredStage, LossScaling, RankProgram, StepSettings
 from gcompile.schedule import build_schedule, simulate
@@ -82,6 +85,13 @@ def pass_lists(config: RunConfig) -> tuple[list[str], list[str]]:
     return [name for at, name in placed if at < lower], [name for at, name in placed if at > lower]
 
 
+def load_passes(config: RunConfig) -> None:
+    """Import every pass a build of `config` runs, so that a user pass that cannot be placed or loaded
+    (a syntax error, an exception at import, no such function) is refused before any rank starts."""
+    for spec in sum(pass_lists(config), []):
+        resolve_pass(spec)
+
+
 def passes_until(forward_passes: list[str], rank_passes: list[str], last: str) -> tuple[list[str], list[str]]:
     """`pass_lists` cut after the pass `last` ("capture": before the first)."""
     order = ["capture", *forward_passes, *rank_passes]
@@ -98,6 +108,8 @@ class BuildCache:
     captured: dict = field(default_factory=dict)
     lowered: dict = field(default_factory=dict)
     schedules: dict = field(default_factory=dict)
+    seconds: Counter = field(default_factory=Counter)
+    """Time spent in capture, passes and lowering, over all ranks built: what the launcher reports."""
 
 
 def build_rank_program(config: RunConfig, coords: Coords, device: str = "cpu",
@@ -117,11 +129,16 @@ def build_rank_program(config: RunConfig, coords: Coords, device: str = "cpu",
 
     key = (config.model, t.micro_batch_size, t.seq_length, device, config.param_dtype)
     if key not in cache.captured:
-        spec = config.model_spec
+        spec, start = config.model_spec, time.perf_counter()
         cache.captured[key] = capture(functools.partial(spec.module, config.model),
                                       spec.example_batch(t.micro_batch_size, t.seq_length), spec.decays,
                                       device, config.param_dtype)
+        seconds = time.perf_counter() - start
+        cache.seconds["capture"] += seconds
+        log(f"captured {spec.name} with torch.export in {seconds:.1f} s")
+    start = time.perf_counter()
     program = run_passes(cache.captured[key].clone(), forward_passes, ctx, log)
+    cache.seconds["passes"] += time.perf_counter() - start
     key = (p.pipeline_schedule, p.pp, p.virtual_pipeline_size, config.num_microbatches)
     if key not in cache.schedules:
         cache.schedules[key] = build_schedule(*key)
@@ -130,7 +147,8 @@ def build_rank_program(config: RunConfig, coords: Coords, device: str = "cpu",
                 f"{simulate(cache.schedules[key]).bubble_fraction:.1%} (forward 1, backward 2"
                 f"{', of it W 1' if cache.schedules[key].splits_backward else ''})")
     schedule = cache.schedules[key]
-    stages = {s.index: _lower(s, t.recompute_activations, schedule.splits_backward, cache) for s in program.stages}
+    stages = {s.index: _lower(s, t.recompute_activations, schedule.splits_backward, cache, log)
+              for s in program.stages}
     if sorted(stages) != sorted(schedule.local_stages(coords.axis_rank("pp"))):
         raise AssertionError(f"rank {coords.rank} holds stages {sorted(stages)} but its schedule runs "
                              f"{schedule.local_stages(coords.axis_rank('pp'))}")
@@ -150,7 +168,9 @@ def build_rank_program(config: RunConfig, coords: Coords, device: str = "cpu",
     if dump_dir:
         for s, stage in stages.items():
             dump_text(dump_dir, f"{number:02d}_lower_stage{s}.txt", str(stage))
+    start = time.perf_counter()
     rank_program = run_rank_passes(rank_program, rank_passes, ctx, log, first_number=number + 1)
+    cache.seconds["passes"] += time.perf_counter() - start
     if dump_dir:
         number += 1 + len(rank_passes)
         dump_text(dump_dir, f"{number:02d}_optimizer.txt", f"# optimizer step{rank_program.optimizer.inputs}\n"
@@ -160,10 +180,14 @@ def build_rank_program(config: RunConfig, coords: Coords, device: str = "cpu",
     return rank_program
 
 
-def _lower(stage: Stage, recompute: bool, split: bool, cache: BuildCache) -> LoweredStage:
+def _lower(stage: Stage, recompute: bool, split: bool, cache: BuildCache, log: Callable[[str], None]) -> LoweredStage:
     """Lower a stage, or reuse the lowering of an identical one (same code over the same input values)."""
     key = (graph_key(stage.graph), recompute, split)
     if key not in cache.lowered:
+        start = time.perf_counter()
         cache.lowered[key] = lower_stage(stage, recompute, split)
+        seconds = time.perf_counter() - start
+        cache.seconds["lowering"] += seconds
+        log(f"lowered stage {stage.index} with autograd (forward and backward graphs) in {seconds:.1f} s")
     return replace(cache.lowered[key], index=stage.index, params=list(stage.params), inputs=list(stage.inputs),
                    outputs=list(stage.outputs), rank_constants=dict(stage.rank_constants))

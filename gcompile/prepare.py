@@ -30,6 +30,7 @@ import numpy as np
 
 from gcompile import tokenizer as tok
 from gcompile.indexed_dataset import DataError, IndexedDataset, IndexedDatasetWriter, temp_name
+from gcompile.paths import path_error
 
 META_SUFFIX = ".meta.json"
 """PREFIX + this: the tokenizer and largest id of a prepared pair."""
@@ -133,6 +134,11 @@ def prepare(inputs: list[str], output: str, pattern: str = "*", skip_dirs: tuple
             spec: tok.TokenizerSpec = tok.TokenizerSpec(), append_eod: bool = False,
             train_vocab_size: int | None = None, workers: int = 1) -> IndexedDataset:
     """Tokenize every file (one file = one document) into OUTPUT.bin / OUTPUT.idx / OUTPUT.meta.json."""
+    if not output or output.endswith(("/", os.sep)):
+        raise DataError(f"--output {output!r} names no file; give a PREFIX such as data/corpus "
+                        f"(writes data/corpus.bin, .idx and .meta.json)")
+    if problem := path_error("--output", output, folder=False):
+        raise DataError(problem)
     if workers < 1:
         raise DataError(f"--workers {workers}: must be at least 1")
     files = find_files(inputs, pattern, skip_dirs)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from gcompile.flight import NO_RECORDER, FlightRecorder
 from gcompile.rank_program import RankProgram
 from gcompile.instructions import OPT_STEP, OPTIMIZER, Instruction
 from gcompile.schedule import Kind, in_flight_bound, rank_in_flight_bound
@@ -57,10 +58,14 @@ class InFlightError(RuntimeError):
 
 class Runtime:
     def __init__(self, program: RankProgram, functions: dict[int, StageFunctions], optimizer_step: Callable,
-                 state: TrainState, p2p=dist):
+                 state: TrainState, p2p=dist, recorder: FlightRecorder = NO_RECORDER):
         """`p2p`: what point-to-point goes through, anything with torch.distributed's `isend`, `irecv`,
-        `P2POp` and `batch_isend_irecv` (gcompile.harness passes its in-process mailboxes)."""
+        `P2POp` and `batch_isend_irecv` (gcompile.harness passes its in-process mailboxes).
+        `recorder`: where the instruction and the receive this rank is in are written (gcompile.flight)."""
         self.program = program
+        self.recorder = recorder
+        self.labels = {id(i): f"{n:02d} {i}" for n, i in enumerate(program.instructions)}
+        """Each instruction as printed in the rank's program listing, for the flight recorder."""
         self.p2p = p2p
         self.functions = functions
         self.step_fn = optimizer_step
@@ -131,6 +136,7 @@ class Runtime:
                 continue
             self._communicate(comm)
             comm = []
+            self.recorder.start("instruction", self.labels[id(instruction)])
             if instruction.graph == "forward":
                 self._forward(instruction, training)
             elif instruction.graph == "backward_weight":
@@ -139,9 +145,13 @@ class Runtime:
                 self.step_result = self.step_fn(*self.optimizer_args)
             else:
                 self._backward(instruction)
+            self.recorder.finish("instruction")
         self._communicate(comm)
-        for work, _ in self.sends:
-            work.wait()
+        if self.sends:
+            self.recorder.start("collective", f"the {len(self.sends)} sends of this iteration's list, to be received")
+            for work, _ in self.sends:
+                work.wait()
+            self.recorder.finish("collective")
 
     def _forward(self, a: Instruction, training: bool):
         stage = self.program.stages[a.stage]
@@ -211,8 +221,11 @@ class Runtime:
     def _take(self, store: dict, key) -> list[torch.Tensor]:
         """A stage's inputs: produced locally, or received (waited for now)."""
         if key in self.pending_recvs:
-            for work in self.pending_recvs.pop(key):
+            label, works = self.pending_recvs.pop(key)
+            self.recorder.start("collective", label)
+            for work in works:
                 work.wait()
+            self.recorder.finish("collective")
         return store.pop(key)
 
     def _communicate(self, instructions: list[Instruction]):
@@ -230,14 +243,14 @@ class Runtime:
                 tensors = self.grads_in[(a.stage, a.mb)] = self._empty_like_outputs(a.stage)
             sends = a.op in (Kind.SEND_F, Kind.SEND_B)
             ops += [self.p2p.P2POp(self.p2p.isend if sends else self.p2p.irecv, t, a.peer) for t in tensors]
-            posted.append(((a.stage, a.mb), sends, tensors))
+            posted.append(((a.stage, a.mb), sends, tensors, self.labels[id(a)]))
         works = self.p2p.batch_isend_irecv(ops)
         i = 0
-        for key, sends, tensors in posted:
+        for key, sends, tensors, label in posted:
             if sends:  # keep the sent tensors alive until their sends are done
                 self.sends += [(work, t) for work, t in zip(works[i:i + len(tensors)], tensors)]
             else:
-                self.pending_recvs[key] = works[i:i + len(tensors)]
+                self.pending_recvs[key] = (label, works[i:i + len(tensors)])
             i += len(tensors)
 
     def _empty_like_inputs(self, stage: int) -> list[torch.Tensor]:

@@ -16,6 +16,10 @@ BOX_WIDTH = 30
 ROW_HEIGHT, ROW_GAP = 30, 8
 LEFT, TOP, BOTTOM, RIGHT = 64, 52, 34, 16
 FONT = "ui-monospace, Menlo, Consolas, monospace"
+GLYPH_WIDTH = 0.62
+"""A monospace glyph's advance per unit of font size (Menlo and DejaVu Sans Mono 0.60, Consolas 0.55), with room:
+how wide the title and legend are, so that the picture is made wide enough to hold them."""
+TITLE_SIZE, LEGEND_SIZE = 14, 11
 
 
 def render_svg(schedule: Schedule, path: str, f_time: float = 1.0, b_time: float = 2.0, w_time: float = 1.0) -> None:
@@ -41,10 +45,12 @@ def _svg(schedule: Schedule, result: SimResult, f_time: float, b_time: float, w_
     else:
         costs, shortest = f"F={f_time:g} light, B={b_time:g} dark", min(f_time, b_time)
     scale = BOX_WIDTH / shortest  # pixels per unit of simulated time
-    width = LEFT + result.makespan * scale + RIGHT
-    height = TOP + schedule.pp * (ROW_HEIGHT + ROW_GAP) + BOTTOM
-    title = (f"{escape(schedule.name)}  pp={schedule.pp} vpp={schedule.vpp} m={schedule.num_microbatches}  "
+    title = (f"{schedule.name}  pp={schedule.pp} vpp={schedule.vpp} m={schedule.num_microbatches}  "
              f"makespan {result.makespan:g}  bubble {result.bubble_fraction:.1%}")
+    legend = f"{costs}; label = stage, kind, microbatch; grey = idle"
+    text_width = max(len(title) * TITLE_SIZE, len(legend) * LEGEND_SIZE) * GLYPH_WIDTH
+    width = LEFT + max(result.makespan * scale, text_width) + RIGHT  # a short timeline still shows the whole title
+    height = TOP + schedule.pp * (ROW_HEIGHT + ROW_GAP) + BOTTOM
     parts = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height}" '
         f'viewBox="0 0 {width:.0f} {height}" font-family="{FONT}">',
@@ -52,9 +58,8 @@ def _svg(schedule: Schedule, result: SimResult, f_time: float, b_time: float, w_
         'patternTransform="rotate(45)"><line x1="0" y1="0" x2="0" y2="6" stroke="#ffffff" '
         'stroke-opacity="0.3" stroke-width="2"/></pattern></defs>',
         f'<rect width="{width:.0f}" height="{height}" fill="#ffffff"/>',
-        f'<text x="{LEFT}" y="20" font-size="14" font-weight="bold" fill="#111827">{title}</text>',
-        f'<text x="{LEFT}" y="38" font-size="11" fill="#6b7280">{costs}; '
-        f'label = stage, kind, microbatch; grey = idle</text>',
+        f'<text x="{LEFT}" y="20" font-size="{TITLE_SIZE}" font-weight="bold" fill="#111827">{escape(title)}</text>',
+        f'<text x="{LEFT}" y="38" font-size="{LEGEND_SIZE}" fill="#6b7280">{escape(legend)}</text>',
     ]
     for rank, spans in enumerate(result.spans):
         y = TOP + rank * (ROW_HEIGHT + ROW_GAP)

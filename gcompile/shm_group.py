@@ -58,6 +58,30 @@ def available() -> bool:
     return platform.system() == "Linux" and platform.machine() in ("x86_64", "AMD64") and os.path.isdir("/dev/shm")
 
 
+def mapping_bytes(size: int) -> int:
+    """/dev/shm taken by one group of `size` ranks while it lives: counters, then two sets of slots."""
+    return _header_bytes(size) + 2 * size * SLOT_BYTES
+
+
+def _header_bytes(size: int) -> int:
+    return -(-size * _COUNTER_BYTES // mmap.PAGESIZE) * mmap.PAGESIZE
+
+
+def free_bytes() -> int:
+    """Room left in /dev/shm."""
+    st = os.statvfs("/dev/shm")
+    return st.f_bavail * st.f_frsize
+
+
+def room_error(groups: int, size: int) -> str | None:
+    """Why /dev/shm cannot hold `groups` groups of `size` ranks at once, or None if it can."""
+    need, free = groups * mapping_bytes(size), free_bytes()
+    if need <= free:
+        return None
+    return (f"the shared-memory tp groups need {need >> 20} MiB in /dev/shm but {free >> 20} MiB are free: "
+            f"give /dev/shm more room (docker run --shm-size {-(-need >> 20) + 64}m) or pass --tp-comm-backend gloo")
+
+
 def register() -> None:
     """Make `dist.new_group(ranks, backend=BACKEND)` create a SharedMemoryGroup."""
     if BACKEND.upper() not in dist.Backend._plugins:
@@ -119,8 +143,8 @@ class SharedMemoryGroup(dist.ProcessGroup):
         self._timeout = timeout.total_seconds()
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", size)))
         self._spin_seconds = _SPIN_SECONDS if local_ranks <= len(os.sched_getaffinity(0)) else 0.0
-        header = -(-size * _COUNTER_BYTES // mmap.PAGESIZE) * mmap.PAGESIZE
-        self._mapping = _map_shared(store, rank, size, header + 2 * size * SLOT_BYTES)
+        header = _header_bytes(size)
+        self._mapping = _map_shared(store, rank, size, mapping_bytes(size))
         self._counters = np.frombuffer(self._mapping, np.int64, size * _COUNTER_BYTES // 8)[::_COUNTER_BYTES // 8]
         data = torch.frombuffer(self._mapping, dtype=torch.uint8, offset=header)
         self._sets = data.view(2, size, SLOT_BYTES)
@@ -263,6 +287,10 @@ class SharedMemoryGroup(dist.ProcessGroup):
                                    f"of its group did not arrive within {self._timeout:.0f} s")
 
 
+class ShmRoomError(ValueError):
+    """/dev/shm filled up between the check before launch and a group's creation."""
+
+
 def _map_shared(store: dist.Store, rank: int, size: int, nbytes: int) -> mmap.mmap:
     """A mapping of `nbytes` shared by the group's ranks; its file is unlinked once all have it."""
     if rank == 0:
@@ -273,7 +301,7 @@ def _map_shared(store: dist.Store, rank: int, size: int, nbytes: int) -> mmap.mm
         except OSError as e:
             os.close(fd)
             os.unlink(path)
-            raise RuntimeError(f"cannot reserve {nbytes >> 20} MiB in /dev/shm for the shared-memory tp group "
+            raise ShmRoomError(f"cannot reserve {nbytes >> 20} MiB in /dev/shm for the shared-memory tp group "
                                f"({e.strerror}): give /dev/shm more room (docker run --shm-size) or pass "
                                f"--tp-comm-backend gloo") from None
         store.set("path", path)

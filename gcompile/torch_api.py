@@ -14,7 +14,20 @@ from torch._subclasses.fake_tensor import FakeTensorMode  # 2.11, 2.13
 __all__ = ["FakeTensorMode", "aot_export_joint_with_descriptors", "min_cut_rematerialization_partition",
            "activation_memory_budget", "inductor_cache_counts", "standalone_compile", "is_op_overload",
            "register_process_group", "unregister_process_group", "resolve_process_group", "fake_store",
-           "foreach_add_"]
+           "foreach_add_", "DCP_METADATA_GLOBALS"]
+
+DCP_METADATA_GLOBALS = frozenset({
+    *(("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata", "TensorProperties",
+        "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"),  # how torch pickles a torch.layout
+    ("torch", "Size"),
+    ("pathlib", "PosixPath"),  # StorageMeta.checkpoint_id
+})
+"""Every global (module, name) in a `.metadata` that DCP's FileSystemWriter writes for a dict of plain
+tensors, torch dtypes aside (2.13: listed by unpickling a saved checkpoint with a recording find_class).
+Constructing any of them runs no user code."""
 
 
 def activation_memory_budget(budget: float):

@@ -8,9 +8,9 @@ placement, and a module no entry matches is replicated:
     column     Linear: output features cut over tp (a fused QKV weight is cut per
                head, q, k and v alike); its input is copied to every tp rank
     row        Linear: input features cut; the partial outputs are summed over tp
-    vocab      Embedding: rows (the vocabulary) cut, padded to a multiple of
-               make_vocab_size_divisible_by * tp; a tied head becomes a column-parallel
-               linear whose loss is a vocab-parallel cross-entropy
+    vocab      Embedding, or the output head's Linear: rows (the vocabulary) cut, padded
+               to a multiple of make_vocab_size_divisible_by * tp; the head becomes a
+               column-parallel linear whose loss is a vocab-parallel cross-entropy
     replicate  every tp rank holds the whole module (to carve out an exception)
 
 Here the plan is checked against the model's modules (built on meta) before any
@@ -66,15 +66,17 @@ def plan_errors(spec: ModelSpec, config, entries: tuple[str, ...], tp: int) -> l
         model = spec.module(config)
     modules = dict(model.named_modules())
     owners = list(dict.fromkeys(module_of(name) for name, _ in model.named_parameters()))  # a tied name once
+    every = {module_of(name) for name, _ in model.named_parameters(remove_duplicate=False)}  # tied aliases too
     errors = [f"tp_plan entry '{pattern}={placement}' matches no module; modules with parameters: "
               f"{', '.join(owners[:6])}, ..." for pattern, placement in plan.entries
-              if not any(fnmatch.fnmatchcase(name, pattern) for name in owners)]
+              if not any(fnmatch.fnmatchcase(name, pattern) for name in every)]
     for name in owners:
         placement, module = plan.placement(name), modules[name]
         if placement in ("column", "row") and not isinstance(module, nn.Linear):
             errors.append(f"tp_plan: {name} is {type(module).__name__}, but {placement} applies to Linear")
-        elif placement == "vocab" and not isinstance(module, nn.Embedding):
-            errors.append(f"tp_plan: {name} is {type(module).__name__}, but vocab applies to Embedding")
+        elif placement == "vocab" and not isinstance(module, (nn.Embedding, nn.Linear)):
+            errors.append(f"tp_plan: {name} is {type(module).__name__}, but vocab applies to an Embedding "
+                          f"or the output head's Linear")
         elif placement in ("column", "row"):
             errors += spec.tp_errors(model, name, placement, tp)
     return list(dict.fromkeys(errors))

@@ -7,20 +7,23 @@ iteration, and the batch one of the consumed-sample count, so a run resumed
 from a checkpoint takes the same steps as one that was never cut.
 """
 
+import dataclasses
 import math
 import os
 import time
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
-from gcompile import checkpoint
+from gcompile import checkpoint, shutdown
 from gcompile.checkpoint import Progress
-from gcompile.compile import Compiler, compile_rank_program, dump_generated_code
+from gcompile.compile import Compiler, compile_rank_program, dump_generated_code, format_rank_stats
 from gcompile.cuda_graphs import GraphedTrainStep
 from gcompile.config import RunConfig, TrainConfig
 from gcompile.blend import BlendedDataset
-from gcompile.data import GPTDataset, build_datasets, check_vocab
+from gcompile.data import GPTDataset, build_datasets, check_token_ids
+from gcompile.flight import FlightRecorder, flight_dir, rank_file
 from gcompile.log import MetricsLog
 from gcompile.axes import Coords
 from gcompile.mesh import group
@@ -32,6 +35,11 @@ from gcompile.runtime import Runtime
 from gcompile.schedule import Schedule, format_table, simulate
 from gcompile.schedule_render import render_svg
 from gcompile.state import TrainState
+from gcompile.stop import check_state, check_step
+
+
+LR_SCHEDULE = ("lr", "min_lr", "lr_warmup_iters", "lr_decay_iters", "lr_decay_style", "train_iters")
+"""The TrainConfig fields `lr_at` reads: a resume that changes one of them changes the learning-rate curve."""
 
 
 def lr_at(iteration: int, t: TrainConfig) -> float:
@@ -69,23 +77,30 @@ def is_logging_rank(coords: Coords) -> bool:
 def train(config: RunConfig, coords: Coords, device: str = "cpu", log=print) -> list[dict]:
     """Run the whole training; returns the logged records (on the logging rank; empty elsewhere)."""
     t = config.train
+    recorder = FlightRecorder(rank_file(flight_dir(config.log.run_dir), coords.rank))
+    recorder.phase("reading data")
     train_data, valid_data = build_datasets(config.data, t.seq_length, t.seed)
-    check_vocab(config.data, config.model.vocab_size)  # under torchrun, the first place that can
+    check_token_ids(config.data, train_data, valid_data, config.model.vocab_size)  # under torchrun too
     logging = is_logging_rank(coords)
     quiet = (lambda _: None) if coords.rank != 0 else log
 
+    recorder.phase("building the rank program")
     program = build_rank_program(config, coords, device, dump_root=config.log.dump_graphs, log=quiet)
     if config.log.dump_schedule and coords.rank == 0:
         dump_schedule(program.schedule, config.log.run_dir, log)
-    compiler = Compiler(enabled=t.compile)
+    compiler = Compiler(enabled=t.compile, log=quiet)
+    recorder.phase("compiling" if t.compile else "preparing the graphs")
     functions, optimizer_step = compile_rank_program(program, compiler)
     if t.compile and config.log.dump_graphs:
         dump_generated_code(program, compiler, rank_dump_dir(config.log.dump_graphs, coords.rank))
     if t.compile:
-        log(f"rank {coords.rank} {coords} compile: {compiler.stats}")
+        for line in format_rank_stats(_every_rank(compiler.stats, coords)):
+            quiet(line)
     state = TrainState.initial(program, config.model, t.seed, device)
-    progress = resume(config, program, state, log=quiet)
-    runtime = Runtime(program, functions, optimizer_step, state)
+    seed_generators(t.seed, coords)
+    recorder.phase("loading the checkpoint")
+    progress = resume(config, program, state, log=quiet)  # on the saving layout, restores the generators
+    runtime = Runtime(program, functions, optimizer_step, state, recorder=recorder)
     train_step = runtime.train_step
     if t.cuda_graphs if t.cuda_graphs is not None else t.compile:
         if device.startswith("cuda"):
@@ -93,18 +108,19 @@ def train(config: RunConfig, coords: Coords, device: str = "cpu", log=print) -> 
         elif t.cuda_graphs:
             quiet("--cuda-graphs: no CUDA device here; the instruction list runs directly")
 
-    metrics = MetricsLog(config.log.run_dir, config.log.tensorboard_dir, t.train_iters, coords.world_size) \
-        if logging else None
+    metrics = MetricsLog(config.log.run_dir, config.log.tensorboard_dir, t.train_iters, coords.world_size,
+                         progress.iteration, log) if logging else None
     flops = config.model_spec.flops(config.model, t.global_batch_size, t.seq_length)
     records, skipped, consumed = [], 0, progress.consumed_samples
     c = config.checkpoint
     for iteration in range(progress.iteration + 1, t.train_iters + 1):
+        recorder.phase(f"iteration {iteration}")
         batch = microbatches(train_data, consumed, config, coords, device)
         lr = lr_at(iteration, t)
         state.lr.fill_(lr)
         start = time.perf_counter()
         result = train_step(batch)
-        loss = _mean_over_dp(result.loss, coords)
+        loss = _mean_over_dp(result.loss, coords, recorder)
         skipped += int(result.skipped.item())
         elapsed_ms = (time.perf_counter() - start) * 1e3
         consumed += t.global_batch_size
@@ -116,23 +132,45 @@ def train(config: RunConfig, coords: Coords, device: str = "cpu", log=print) -> 
                           skipped_iterations=skipped)
             metrics.step(**record, print_line=iteration % config.log.log_interval == 0)
             records.append(record)
+        if t.check_for_nan_in_loss_and_grad:
+            check_step(iteration, loss, result.grad_norm, report=coords.rank == 0)
         if t.eval_interval and (iteration % t.eval_interval == 0 or iteration == t.train_iters):
+            recorder.phase(f"validation at iteration {iteration}")
             val_loss = evaluate(runtime, valid_data, config, coords, device)
             if metrics:
                 metrics.validation(iteration=iteration, consumed_samples=consumed, loss=val_loss)
                 records.append(dict(iteration=iteration, val_loss=val_loss))
         exiting = c.exit_interval is not None and iteration % c.exit_interval == 0
+        signalled = c.exit_signal_handler and _stop_agreed(coords, device, recorder)
         interval = c.save_interval is not None and iteration % c.save_interval == 0
-        if c.save and (exiting or interval or iteration == t.train_iters):
+        if c.save and (exiting or signalled or interval or iteration == t.train_iters):
+            if t.check_for_nan_in_loss_and_grad:
+                check_state(iteration, state, report=coords.rank == 0)
+            recorder.phase(f"saving the checkpoint of iteration {iteration}")
             started = time.perf_counter()
             folder = checkpoint.save(c.save, Progress(iteration, consumed), config, program, state)
             quiet(f"saved checkpoint at iteration {iteration} to {folder} ({time.perf_counter() - started:.2f} s)")
         if exiting:
             quiet(f"exiting at iteration {iteration} (--exit-interval {c.exit_interval})")
             break
+        if signalled:
+            quiet(f"exiting at iteration {iteration} on SIGTERM (--exit-signal-handler)")
+            break
+    recorder.phase("done")
     if metrics:
         metrics.close()
     return records
+
+
+def seed_generators(seed: int, coords: Coords) -> None:
+    """Seed this rank's default generators (CPU and CUDA; dropout draws from them) from --seed and its
+    pipeline and dp ranks. The ranks of a tp (and cp) group share the seed: they hold some activations
+    alike (after a row-parallel all-reduce), whose dropout masks must agree, and they draw as many
+    elements in the same order (their heads, their sequence slices), so their streams stay in step.
+    The price: a tp-sharded region repeats one mask over the ranks' pieces (Megatron draws those from
+    a second, per-tp-rank generator)."""
+    mixed = np.random.SeedSequence([seed, coords.axis_rank("pp"), coords.axis_rank("dp")]).generate_state(1, np.uint64)
+    torch.manual_seed(int(mixed[0]))
 
 
 def resume(config: RunConfig, program: RankProgram, state: TrainState, log) -> Progress:
@@ -143,7 +181,27 @@ def resume(config: RunConfig, program: RankProgram, state: TrainState, log) -> P
         if root:
             log(f"no checkpoint in {root}; starting from iteration 0")
         return Progress(0, 0)
-    return checkpoint.load(folder, config, program, state, log)
+    progress = checkpoint.load(folder, config, program, state, log)
+    change = lr_schedule_change(checkpoint.Checkpoint(folder).meta["config"]["train"], config.train,
+                                progress.iteration)
+    if change:
+        log(change)
+    return progress
+
+
+def lr_schedule_change(saved_train: dict, t: TrainConfig, iteration: int) -> str | None:
+    """A line when this run's flags change the learning rate of the steps left after `iteration` from what
+    the saved run's config (`saved_train`, its `[train]` section) gives, say a reshard with another
+    --train-iters; None when the curve is the same."""
+    saved = dataclasses.replace(t, **{name: saved_train[name] for name in LR_SCHEDULE})
+    changed = [f"{name} {getattr(saved, name)} -> {getattr(t, name)}" for name in LR_SCHEDULE
+               if getattr(saved, name) != getattr(t, name)]
+    first = next((i for i in range(iteration + 1, t.train_iters + 1) if lr_at(i, saved) != lr_at(i, t)),
+                 None) if changed else None
+    if first is None:
+        return None
+    return (f"the learning-rate schedule differs from the saved run's ({'; '.join(changed)}): iteration {first} "
+            f"trains at {lr_at(first, t):.6E}, where the saved run's schedule gives {lr_at(first, saved):.6E}")
 
 
 def dump_schedule(schedule: Schedule, run_dir: str, log=print) -> None:
@@ -164,14 +222,34 @@ def evaluate(runtime: Runtime, valid_data: GPTDataset | BlendedDataset, config: 
     losses = []
     for i in range(config.train.eval_iters):
         loss = runtime.eval_step(microbatches(valid_data, i * config.train.global_batch_size, config, coords, device))
-        losses.append(_mean_over_dp(loss, coords))
+        losses.append(_mean_over_dp(loss, coords, runtime.recorder))
     return torch.stack(losses).mean().item() if losses[0] is not None else float("nan")
 
 
-def _mean_over_dp(loss: torch.Tensor | None, coords: Coords) -> torch.Tensor | None:
+def _every_rank(obj, coords: Coords) -> dict:
+    """{rank: obj} of every rank, on every rank, so that rank 0 can print one line for many alike."""
+    if not dist.is_initialized():
+        return {coords.rank: obj}
+    every = [None] * coords.world_size
+    dist.all_gather_object(every, obj)
+    return dict(enumerate(every))
+
+
+def _mean_over_dp(loss: torch.Tensor | None, coords: Coords, recorder: FlightRecorder) -> torch.Tensor | None:
     if loss is None or coords.size("dp") == 1:
         return loss
     loss = loss.clone()
+    recorder.start("collective", "all_reduce of the loss over dp")
     dist.all_reduce(loss, group=group("dp"))
+    recorder.finish("collective")
     return loss / coords.size("dp")
 
+
+def _stop_agreed(coords: Coords, device: str, recorder: FlightRecorder) -> bool:
+    """--exit-signal-handler: whether any rank got SIGTERM, the same answer on every rank."""
+    recorder.start("collective", "all_reduce of the SIGTERM flag over the world (--exit-signal-handler)")
+    agreed = shutdown.agreed(coords.world_size, device)
+    recorder.finish("collective")
+    if agreed:
+        shutdown.requested.set()  # this rank too exits as signalled, whichever rank got the signal
+    return agreed

@@ -19,9 +19,10 @@ import torch
 import torch.distributed as dist
 
 from gcompile.check import check_plan, estimate_memory
-from gcompile.compile import Compiler, CompileStats, graph_key
+from gcompile.compile import Compiler, CompileStats, graph_key, named_graphs
 from gcompile.config import RunConfig
 from gcompile.axes import Coords
+from gcompile.log import rank_ranges
 from gcompile.mesh import init_fake_world
 from gcompile.pipeline import BuildCache, build_rank_program
 from gcompile.rank_program import RankProgram
@@ -40,27 +41,27 @@ def build_world(config: RunConfig, device: str = "cpu", dump_root: str | None = 
 
 
 def rank_graphs(program: RankProgram) -> list:
-    graphs = [program.optimizer.graph]
-    for stage in program.stages.values():
-        graphs += list(stage.graphs().values())
-    return graphs
+    return list(named_graphs(program).values())
 
 
-def precompile(programs: dict[int, RankProgram], threads: int) -> CompileStats:
-    """Compile every distinct graph of the world once, with the ranks' thread count (part of the cache key)."""
-    distinct = {}
-    for program in programs.values():
-        for gm in rank_graphs(program):
-            distinct.setdefault(graph_key(gm), gm)
-    compiler = Compiler(enabled=True)
+def precompile(programs: dict[int, RankProgram], threads: int, log: Callable[[str], None] = print) -> CompileStats:
+    """Compile every distinct graph of the world once, with the ranks' thread count (part of the cache key);
+    a progress line per graph names the ranks that run it."""
+    sharing = {}  # graph key -> (name, graph, ranks running it)
+    for rank, program in programs.items():
+        for name, gm in named_graphs(program).items():
+            sharing.setdefault(graph_key(gm), (name, gm, []))[2].append(rank)
+    graphs = {f"{name} (ranks {rank_ranges(ranks)})": gm for name, gm, ranks in sharing.values()}
+    log(f"compiling {len(graphs)} distinct graphs for {len(programs)} ranks with Inductor; the ranks then load "
+        f"them from its cache")
+    compiler = Compiler(enabled=True, log=log)
     saved_threads, saved_env = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
     torch.set_num_threads(threads)
     os.environ["OMP_NUM_THREADS"] = str(threads)
     init_fake_world(next(iter(programs.values())).coords)
     start = time.perf_counter()
     try:
-        for gm in distinct.values():
-            compiler(gm)
+        compiler.compile_graphs(graphs)
     finally:
         dist.destroy_process_group()
         torch.set_num_threads(saved_threads)
@@ -75,13 +76,17 @@ def precompile(programs: dict[int, RankProgram], threads: int) -> CompileStats:
 def prepare_launch(config: RunConfig, device: str, threads: int, log: Callable[[str], None] = print) -> None:
     """Before starting a multi-rank world: build every rank's program, prove the plan, and with
     --compile fill Inductor's cache with each distinct graph once. Raises PlanError on a fault."""
-    start = time.perf_counter()
-    programs = build_world(config, device, log=lambda _: None)
+    log(f"building the programs of {config.world_size} ranks (capture, passes, lowering) to check the plan")
+    start, cache = time.perf_counter(), BuildCache()
+    programs = build_world(config, device, log=lambda _: None, cache=cache)
     report = check_plan(programs, config.parallel.memory_budget_gb)
-    log(f"{report.splitlines()[0]} (built in {time.perf_counter() - start:.1f} s); "
+    steps = ", ".join(f"{step} {seconds:.1f} s" for step, seconds in cache.seconds.items())
+    log(f"{report.splitlines()[0]} (built in {time.perf_counter() - start:.1f} s: {steps}); "
         f"largest estimate: rank {max(programs, key=lambda r: estimate_memory(programs[r]).total)}: "
         f"{max((estimate_memory(p) for p in programs.values()), key=lambda e: e.total)}")
     if config.train.compile:
-        stats = precompile(programs, threads)
+        stats = precompile(programs, threads, log)
         log(f"precompiled {stats.distinct} distinct graphs for {len(programs)} ranks in {stats.seconds:.1f} s "
             f"(inductor cache: {stats.cache_hits} hits, {stats.cache_misses} misses)")
+    log(f"starting {config.world_size} ranks: each imports torch and builds its program"
+        f"{', then loads its graphs from the cache' if config.train.compile else ''}; rank 0 reports for all")

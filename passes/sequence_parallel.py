@@ -40,8 +40,12 @@ aten = torch.ops.aten
 
 TOKEN_WISE = (aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.dropout.default,
               aten.gelu.default, aten.relu.default, aten.silu.default, aten.tanh.default, aten.clone.default,
-              aten.layer_norm.default, aten.linear.default)
-"""Ops that compute each token from that token alone: they run unchanged on a slice of the sequence."""
+              aten.neg.default, aten.rsqrt.default, aten.pow.Tensor_Scalar, aten.to.dtype, aten._to_copy.default,
+              aten.layer_norm.default, aten.linear.default, aten.mean.dim, aten.sum.dim_IntList)
+"""Ops that compute each token from that token alone: they run unchanged on a slice of the sequence
+(a norm over the hidden dim, LayerNorm or RMSNorm's mean of squares, included; `_check_token_wise`
+refuses a reduction over the sequence)."""
+REDUCTIONS = (aten.mean.dim, aten.sum.dim_IntList)
 
 
 @register_pass(NAME)
@@ -90,10 +94,15 @@ def _check_token_wise(node: fx.Node) -> None:
     if node.target not in TOKEN_WISE:
         raise GraphMismatch(NAME, node, "reads a sequence-sharded tensor but mixes tokens or is not known to be "
                                         "token-wise; tokens may only meet inside tensor-parallel blocks: make "
-                                        "attention (c_attn column, c_proj row) and the embedding (vocab) "
-                                        "tensor-parallel in tp_plan")
+                                        "attention's projections column then row parallel and the embedding "
+                                        "vocab-parallel in tp_plan")
     if node.target is aten.layer_norm.default and len(node.args[1]) > node.meta["val"].dim() - 2:
         raise GraphMismatch(NAME, node, f"normalizes over {node.args[1]}, which includes the sequence dim")
+    if node.target in REDUCTIONS:
+        ndim = node.args[0].meta["val"].dim()
+        if any(d % ndim <= SEQ_DIM for d in node.args[1]):
+            raise GraphMismatch(NAME, node, f"reduces over dims {node.args[1]}, which include the batch or "
+                                            f"sequence dim")
 
 
 def _local_operand(arg, node: fx.Node, sharded: set[fx.Node], stage: Stage, ctx: PassContext):

@@ -49,10 +49,13 @@ from passes.rewrite import GraphMismatch, fake_like, insert_call, rank_constant
 NAME = "tensor_parallel"
 aten = torch.ops.aten
 
-SHAPE_PRESERVING = (aten.gelu.default, aten.relu.default, aten.silu.default, aten.tanh.default,
+SHAPE_PRESERVING = (aten.gelu.default, aten.relu.default, aten.silu.default, aten.tanh.default, aten.neg.default,
                     aten.dropout.default, aten.clone.default, aten.contiguous.default, aten.to.dtype,
                     aten._to_copy.default)
 """Ops that act element by element on one tensor: the cut passes through them unchanged."""
+BROADCASTING = (aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor)
+"""Element-wise ops over several tensors: cut inputs must be cut alike, the others broadcast over the cut dim
+(RoPE's q * cos, SwiGLU's silu(gate) * up)."""
 VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 
 
@@ -69,6 +72,10 @@ class Cut:
     """The module whose parameters cut it, for error messages."""
     blocks: int = 1
     """`dim` holds this many fused parts (q, k, v), each cut on its own."""
+
+    def alike(self, other: "Cut") -> bool:
+        """Cut the same way, whichever module cut it: element-wise ops may combine them."""
+        return (self.dim, self.local, self.full, self.blocks) == (other.dim, other.local, other.full, other.blocks)
 
 
 @register_pass(NAME)
@@ -207,6 +214,17 @@ class _Sharder:
             self.split(node, cut)
         elif node.target in VIEWS and cut is not None:
             self.view(node, cut)
+        elif node.target in BROADCASTING:
+            self.broadcast(node)
+        elif node.target is aten.slice.Tensor and cut is not None:
+            self.slice(node, cut)
+        elif node.target is aten.cat.default:
+            self.cat(node)
+        elif node.target is aten.unsqueeze.default and cut is not None:
+            d = _dim(node.args[1], len(full_shape(node)))
+            self.cuts[node] = _moved(cut, cut.dim + (d <= cut.dim))
+        elif node.target is aten.expand.default and cut is not None:
+            self.expand(node, cut)
         elif node.target is aten.transpose.int and cut is not None:
             ndim = len(x.meta["val"].shape)
             d0, d1 = _dim(node.args[1], ndim), _dim(node.args[2], ndim)
@@ -221,8 +239,8 @@ class _Sharder:
         else:
             source = next(self.cuts[a].source for a in node.all_input_nodes if a in self.cuts)
             raise GraphMismatch(NAME, node, f"reads a tensor cut by {source}, but the pass only knows how to carry a "
-                                            f"cut through split, view, transpose, attention and elementwise "
-                                            f"activations into a row-parallel linear or the loss")
+                                            f"cut through split, view, transpose, slice, cat, expand, attention and "
+                                            f"elementwise ops into a row-parallel linear or the loss")
 
     def split(self, node: fx.Node, cut: Cut) -> None:
         x, size, *rest = node.args
@@ -254,6 +272,45 @@ class _Sharder:
                                             f"dim {cut.dim} (cut by {cut.source}) whole over {self.tp} ranks")
         node.args = (x, [local if d == i else n for d, n in enumerate(shape_out)])
         self.cuts[node] = Cut(i, local, shape_out[i], cut.source)
+
+    def broadcast(self, node: fx.Node) -> None:
+        """Cut inputs cut alike; every other tensor input has the cut dim of the output as 1 or not at all."""
+        ndim = len(full_shape(node))
+        tensors = [a for a in node.args if isinstance(a, fx.Node)]
+        cuts = [_moved(self.cuts[a], self.cuts[a].dim + ndim - len(full_shape(a))) for a in tensors if a in self.cuts]
+        cut = cuts[0]
+        for a in tensors:
+            shape = full_shape(a)
+            at = cut.dim - (ndim - len(shape))
+            if a not in self.cuts and at >= 0 and shape[at] != 1:
+                raise GraphMismatch(NAME, node, f"combines a tensor cut by {cut.source} on dim {cut.dim} with "
+                                                f"{a.name}, which is whole along that dim (size {shape[at]})")
+        if any(not c.alike(cut) for c in cuts):
+            raise GraphMismatch(NAME, node, f"combines tensors cut differently: {cuts}")
+        self.cuts[node] = cut
+
+    def slice(self, node: fx.Node, cut: Cut) -> None:
+        """A slice of another dim keeps the cut; of the cut dim only when it takes the whole dim."""
+        x, dim, start, end, step = (*node.args, 0, 0, None, None, 1)[:5]
+        if _dim(dim, len(full_shape(x))) == cut.dim and full_shape(node)[cut.dim] != full_shape(x)[cut.dim]:
+            raise GraphMismatch(NAME, node, f"slices dim {cut.dim}, which {cut.source} cut over the tp ranks")
+        self.cuts[node] = cut
+
+    def cat(self, node: fx.Node) -> None:
+        """Tensors cut alike, joined along another dim (RoPE's rotate_half)."""
+        tensors, dim = (*node.args, 0)[:2]
+        cuts = [self.cuts.get(t) for t in tensors]
+        if None in cuts or any(not c.alike(cuts[0]) for c in cuts) or _dim(dim, len(full_shape(node))) == cuts[0].dim:
+            raise GraphMismatch(NAME, node, "joins tensors that are not all cut alike on a dim other than the "
+                                            "joined one")
+        self.cuts[node] = cuts[0]
+
+    def expand(self, node: fx.Node, cut: Cut) -> None:
+        """The cut dim keeps its local size (GQA's kv heads, expanded over the query heads they serve)."""
+        x, sizes = node.args[:2]
+        at = cut.dim + len(sizes) - len(full_shape(x))
+        node.args = (x, [cut.local if d == at else n for d, n in enumerate(sizes)], *node.args[2:])
+        self.cuts[node] = _moved(cut, at)
 
     def attention(self, node: fx.Node) -> None:
         q, k, v, *rest = node.args

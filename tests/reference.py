@@ -1,8 +1,9 @@
 """The single-device eager reference every layout is compared with.
 
 Plain nn.Module autograd + torch.optim.AdamW + clip_grad_norm_, written from
-the definitions, not from gcompile's optimizer: weight decay on the matmul
-weights only (c_attn, c_proj, c_fc), none on biases, LayerNorm, embeddings.
+the definitions, not from gcompile's optimizer: weight decay where the model's
+spec says (GPT-2: the matmul weights c_attn, c_proj, c_fc; none on biases,
+LayerNorm, embeddings).
 """
 
 from dataclasses import dataclass
@@ -10,9 +11,6 @@ from dataclasses import dataclass
 import torch
 
 from gcompile.config import RunConfig
-from gcompile.models.gpt2 import GPT2
-
-DECAYED = ("c_attn.weight", "c_proj.weight", "c_fc.weight")
 
 ADAM_EPS = 1e-6
 """AdamW epsilon for numerics tests (the default is 1e-8).
@@ -53,12 +51,13 @@ def reference_run(config: RunConfig, batches: list[torch.Tensor], lrs: list[floa
     """Eager training; with a low-precision `dtype`, Megatron's recipe: weights and activations in
     `dtype`, fp32 main weights updated by AdamW from fp32 copies of the gradients."""
     t = config.train
-    model = GPT2.build(config.model, t.seed).train(config.model.dropout > 0).to(dtype)
+    spec = config.model_spec
+    model = spec.build(config.model, t.seed).to(dtype)  # in the mode spec.module gives (dropout on or off)
     named = dict(model.named_parameters())
     main = {n: torch.nn.Parameter(p.detach().float().clone()) if dtype != torch.float32 else p
             for n, p in named.items()}
-    decay = [p for n, p in main.items() if n.endswith(DECAYED)]
-    no_decay = [p for n, p in main.items() if not n.endswith(DECAYED)]
+    decay = [p for n, p in main.items() if spec.decays(n, tuple(p.shape))]
+    no_decay = [p for n, p in main.items() if not spec.decays(n, tuple(p.shape))]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
                                    {"params": no_decay, "weight_decay": 0.0}],
                                   lr=lrs[0], betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, foreach=False)

@@ -7,6 +7,7 @@ plain loop (the component whose next draw is most due), not from the sorted inde
 
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ import torch
 import run_gpt
 from gcompile.blend import BlendedDataset, blend_index, parse_blend
 from gcompile.config import parse_args
-from gcompile.data import DataConfig, DataError, GPTDataset, build_datasets
+from gcompile.data import DataConfig, DataError, GPTDataset, build_datasets, check_batches, check_token_ids
 from gcompile.indexed_dataset import IndexedDatasetWriter
 
 L = 8
@@ -145,6 +146,24 @@ def test_bad_blend_is_one_line_before_any_rank(tmp_path, capsys):
     assert status == 2 and len(err) == 1
     assert err[0].startswith(f"run_gpt.py: error: --data-path {tmp_path / 'missing'}: no ")
 
+
+
+def test_data_checks_of_a_blend(tmp_path):
+    """The token-id check reads each component and names the one at fault; the batch check counts the
+    samples of all of them."""
+    a = write(tmp_path / "a", np.arange(0, 1000) % 257)
+    b = write(tmp_path / "b", np.arange(0, 1000) % 300)
+    config = DataConfig(f"0.5 {a} 0.5 {b}", split="1,1")
+    train, valid = build_datasets(config, seq_length=L, seed=0)
+    with pytest.raises(DataError, match=re.escape(f"--data-path {b}: the train part holds token id 299 but "
+                                                  "vocab_size=257; raise --vocab-size to at least 300")):
+        check_token_ids(config, train, valid, 257)
+    check_token_ids(config, train, valid, 300)
+    assert len(train) == 2 * (499 // L)
+    check_batches(config, train, valid, len(train), evaluates=False)
+    with pytest.raises(DataError, match=re.escape(f"--data-path {config.data_path}: the train part holds "
+                                                  f"{len(train)} samples")):
+        check_batches(config, train, valid, len(train) + 1, evaluates=False)
 
 def losses(run_dir):
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:

@@ -274,7 +274,7 @@ def test_unwritable_save_folder_is_one_line(tmp_path, capsys):
     (tmp_path / "file").write_text("")
     status = run_gpt.main(SMALL + ["--save", str(tmp_path / "file" / "save")])
     err = capsys.readouterr().err.strip().splitlines()
-    assert status == 2 and len(err) == 1 and "cannot create the folder" in err[0], err
+    assert status == 2 and len(err) == 1 and "file is a file, not a folder" in err[0], err
 
 
 def test_command_line_error_has_no_traceback(tmp_path):

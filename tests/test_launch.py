@@ -2,10 +2,17 @@
 
 import json
 import os
+import subprocess
+import sys
 
+import pytest
+
+import run_gpt
 from gcompile import shm_group
 from gcompile.launch import spawn_local
 from gcompile.axes import Coords, group_members
+from tests.multirank import ROOT
+from tests.test_checkpoint import SMALL
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "mesh_worker.py")
 
@@ -38,3 +45,25 @@ def test_failed_rank_is_reported(tmp_path, capsys):
     # a worker that cannot join a world of the wrong size exits non-zero; the launcher says which rank
     assert spawn_local(2, [WORKER, str(tmp_path), "1", "1", "1"]) != 0
     assert "rank" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not shm_group.available(), reason="shared-memory tp groups need x86-64 Linux with /dev/shm")
+def test_too_small_dev_shm_is_one_line_before_ranks_start(monkeypatch, capsys):
+    # slots larger than any /dev/shm: the launcher refuses before it builds or starts anything
+    monkeypatch.setattr(shm_group, "SLOT_BYTES", 1 << 50)
+    argv = SMALL + ["--tp", "2", "--tp-comm-backend", "shm", "--train-iters", "1"]
+    assert run_gpt.main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "MiB in /dev/shm" in err and "--tp-comm-backend gloo" in err, err
+
+
+def test_torchrun_world_that_does_not_fit_the_layout_is_one_line_per_rank(tmp_path):
+    # torchrun's own ChildFailedError report follows (README, Reliability); the cause is the ranks' line
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             os.path.join(ROOT, "run_gpt.py"), *SMALL, "--tp", "4", "--run-dir", str(tmp_path)],
+                            capture_output=True, text=True, timeout=600, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert result.returncode != 0
+    ours = [line for line in result.stderr.splitlines() if line.startswith("run_gpt.py:")]
+    assert ours == ["run_gpt.py: error: the launcher started 2 ranks but tp 4 = 4; start that many "
+                    "(torchrun --nnodes * --nproc-per-node) or change the layout"] * 2, result.stderr
+    assert result.stderr.index("run_gpt.py: error:") < result.stderr.index("ChildFailedError")

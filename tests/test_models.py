@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from gcompile.capture import capture
 from gcompile.flat import DECAY, flat_layout
 from gcompile.lower import lower_stage
-from gcompile.models import MODELS, spec_of
+from gcompile.models import CONFIGS, MODELS, model_spec, spec_of
 from gcompile.models.spec import Input, ModelSpec
 
 
@@ -49,10 +49,10 @@ TINY = ModelSpec(
     config=TinyConfig,
     module=Tiny,
     init_value=init_value,
-    tied=(("emb.weight", "head.weight"),),
     example_batch=lambda b, t: (Input("tokens", (b, t), torch.long), Input("labels", (b, t), torch.long)),
     tp_plan=("up=column", "down=row"),
     tp_errors=lambda model, name, placement, tp: [],
+    config_errors=lambda config: [],
     decays=lambda name, shape: name != "down.weight",  # a rule GPT-2 would not choose: the embedding decays
     context_length=lambda config: 4,
     flops=lambda config, batch, seq: 0.0,
@@ -60,8 +60,16 @@ TINY = ModelSpec(
 
 
 def test_registry_finds_gpt2_by_config_type():
-    gpt2 = MODELS["gpt2"]
+    gpt2 = model_spec("gpt2")
     assert spec_of(gpt2.config()) is gpt2
+
+
+def test_registry_configs_are_their_specs_configs():
+    # the torch-free config table (what flags and --help read) agrees with the specs it stands for
+    assert sorted(CONFIGS) == sorted(MODELS)
+    for name in MODELS:
+        assert model_spec(name).name == name
+        assert model_spec(name).config is CONFIGS[name]
 
 
 def test_tiny_captures_with_its_own_decay_rule():

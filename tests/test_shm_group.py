@@ -79,7 +79,7 @@ def test_full_shm_is_one_clear_error(monkeypatch):
 
     monkeypatch.setattr(os, "posix_fallocate", no_room)
     before = set(glob.glob("/dev/shm/gcompile-*"))
-    with pytest.raises(RuntimeError, match=r"cannot reserve \d+ MiB in /dev/shm .*--shm-size.*--tp-comm-backend gloo"):
+    with pytest.raises(shm_group.ShmRoomError, match=r"cannot reserve \d+ MiB in /dev/shm .*--shm-size.*--tp-comm-backend gloo"):
         shm_group.SharedMemoryGroup(dist.HashStore(), 0, 1, timedelta(seconds=5))
     assert set(glob.glob("/dev/shm/gcompile-*")) == before
 

@@ -15,7 +15,7 @@ from tokenizers import ByteLevelBPETokenizer, Tokenizer, models, pre_tokenizers,
 
 import run_gpt
 from gcompile import prepare, tokenizer
-from gcompile.data import DataConfig, DataError, check_vocab
+from gcompile.data import DataConfig, DataError, build_datasets, check_token_ids
 from gcompile.indexed_dataset import IndexedDataset, IndexedDatasetWriter
 
 TEXTS = {
@@ -136,24 +136,36 @@ def test_run_refuses_a_vocab_smaller_than_the_data(corpus, tmp_path, capsys):
     vocab = json.loads((tmp_path / "bpe.meta.json").read_text())["vocab_size"]
     assert largest >= 257 and vocab > largest
     assert f"of {vocab} entries (the corpus had no more pairs to merge for 400)" in capsys.readouterr().err
+    config = DataConfig(str(tmp_path / "bpe"), split="1,1")
+    train, valid = build_datasets(config, seq_length=8, seed=0)
+    part, beyond = next((part, d.tokens.max()) for part, d in (("train", train), ("valid", valid))
+                        if d.tokens.max() >= 257)
     status = run_gpt.main(["--data-path", str(tmp_path / "bpe"), "--split", "1,1", "--seq-length", "8"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert status == 2 and err == [f"run_gpt.py: error: --data-path {tmp_path / 'bpe'}: holds token id {largest} "
-                                   f"(its tokenizer has {vocab}) but vocab_size=257; raise --vocab-size to at least {vocab} "
-                                   "or use data made with this model's tokenizer"]
-    check_vocab(DataConfig(str(tmp_path / "bpe")), vocab)
+    assert status == 2 and err == [f"run_gpt.py: error: --data-path {tmp_path / 'bpe'}: the {part} part holds token "
+                                   f"id {beyond} (its tokenizer has {vocab}) but vocab_size=257; raise --vocab-size "
+                                   f"to at least {vocab} or use data made with this model's tokenizer"]
+    check_token_ids(config, train, valid, vocab)
 
 
-def test_vocab_check_reads_the_tokens_without_a_record(tmp_path):
-    """Megatron's files carry no .meta.json; a stale one (another token count) is not believed."""
+def test_vocab_check_believes_only_a_record_of_these_tokens(tmp_path):
+    """Megatron's files carry no .meta.json: their tokens are read. A record of another token count (left
+    from an earlier pair) or a damaged one is not believed; one of this count is, and no token is read."""
     with IndexedDatasetWriter(str(tmp_path / "meg")) as writer:
-        writer.add_document([1, 2, 300, 4])
-    with pytest.raises(DataError, match=r"holds token id 300 but vocab_size=257; raise --vocab-size to at least 301"):
-        check_vocab(DataConfig(str(tmp_path / "meg")), 257)
-    (tmp_path / "meg.meta.json").write_text(json.dumps(dict(largest_id=5, num_tokens=3)))
-    with pytest.raises(DataError, match="holds token id 300"):
-        check_vocab(DataConfig(str(tmp_path / "meg")), 257)
-    check_vocab(DataConfig(str(tmp_path / "meg")), 301)
+        writer.add_document([1, 2, 300, 4] * 10)
+    config = DataConfig(str(tmp_path / "meg"), split="1,1")
+    parts = build_datasets(config, seq_length=4, seed=0)
+    beyond = r"the train part holds token id 300 but vocab_size=257; raise --vocab-size to at least 301"
+    with pytest.raises(DataError, match=beyond):
+        check_token_ids(config, *parts, 257)
+    for record in (json.dumps(dict(largest_id=5, vocab_size=257, num_tokens=3)), "{not json"):
+        (tmp_path / "meg.meta.json").write_text(record)
+        with pytest.raises(DataError, match=beyond):
+            check_token_ids(config, *parts, 257)
+    (tmp_path / "meg.meta.json").write_text(json.dumps(dict(largest_id=5, vocab_size=257, num_tokens=40)))
+    check_token_ids(config, *parts, 257)  # the record says 5: believed, the 300 unread
+    os.remove(tmp_path / "meg.meta.json")
+    check_token_ids(config, *parts, 301)
 
 
 @pytest.mark.parametrize("args, message", [

@@ -8,35 +8,13 @@ Names follow nanoGPT so that its checkpoints and ours line up.
 
 import math
 import zlib
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from gcompile.models.gpt2_config import GPTConfig
 from gcompile.models.spec import Input, ModelSpec
-
-
-@dataclass(frozen=True)
-class GPTConfig:
-    block_size: int = 256
-    """Learned positions; the longest sequence the model accepts."""
-    vocab_size: int = 257
-    """256 byte values + end-of-document; padding for tp happens in the pass, not here."""
-    n_layer: int = 4
-    """Transformer blocks."""
-    n_head: int = 8
-    """Attention heads; tp must divide it (8: the default model splits over up to 8 tp ranks)."""
-    n_embd: int = 128
-    """Hidden size; n_head must divide it."""
-    dropout: float = 0.0
-    """0 by default: dropout makes runs depend on the layout's RNG streams."""
-    bias: bool = True
-    """Biases in Linear and LayerNorm, as GPT-2."""
-
-    @property
-    def ffn_hidden_size(self) -> int:
-        return 4 * self.n_embd
 
 
 class CausalSelfAttention(nn.Module):
@@ -64,7 +42,7 @@ class MLP(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.c_fc = nn.Linear(config.n_embd, config.ffn_hidden_size, bias=config.bias)
-        self.gelu = nn.GELU()
+        self.gelu = nn.GELU(approximate="tanh" if config.activation == "gelu_tanh" else "none")
         self.c_proj = nn.Linear(config.ffn_hidden_size, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
@@ -161,6 +139,21 @@ def tp_errors(model: GPT, name: str, placement: str, tp: int) -> list[str]:
     return [f"{what}={size} is not divisible by tp={tp}"]
 
 
+ACTIVATIONS = ("gelu", "gelu_tanh")
+
+
+def config_errors(config: GPTConfig) -> list[str]:
+    """Sizes the model cannot be built with, in the config's words."""
+    errors = []
+    if config.n_embd % config.n_head:
+        errors.append(f"n_embd={config.n_embd} is not divisible by n_head={config.n_head}")
+    if not 0.0 <= config.dropout < 1.0:
+        errors.append(f"dropout={config.dropout} must be in [0, 1)")
+    if config.activation not in ACTIVATIONS:
+        errors.append(f"activation={config.activation!r} must be {' or '.join(ACTIVATIONS)}")
+    return errors
+
+
 def decays(name: str, full_shape: tuple[int, ...]) -> bool:
     """Weight decay on matmul weights only: not on biases, LayerNorm, or the embeddings."""
     return len(full_shape) == 2 and not name.startswith(("transformer.wte.", "transformer.wpe."))
@@ -184,10 +177,10 @@ GPT2 = ModelSpec(
     config=GPTConfig,
     module=module,
     init_value=init_value,
-    tied=(("transformer.wte.weight", "lm_head.weight"),),
     example_batch=example_batch,
     tp_plan=MEGATRON_PLAN,
     tp_errors=tp_errors,
+    config_errors=config_errors,
     decays=decays,
     context_length=lambda config: config.block_size,
     flops=num_floating_point_operations,

@@ -37,14 +37,14 @@ class ModelSpec:
     """The module from its config, in the mode capture traces (dropout active only when it is on)."""
     init_value: Callable[[str, tuple[int, ...], Any, int], torch.Tensor]
     """(name, full shape, config, seed) -> the parameter's initial value, a pure function of (seed, name)."""
-    tied: tuple[tuple[str, ...], ...]
-    """Parameter names that are one tensor, the name the compiler and checkpoints use first."""
     example_batch: Callable[[int, int], tuple[Input, ...]]
     """(micro_batch_size, seq_length) -> forward's inputs in order; forward returns the loss."""
     tp_plan: tuple[str, ...]
     """Default tensor-parallel plan (gcompile.tp_plan entries) when `[parallel] tp_plan` is empty."""
     tp_errors: Callable[[nn.Module, str, str, int], list[str]]
     """(module built on meta, Linear name, "column" or "row", tp) -> why it cannot be cut so, in the config's words."""
+    config_errors: Callable[[Any], list[str]]
+    """config -> why the model cannot be built with it (sizes that do not divide), each naming its fields."""
     decays: Callable[[str, tuple[int, ...]], bool]
     """(name, full shape) -> whether AdamW decays the parameter; capture stores it on each `Param`."""
     context_length: Callable[[Any], int]
@@ -55,16 +55,19 @@ class ModelSpec:
     def build(self, config, seed: int, device="cpu", dtype=torch.float32) -> nn.Module:
         """The eager single-device model on its initial weights (`init_value` of every parameter).
 
-        Built on meta first so that no throwaway initialisation runs; `to_empty` unties, so the
-        tied names are tied again.
+        Built on meta first so that no throwaway initialisation runs; `to_empty` unties parameters
+        that modules share (a tied embedding and head), so they are tied again, as the module tied them.
         """
         with torch.device("meta"):
             model = self.module(config)
+        first = {}
+        aliases = [(name, first.setdefault(id(p), name))
+                   for name, p in model.named_parameters(remove_duplicate=False)]
         model.to_empty(device=device)
-        for first, *others in self.tied:
-            for other in others:
-                owner, _, attr = other.rpartition(".")
-                setattr(model.get_submodule(owner), attr, model.get_parameter(first))
+        for name, owner_name in aliases:
+            if name != owner_name:
+                owner, _, attr = name.rpartition(".")
+                setattr(model.get_submodule(owner), attr, model.get_parameter(owner_name))
         with torch.no_grad():
             for name, p in model.named_parameters():
                 p.copy_(self.init_value(name, tuple(p.shape), config, seed))

@@ -1,0 +1,136 @@
+"""How the processes of a run stop: on SIGINT or SIGTERM, with their launcher, or at an iteration all agree on.
+
+Python runs a signal handler in the main thread between two bytecodes, so a rank blocked
+in a collective would not see a signal for as long as the collective waits. Here Python's
+C-level handler only writes the signal's number to a pipe (`signal.set_wakeup_fd`); a
+thread blocked on that pipe acts at once, whatever the main thread is doing:
+
+- a process on its own (the launcher before it starts ranks, a one-rank run, a torchrun
+  rank) prints one line and exits 128 + the signal: 130 for SIGINT, 143 for SIGTERM;
+- a rank of the local launcher exits the same way without a word: the launcher passed
+  the signal on and prints the line;
+- with --exit-signal-handler, SIGTERM only sets `requested`; the training loop asks
+  `agreed` after every iteration, an all-reduce of the flag, so every rank stops after
+  the same iteration, saves, and exits 143 (Megatron's DistributedSignalHandler).
+
+A rank of the local launcher asks the kernel for SIGTERM when the launcher dies
+(`tie_to_launcher`) and then exits at once, --exit-signal-handler or not: no launcher is
+left to wait for a save, and every rank must be gone within seconds.
+"""
+
+import ctypes
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+LAUNCHER_PID = "GCOMPILE_LAUNCHER_PID"
+"""Environment of a rank started by gcompile.launch.spawn_local: the launcher's process id."""
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+requested = threading.Event()
+"""SIGTERM arrived with --exit-signal-handler on: stop after this iteration."""
+_action: Callable[[int], None] | None = None
+
+
+def exit_status(signum: int) -> int:
+    """The shell's status for a process ended by `signum`: 130 for SIGINT, 143 for SIGTERM."""
+    return 128 + signum
+
+
+def name(signum: int) -> str:
+    return signal.Signals(signum).name
+
+
+def install(action: Callable[[int], None]) -> None:
+    """Run `action(signum)` on a thread of its own for every SIGINT and SIGTERM from now on.
+    Call once, from the main thread, early; `set_action` changes what is done."""
+    global _action
+    _action = action
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, lambda *_: None)  # the C handler writes to the pipe; the thread acts
+    threading.Thread(target=_watch, args=(read,), name="gcompile-signals", daemon=True).start()
+
+
+def set_action(action: Callable[[int], None]) -> Callable[[int], None] | None:
+    """What a signal does from now on; the action it replaces. Without `install` (a test calling
+    main() in its own process) nothing watches signals and this only records the action."""
+    global _action
+    previous, _action = _action, action
+    return previous
+
+
+def _watch(read: int) -> None:
+    while True:
+        for signum in os.read(read, 64):
+            if signum in STOP_SIGNALS and _action is not None:
+                _action(signum)
+
+
+def stopper(exit_signal_handler: bool) -> Callable[[int], None]:
+    """The action of a process that trains (or prepares to): defer SIGTERM to the end of the
+    iteration with --exit-signal-handler, otherwise exit now (silently under the local launcher)."""
+    def act(signum: int) -> None:
+        if exit_signal_handler and signum == signal.SIGTERM and launcher_alive():
+            requested.set()
+            return
+        exit_now(signum, quiet=LAUNCHER_PID in os.environ)
+    return act
+
+
+def exit_now(signum: int, quiet: bool = False) -> None:
+    """One line on stderr (unless `quiet`), then exit 128 + signum without unwinding the main thread."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, RuntimeError):  # closed, or the main thread is inside a write
+            pass
+    if not quiet:
+        os.write(2, _line(signum).encode())
+    os._exit(exit_status(signum))
+
+
+def stopped(signum: int) -> int:
+    """After an orderly stop on `signum`: its line (unless the local launcher prints it); the exit status."""
+    if LAUNCHER_PID not in os.environ:
+        print(_line(signum), end="", file=sys.stderr, flush=True)
+    return exit_status(signum)
+
+
+def _line(signum: int) -> str:
+    return f"{os.path.basename(sys.argv[0])}: stopped by {name(signum)}\n"
+
+
+def tie_to_launcher() -> None:
+    """In a rank started by the local launcher: get SIGTERM when the launcher dies (Linux), and
+    exit now if it died before this call (this process then has another parent)."""
+    launcher = os.environ.get(LAUNCHER_PID)
+    if launcher is None:
+        return
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if not launcher_alive():
+        exit_now(signal.SIGTERM, quiet=True)
+
+
+def launcher_alive() -> bool:
+    """False only in a rank whose local launcher has died (or one not started by one: True)."""
+    launcher = os.environ.get(LAUNCHER_PID)
+    return launcher is None or os.getppid() == int(launcher)
+
+
+def agreed(world_size: int, device: str) -> bool:
+    """Whether any rank was asked to stop (`requested`); every rank gets the same answer at the same
+    iteration because every rank asks once per iteration (an all-reduce of one flag)."""
+    import torch  # here: run_gpt.py installs the handlers before it imports torch
+    import torch.distributed as dist
+
+    flag = torch.tensor([int(requested.is_set())], device=device)
+    if world_size > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())

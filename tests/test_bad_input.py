@@ -1,0 +1,231 @@
+"""Bad input, every CLI: one line on stderr that names the problem, exit status 2, no traceback, before any work.
+
+One table: a case is the command (`run_gpt.py` flags, `python -m gcompile.checkpoint`, `gcompile.inspect`,
+`gcompile.data`), what it finds in tmp_path (a file in the way, a damaged checkpoint, a data file), and a
+part of the line it must print. The CLIs' `main` functions run in this process, so a case also checks
+that nothing was logged (torch logs tracebacks before some failures) and that run_gpt.py never called
+run_ranks: refused before any rank starts. run_gpt.py's cases pass a tiny model and `--run-dir`, whose
+metrics must stay unwritten: no training step ran. One case runs as a real process, where argv holds raw bytes.
+"""
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import run_gpt
+from gcompile.checkpoint_files import CHECKSUMS, write_checksums
+from gcompile import checkpoint, data, inspect
+from gcompile.checkpoint import TRACKER
+from gcompile.tokenizer import VOCAB_SIZE
+from gcompile.indexed_dataset import IndexedDatasetWriter
+from gcompile.launch import run_ranks
+from tests.multirank import ROOT
+
+TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--block-size", "16", "--seq-length", "16",
+        "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "1", "--eval-interval", "0"]
+"""A model and run so small that a case which fails to refuse costs a second, not a training run."""
+CLIS = {"run_gpt": run_gpt.main, "checkpoint": checkpoint.main, "inspect": inspect.main, "data": data.main}
+ITERATION = "iter_0000001"
+REFUSED_IN_THE_BUILD = {"pass returning None"}
+"""Cases that only building the program finds: with one rank that happens in this process, after run_ranks
+is called but before any step; every other case is refused before run_ranks."""
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+    """A real checkpoint of TINY after one iteration, and the model exported from it."""
+    root = tmp_path_factory.mktemp("saved")
+    assert run_gpt.main(TINY + ["--save", str(root / "save"), "--run-dir", str(root / "run")]) == 0
+    assert checkpoint.main(["export", str(root / "save"), "--output", str(root / "model.pt")]) == 0
+    return root
+
+
+# ------------------------------------------------------------------ what a case finds in tmp_path
+
+
+def a_file(tmp, saved=None, name="file"):
+    (tmp / name).write_text("not a folder\n")
+
+
+def tokens(dtype, values):
+    def write(tmp, saved=None):
+        with IndexedDatasetWriter(str(tmp / "corpus"), dtype=dtype) as writer:
+            writer.add_document(np.array(values, dtype=dtype))
+    return write
+
+
+VALID_BEYOND_VOCAB = [i % 256 for i in range(100)] + [VOCAB_SIZE + 43] * 100
+"""With --split 1,1: a train part the old check read, and token id 300 in the valid part only."""
+
+
+def a_pass(source):
+    def write(tmp, saved):
+        (tmp / "user_pass.py").write_text(source)
+    return write
+
+
+def copy_checkpoint(damage):
+    def make(tmp, saved):
+        shutil.copytree(saved() / "save", tmp / "save")
+        damage(tmp / "save")
+    return make
+
+
+def edit_meta(edit):
+    """A gcompile.json edited and checksummed again: what the field checks must catch, past the checksum."""
+    def damage(save):
+        path = save / ITERATION / "gcompile.json"
+        meta = json.loads(path.read_text())
+        edit(meta)
+        path.write_text(json.dumps(meta))
+        (save / ITERATION / CHECKSUMS).write_text(write_checksums(str(save / ITERATION)))
+    return damage
+
+
+def truncate_metadata(save):
+    """Cut short and checksummed again: what the reader itself must refuse."""
+    path = save / ITERATION / ".metadata"
+    os.truncate(path, os.path.getsize(path) // 2)
+    (save / ITERATION / CHECKSUMS).write_text(write_checksums(str(save / ITERATION)))
+
+
+def dump_folder(rank0):
+    def make(tmp, saved):
+        (tmp / "dump").mkdir()
+        rank0(tmp / "dump")
+    return make
+
+
+def non_utf8_rank0(dump):
+    (dump / "rank0").mkdir()
+    (dump / "rank0" / "schedule.txt").write_bytes(b"# rank 0 \xff\xfe\n")
+
+
+# (id, cli, argv with {tmp} and {saved}, setup(tmp, saved) or None, a part of the one line);
+# `saved()` is the `saved_run` fixture's folder, made when a case first asks for it
+CASES = [
+    ("log-interval 0", "run_gpt", ["--log-interval", "0"], None, "log-interval=0 must be at least 1"),
+    ("eval-iters 0", "run_gpt", ["--eval-interval", "1", "--eval-iters", "0"], None,
+     "eval-iters=0 must be at least 1 while evaluation is on"),
+    ("seed -1", "run_gpt", ["--seed", "-1"], None, "seed=-1 must be in [0, 2^63)"),
+    ("seed 2^63", "run_gpt", ["--seed", str(2 ** 63)], None, f"seed={2 ** 63} must be in [0, 2^63)"),
+    ("split inf", "run_gpt", ["--split", "inf,1"], None, "split 'inf,1': expected"),
+    ("dropout 1.5", "run_gpt", ["--dropout", "1.5"], None, "dropout=1.5 must be in [0, 1)"),
+    ("n-embd 65536", "run_gpt", ["--n-embd", "65536"], None, "bytes"),
+    ("block-size 1e11", "run_gpt", ["--block-size", str(10 ** 11)], None, "choose a smaller model"),
+    ("lr nan", "run_gpt", ["--lr", "nan"], None, "lr=nan must be a finite number"),
+    ("lr negative", "run_gpt", ["--lr", "-1"], None, "lr=-1.0 must not be negative"),
+    ("min-lr negative", "run_gpt", ["--min-lr", "-1"], None, "min-lr=-1.0 must not be negative"),
+    ("clip-grad negative", "run_gpt", ["--clip-grad", "-1"], None, "clip-grad=-1.0 must not be negative"),
+    ("lr-warmup-iters negative", "run_gpt", ["--lr-warmup-iters", "-1"], None, "lr-warmup-iters=-1 must not be"),
+    ("eval-interval negative", "run_gpt", ["--eval-interval", "-1"], None, "eval-interval=-1 must not be"),
+    ("adam-beta1 2", "run_gpt", ["--adam-beta1", "2"], None, "adam-beta1=2.0 must be in [0, 1)"),
+    ("data-path empty", "run_gpt", ["--data-path", ""], None, "--data-path is empty"),
+    ("run-dir under a file", "run_gpt", ["--run-dir", "{tmp}/file/run"], a_file, "/file is a file, not a folder"),
+    ("run-dir is a file", "run_gpt", ["--run-dir", "{tmp}/file"], a_file, "/file is a file, not a folder"),
+    ("tensorboard-dir under a file", "run_gpt", ["--tensorboard-dir", "{tmp}/file/tb"], a_file, "--tensorboard-dir"),
+    ("dump-graphs under a file", "run_gpt", ["--dump-graphs", "{tmp}/file/dump"], a_file, "--dump-graphs"),
+    ("cache-dir under a file", "run_gpt", ["--cache-dir", "{tmp}/file/cache"], a_file, "--cache-dir"),
+    ("save under a file", "run_gpt", ["--save", "{tmp}/file/save"], a_file, "--save"),
+    ("save is a file", "run_gpt", ["--save", "{tmp}/file"], a_file, "/file is a file, not a folder"),
+    ("config is a folder", "run_gpt", ["--config", "{tmp}"], None, "is a folder; name a TOML file"),
+    ("config not UTF-8", "run_gpt", ["--config", "{tmp}/bad.toml"],
+     lambda tmp, saved: (tmp / "bad.toml").write_bytes(b"[model]\nn_layer = 2 # \xff\n"), "not UTF-8 text"),
+    ("config boolean for an integer", "run_gpt", ["--config", "{tmp}/bad.toml"],
+     lambda tmp, saved: (tmp / "bad.toml").write_text("[model]\nn_layer = true\n"),
+     "[model] n_layer = true, but it takes an integer"),
+    ("load a file", "run_gpt", ["--load", "{tmp}/file"], a_file, "/file is a file; give the SAVE folder"),
+    ("token id beyond the vocab in valid", "run_gpt", ["--data-path", "{tmp}/corpus", "--split", "1,1"],
+     tokens(np.uint16, VALID_BEYOND_VOCAB), "the valid part holds token id 300 but vocab_size=257"),
+    ("negative token id", "run_gpt", ["--data-path", "{tmp}/corpus", "--split", "1,1"],
+     tokens(np.int16, [5] * 50 + [-3] * 150),
+     "holds token id -3"),
+    ("NaN in a float index", "run_gpt", ["--data-path", "{tmp}/corpus", "--split", "1,1"],
+     tokens(np.float32, [5.0] * 100 + [float("nan")] + [5.0] * 99), "holds token id nan in a float32 index"),
+    ("corpus smaller than a batch", "run_gpt", ["--data-path", "{tmp}/corpus", "--split", "1,1"],
+     tokens(np.uint16, list(range(40))), "fewer than one global batch of 2"),
+    ("pass with a syntax error", "run_gpt", ["--passes", "{tmp}/user_pass.py:my_pass"], a_pass("def my_pass(:\n"),
+     "SyntaxError: invalid syntax (user_pass.py, line 1)"),
+    ("pass raising at import", "run_gpt", ["--passes", "{tmp}/user_pass.py:my_pass"],
+     a_pass("import os\nraise RuntimeError('first line\\nsecond line')\n"),
+     "RuntimeError at {tmp}/user_pass.py:2: first line"),
+    ("pass returning None", "run_gpt", ["--passes", "{tmp}/user_pass.py:my_pass"],
+     a_pass("def my_pass(program, ctx):\n    return None\n"), "pass 'my_pass' returned NoneType"),
+    ("tracker with a non-ASCII digit", "run_gpt", ["--load", "{tmp}/save"],
+     copy_checkpoint(lambda save: (save / TRACKER).write_text("\u0661\n")), "expected an iteration number in ASCII"),
+    ("gcompile.json missing a key", "run_gpt", ["--load", "{tmp}/save"],
+     copy_checkpoint(edit_meta(lambda meta: meta.pop("consumed_samples"))), "gcompile.json: no 'consumed_samples'"),
+    ("gcompile.json of a wrong type", "checkpoint", ["export", "{tmp}/save", "--output", "{tmp}/model.pt"],
+     copy_checkpoint(edit_meta(lambda meta: meta["layout"].update(tp="2"))), "'layout.tp' is \"2\", of the wrong type"),
+    (".metadata missing", "run_gpt", ["--load", "{tmp}/save"],
+     copy_checkpoint(lambda save: os.remove(save / ITERATION / ".metadata")), "no .metadata; the checkpoint is incomplete"),
+    (".metadata truncated", "checkpoint", ["export", "{tmp}/save", "--output", "{tmp}/model.pt"],
+     copy_checkpoint(truncate_metadata), ".metadata: not DCP metadata"),
+    ("export under a file", "checkpoint", ["export", "{saved}/save", "--output", "{tmp}/file/model.pt"], a_file,
+     "--output {tmp}/file/model.pt: {tmp}/file is a file"),
+    ("generate top-k -5", "checkpoint", ["generate", "{saved}/model.pt", "--top-k", "-5"], None,
+     "--top-k -5 must be 0 (all tokens) or more"),
+    ("inspect rank0 a file", "inspect", ["{tmp}/dump"], dump_folder(lambda dump: a_file(dump, name="rank0")),
+     "rank0 is a file where a rank folder belongs"),
+    ("inspect non-UTF-8 dump", "inspect", ["{tmp}/dump"], dump_folder(non_utf8_rank0), "schedule.txt: not UTF-8"),
+    ("prepare output empty", "data", ["prepare", "--input", "{tmp}/file", "--output", ""], a_file,
+     "--output '' names no file"),
+]
+
+
+def run_cli(cli: str, argv: list[str]) -> int:
+    try:
+        return CLIS[cli](argv)
+    except SystemExit as e:  # gcompile.data exits instead of returning
+        return e.code
+
+
+@pytest.mark.parametrize("name, cli, argv, setup, message", CASES, ids=[case[0] for case in CASES])
+def test_bad_input_is_one_line(name, cli, argv, setup, message, tmp_path, capsys, caplog, monkeypatch, request):
+    def saved():
+        return request.getfixturevalue("saved_run")
+
+    if setup is not None:
+        setup(tmp_path, saved)
+    argv = [a.replace("{tmp}", str(tmp_path)).replace("{saved}", str(saved())) if "{saved}" in a
+            else a.replace("{tmp}", str(tmp_path)) for a in argv]
+    if cli == "run_gpt":
+        argv = TINY + ["--run-dir", str(tmp_path / "run")] + argv
+    launches = []
+    monkeypatch.setattr(run_gpt, "run_ranks", lambda *args: launches.append(args) or run_ranks(*args))
+    monkeypatch.chdir(tmp_path)  # what a case that fails writes to its working folder stays in tmp_path
+    status = run_cli(cli, argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2, (status, err)
+    assert len(err) == 1 and message.replace("{tmp}", str(tmp_path)) in err[0], err
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING], "logged (with tracebacks)"
+    assert not launches or name in REFUSED_IN_THE_BUILD, "refused only after run_ranks was called"
+    assert not os.path.exists(tmp_path / "run" / "metrics.jsonl"), "a training step ran"
+
+
+def test_prompt_that_is_not_utf8_is_one_line(saved_run):
+    """Raw bytes in argv: what Python makes of them only a real process shows."""
+    result = subprocess.run([sys.executable, "-m", "gcompile.checkpoint", "generate", str(saved_run / "model.pt"),
+                             "--prompt", b"def \xff\xfe".decode("utf-8", "surrogateescape")],
+                            capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "python -m gcompile.checkpoint: error: --prompt is not valid UTF-8 (at character 4); give UTF-8 text"]
+
+
+def test_small_valid_part_is_one_warning(tmp_path, capsys):
+    """A valid part smaller than one batch only weights its samples: a warning, not a refusal."""
+    tokens(np.uint16, list(range(200)))(tmp_path)
+    config = data.DataConfig(str(tmp_path / "corpus"), split="9,1")
+    train, valid = data.build_datasets(config, seq_length=16, seed=0)
+    data.check_batches(config, train, valid, global_batch_size=4, evaluates=True)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("warning:") and "the valid part holds 1 samples" in err[0], err
+    data.check_batches(config, train, valid, global_batch_size=4, evaluates=False)
+    assert capsys.readouterr().err == ""

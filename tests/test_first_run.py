@@ -1,0 +1,184 @@
+"""What a new user meets on the first runs: a fast --help with defaults, progress lines instead of
+silence, one metrics file per run, a schedule picture that shows its title, dumps that list their
+collectives, and a word when a resume changes the learning-rate curve."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+
+import pytest
+
+import run_gpt
+from gcompile.compile import CompileStats, format_rank_stats
+from gcompile.config import SECTIONS, TrainConfig, parse_args, section_fields
+from gcompile.inspect import main as inspect_main
+from gcompile.axes import Coords
+from gcompile.log import MetricsLog
+from gcompile.schedule import build_schedule
+from gcompile.schedule_render import render_svg
+from gcompile.train import lr_schedule_change, train
+from gcompile.world import prepare_launch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--config", os.path.join(ROOT, "configs", "tiny.toml")]
+SMALL = ["--n-layer", "2", "--n-head", "4", "--n-embd", "64", "--block-size", "32", "--seq-length", "32",
+         "--micro-batch-size", "2", "--global-batch-size", "4", "--lr-warmup-iters", "1", "--eval-interval", "0"]
+
+
+# --- --help ------------------------------------------------------------------------------------------
+
+def test_help_imports_no_torch_and_shows_every_default():
+    result = subprocess.run([sys.executable, "-X", "importtime", "run_gpt.py", "--help"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")}
+    assert "numpy" in imported and "torch" not in imported  # numpy: the parse of -X importtime's lines works, sorted(m for m in imported if "torch" in m)
+    text = " ".join(result.stdout.split())  # argparse wraps lines
+    assert "--seed SEED [train] Seeds initial weights" in text and "(default: 1234)" in text
+    assert "--tp-comm-backend TP_COMM_BACKEND" in text and "(default: auto)" in text
+    assert "(default: false)" in text and "(default: none)" in text
+    assert text.count("(default: ") == sum(len(section_fields(section)) for section in SECTIONS)
+
+
+# --- progress instead of silence ---------------------------------------------------------------------
+
+def test_a_compiled_run_says_what_it_builds_and_compiles(tmp_path):
+    lines = []
+    config, _ = parse_args(TINY + ["--compile", "--train-iters", "1", "--eval-interval", "0",
+                                   "--run-dir", str(tmp_path / "run")])
+    train(config, Coords.from_rank(0, {}), log=lines.append)
+    text = "\n".join(lines)
+    assert "captured gpt2 with torch.export in" in text
+    assert "lowered stage 0 with autograd (forward and backward graphs) in" in text
+    compiled = [line for line in lines if line.startswith("compiled ")]
+    assert [line.split()[1:3] for line in compiled] == [["1/3", "stage0.forward"], ["2/3", "stage0.backward"],
+                                                          ["3/3", "optimizer"]], compiled
+    assert all(line.endswith(("(inductor cache hit)", "(inductor cache miss)")) for line in compiled), compiled
+    assert [line for line in lines if line.startswith("compile, ")] == \
+        [next(line for line in lines if line.startswith("compile, rank 0: 3 graphs, 3 distinct, in "))]
+
+
+def test_identical_ranks_fold_into_one_compile_line():
+    same = {rank: CompileStats(graphs=3, distinct=3, seconds=1.0 + rank / 10, cache_hits=3) for rank in range(16)}
+    assert format_rank_stats(same) == [
+        "compile, ranks 0-15: 3 graphs, 3 distinct, in 1.0 to 2.5 s (inductor cache: 3 hits, 0 misses each)"]
+    same[9] = CompileStats(graphs=4, distinct=4, seconds=2.0, cache_hits=3, cache_misses=1)
+    assert format_rank_stats(same) == [
+        "compile, ranks 0-8,10-15: 3 graphs, 3 distinct, in 1.0 to 2.5 s (inductor cache: 3 hits, 0 misses each)",
+        "compile, rank 9: 4 graphs, 4 distinct, in 2.0 s (inductor cache: 3 hits, 1 misses)"]
+
+
+@pytest.mark.slow
+def test_the_launcher_reports_build_and_each_distinct_graph(tmp_path):
+    lines = []
+    config, _ = parse_args(TINY + ["--tp", "2", "--compile"])
+    prepare_launch(config, "cpu", threads=1, log=lines.append)
+    assert lines[0] == "building the programs of 2 ranks (capture, passes, lowering) to check the plan"
+    assert lines[1].startswith("plan checked: 2 ranks agree") and "capture " in lines[1] and "lowering " in lines[1]
+    assert lines[2] == "compiling 3 distinct graphs for 2 ranks with Inductor; the ranks then load them from its cache"
+    assert [line.split(" in ")[0] for line in lines[3:6]] == [
+        "compiled 1/3 stage0.forward (ranks 0-1)", "compiled 2/3 stage0.backward (ranks 0-1)",
+        "compiled 3/3 optimizer (ranks 0-1)"]
+    assert lines[6].startswith("precompiled 3 distinct graphs for 2 ranks")
+    assert lines[7].startswith("starting 2 ranks")
+
+
+# --- metrics.jsonl: one run per file -----------------------------------------------------------------
+
+def write_steps(run_dir, start: int, stop: int, lines: list) -> None:
+    log = MetricsLog(str(run_dir), None, train_iters=stop, world_size=1, start_iteration=start, log=lines.append)
+    for iteration in range(start + 1, stop + 1):
+        log.step(iteration=iteration, consumed_samples=iteration, elapsed_ms=1.0, tokens=1, flops=0.0, lr=0.1,
+                 loss=float(iteration), grad_norm=1.0, batch_size=1, loss_scale=None, skipped_iterations=0,
+                 print_line=False)
+    log.close()
+
+
+def iterations(path) -> list[int]:
+    return [json.loads(line)["iteration"] for line in open(path)]
+
+
+def test_a_new_run_starts_its_own_metrics_file_and_a_resume_continues_it(tmp_path):
+    lines = []
+    write_steps(tmp_path, 0, 3, lines)
+    write_steps(tmp_path, 3, 5, lines)  # a resume of that run, from its iteration 3
+    assert iterations(tmp_path / "metrics.jsonl") == [1, 2, 3, 4, 5] and lines == []
+    write_steps(tmp_path, 0, 2, lines)  # another run
+    write_steps(tmp_path, 1, 2, lines)  # a resume from a checkpoint this file did not end at
+    assert iterations(tmp_path / "metrics.1.jsonl") == [1, 2, 3, 4, 5]
+    assert iterations(tmp_path / "metrics.2.jsonl") == [1, 2]
+    assert iterations(tmp_path / "metrics.jsonl") == [2]
+    assert lines == [f"{tmp_path / 'metrics.jsonl'} held another run (up to iteration 5); kept as metrics.1.jsonl, "
+                     "this run starts a fresh one",
+                     f"{tmp_path / 'metrics.jsonl'} held another run (up to iteration 2); kept as metrics.2.jsonl, "
+                     "this run starts a fresh one"]
+
+
+# --- the schedule picture, and --dump-schedule with --check-plan --------------------------------------
+
+GLYPH = 0.6
+"""Advance of a monospace glyph per unit of font size (Menlo, DejaVu Sans Mono)."""
+
+
+@pytest.mark.parametrize("name, pp, vpp, m", [("1f1b", 2, 1, 2), ("gpipe", 2, 1, 1), ("zb1f1b", 2, 1, 4),
+                                              ("interleaved", 2, 2, 4), ("1f1b", 4, 1, 8)])
+def test_every_text_of_the_schedule_svg_fits_its_picture(tmp_path, name, pp, vpp, m):
+    render_svg(build_schedule(name, pp, vpp, m), str(tmp_path / "s.svg"))
+    svg = ET.parse(tmp_path / "s.svg").getroot()
+    _, _, width, height = map(float, svg.get("viewBox").split())
+    texts = svg.iter("{http://www.w3.org/2000/svg}text")
+    for text in texts:
+        x, y, size = float(text.get("x")), float(text.get("y")), float(text.get("font-size"))
+        extent = len(text.text) * size * GLYPH
+        left = {"start": x, "middle": x - extent / 2, "end": x - extent}[text.get("text-anchor", "start")]
+        assert 0 <= left and left + extent <= width, (text.text, left, left + extent, width)
+        assert 0 <= y - size and y <= height, (text.text, y, height)
+
+
+def test_check_plan_with_dump_schedule_writes_the_schedule(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert run_gpt.main(SMALL + ["--pp", "2", "--check-plan", "--dump-schedule", "--run-dir", str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "rank1 | 1RECV_F0 1F0" in (run_dir / "schedule.txt").read_text()
+    assert (run_dir / "schedule.svg").read_text().startswith("<svg")
+    assert f"schedule written to {run_dir / 'schedule.txt'} and schedule.svg" in out
+
+
+# --- dumps list their collectives --------------------------------------------------------------------
+
+def test_inspect_lists_each_ranks_collectives(tmp_path, capsys):
+    dump = tmp_path / "dump"
+    assert run_gpt.main(SMALL + ["--tp", "2", "--dump-only", "--dump-graphs", str(dump)]) == 0
+    capsys.readouterr()
+    assert inspect_main([str(dump)]) == 0
+    ranks = [line for line in capsys.readouterr().out.splitlines() if line.startswith("rank ")]
+    assert len(ranks) == 2
+    for line in ranks:  # per layer 2 all-reduces forward and 2 backward (README), plus the embedding's and the loss's
+        collectives = line.split("collectives/iteration: ")[1]
+        assert "all_reduce tp x" in collectives and "all_reduce mp x1 4 B" in collectives, line
+
+
+# --- a resume that changes the learning-rate curve says so --------------------------------------------
+
+def test_lr_schedule_change_names_the_changed_keys_and_the_first_step_that_differs():
+    t = TrainConfig(train_iters=40, lr=1e-3, min_lr=1e-4, lr_warmup_iters=2)
+    saved = dataclasses.asdict(t)
+    assert lr_schedule_change(saved, t, 20) is None
+    assert lr_schedule_change(saved, dataclasses.replace(t, eval_interval=5, seed=1), 20) is None
+    decayed = dataclasses.replace(t, lr_decay_iters=10)
+    assert lr_schedule_change(dataclasses.asdict(decayed), dataclasses.replace(decayed, train_iters=60), 20) is None
+    longer = lr_schedule_change(saved, dataclasses.replace(t, train_iters=60), 20)
+    assert longer.startswith("the learning-rate schedule differs from the saved run's (train_iters 40 -> 60): "
+                              "iteration 21 trains at "), longer
+
+
+def test_a_resume_with_another_train_iters_says_so(tmp_path, capsys):
+    save = str(tmp_path / "save")
+    assert run_gpt.main(SMALL + ["--train-iters", "2", "--save", save, "--run-dir", str(tmp_path / "a")]) == 0
+    capsys.readouterr()
+    assert run_gpt.main(SMALL + ["--train-iters", "4", "--load", save, "--run-dir", str(tmp_path / "b")]) == 0
+    out = capsys.readouterr().out
+    assert "the learning-rate schedule differs from the saved run's (train_iters 2 -> 4): iteration 3" in out, out

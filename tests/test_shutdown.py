@@ -1,0 +1,190 @@
+"""Stopping a run: SIGINT and SIGTERM, --exit-signal-handler, the launcher's death, a stalled rank.
+
+Each case starts `run_gpt.py` as a user does, waits until its ranks train (their flight
+records, gcompile.flight, name the iteration they are in), does something to one process,
+and checks how the launcher exits, what it printed, and that no process of the run is left.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import run_gpt
+from gcompile import flight
+from gcompile.checkpoint import TRACKER
+from gcompile.config import parse_args
+from tests.multirank import ROOT, assert_succeeded, launch
+from tests.test_checkpoint import WORKER, losses
+
+TINY = ["--config", os.path.join(ROOT, "configs", "tiny.toml"), "--eval-interval", "0", "--log-interval", "1000",
+        "--lr-decay-style", "constant", "--lr-warmup-iters", "0"]  # the learning rate does not depend on train_iters
+FOREVER = ["--train-iters", "1000000"]
+
+
+def start(tmp_path, *flags) -> subprocess.Popen:
+    """`python run_gpt.py` on the tiny model, output to tmp_path/stdout and tmp_path/stderr."""
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    with open(tmp_path / "stdout", "w") as out, open(tmp_path / "stderr", "w") as err:
+        return subprocess.Popen([sys.executable, os.path.join(ROOT, "run_gpt.py"), *TINY, "--run-dir",
+                                 str(tmp_path / "run"), *map(str, flags)], stdout=out, stderr=err, env=env)
+
+
+def output(tmp_path) -> tuple[str, str]:
+    return (tmp_path / "stdout").read_text(), (tmp_path / "stderr").read_text()
+
+
+def wait_for_iteration(tmp_path, proc: subprocess.Popen, iteration: int, rank: int = 0) -> None:
+    """Until `rank`'s flight record says it is in `iteration` or later (startup takes 10-60 s here)."""
+    path = flight.rank_file(flight.flight_dir(str(tmp_path / "run")), rank)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"the run ended early with {proc.returncode}:\n{output(tmp_path)}"
+        phase = (flight.read(path) or {}).get("phase", "")
+        if phase.startswith("iteration ") and int(phase.split()[1]) >= iteration:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"rank {rank} never reached iteration {iteration}:\n{output(tmp_path)}")
+
+
+def run_processes(tmp_path) -> dict[int, str]:
+    """pid -> RANK (or "launcher") of every live process whose command line names this test's run dir."""
+    marker, found = str(tmp_path / "run").encode(), {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if marker not in f.read():
+                    continue
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+        except OSError:  # gone meanwhile
+            continue
+        found[int(pid)] = env.get(b"RANK", b"launcher").decode()
+    return found
+
+
+def rank_pid(tmp_path, rank: int) -> int:
+    return next(pid for pid, name in run_processes(tmp_path).items() if name == str(rank))
+
+
+def assert_all_gone(tmp_path, within: float = 10.0) -> None:
+    deadline = time.monotonic() + within
+    while run_processes(tmp_path) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = run_processes(tmp_path)
+    for pid in left:  # not to leave them training after the test
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"still running {within:g} s later: {left}"
+
+
+def listening_addresses(pids) -> list[str]:
+    """Local addresses (hex, as in /proc/net/tcp*) of the TCP sockets these processes listen on."""
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("socket:["):
+                    inodes.add(link[len("socket:["):-1])
+        except OSError:
+            continue
+    addresses = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for row in f.read().splitlines()[1:]:
+                fields = row.split()
+                if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
+                    addresses.append(fields[1].rpartition(":")[0])
+    return addresses
+
+
+LOOPBACK = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F"}
+"""127.0.0.1, ::1 and ::ffff:127.0.0.1 as /proc/net/tcp* writes them (little-endian words)."""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_signal_stops_every_rank_with_one_line_and_nothing_listens_beyond_loopback(tmp_path, signum):
+    proc = start(tmp_path, "--dp", 2, *FOREVER)
+    wait_for_iteration(tmp_path, proc, 2)
+    addresses = listening_addresses(run_processes(tmp_path))
+    assert addresses, "the rank store and gloo listen somewhere"
+    assert set(addresses) <= LOOPBACK, f"listening beyond loopback: {addresses}"
+    proc.send_signal(signum)
+    assert proc.wait(timeout=60) == 128 + signum
+    stdout, stderr = output(tmp_path)
+    assert stderr.splitlines() == [f"run_gpt.py: stopped by {signum.name}"], stderr
+    assert "Traceback" not in stdout
+    assert_all_gone(tmp_path)
+
+
+@pytest.mark.slow
+def test_killed_launcher_takes_its_ranks_along(tmp_path):
+    proc = start(tmp_path, "--dp", 2, *FOREVER)
+    wait_for_iteration(tmp_path, proc, 1)
+    assert len(run_processes(tmp_path)) == 3, "the launcher and two ranks"
+    proc.kill()
+    proc.wait()
+    assert_all_gone(tmp_path, within=10)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--exit-signal-handler"], "exit-signal-handler saves a checkpoint on SIGTERM and needs --save DIR"),
+    (["--hang-timeout-s", "-1"], "hang-timeout-s=-1.0 must be 0 (no watchdog) or positive"),
+    (["--distributed-timeout-minutes", "0"], "distributed-timeout-minutes=0.0 must be positive"),
+])
+def test_bad_stop_flags_are_one_line(flags, message, capsys):
+    assert run_gpt.main(flags) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
+def test_one_process_run_stops_on_sigterm_with_one_line(tmp_path):
+    proc = start(tmp_path, *FOREVER)
+    wait_for_iteration(tmp_path, proc, 1)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 143
+    stdout, stderr = output(tmp_path)
+    assert stderr.splitlines() == ["run_gpt.py: stopped by SIGTERM"] and "Traceback" not in stdout
+
+
+@pytest.mark.slow
+def test_sigterm_with_exit_signal_handler_saves_where_every_rank_stops_and_resumes_exactly(tmp_path):
+    # SIGTERM to rank 1 alone (a scheduler signals every process; which gets it first is chance):
+    # rank 0 learns it from the flag all-reduced each iteration, so both save the same iteration
+    layout = ["--dp", 2]
+    save = tmp_path / "save"
+    proc = start(tmp_path, *layout, *FOREVER, "--exit-signal-handler", "--save", save, "--hang-timeout-s", 60)
+    wait_for_iteration(tmp_path, proc, 3, rank=1)
+    os.kill(rank_pid(tmp_path, 1), signal.SIGTERM)
+    assert proc.wait(timeout=300) == 143
+    stdout, stderr = output(tmp_path)
+    assert stderr.splitlines() == ["run_gpt.py: stopped by SIGTERM"] and "Traceback" not in stdout
+    assert_all_gone(tmp_path)
+    cut = losses(tmp_path / "run")
+    stopped_at = int((save / TRACKER).read_text())
+    assert stopped_at == len(cut) >= 3, "both ranks saved the iteration they both finished last"
+    assert f"exiting at iteration {stopped_at} on SIGTERM" in stdout
+    # the checkpoint continued for 2 more iterations against a run that was never stopped, on the same layout
+    end = [*map(str, layout), "--train-iters", str(stopped_at + 2)]
+    resumed = parse_args(TINY + end + ["--load", str(save), "--run-dir", str(tmp_path / "resumed")])[0]
+    straight = parse_args(TINY + end + ["--run-dir", str(tmp_path / "straight")])[0]
+    assert_succeeded(tmp_path, launch(tmp_path, WORKER, dict(configs=[resumed, straight]), world=2))
+    assert cut + losses(tmp_path / "resumed") == losses(tmp_path / "straight")
+
+
+@pytest.mark.slow
+def test_stalled_rank_is_named_within_the_hang_timeout(tmp_path):
+    proc = start(tmp_path, "--dp", 2, *FOREVER, "--hang-timeout-s", 20)
+    wait_for_iteration(tmp_path, proc, 2, rank=1)
+    os.kill(rank_pid(tmp_path, 1), signal.SIGSTOP)
+    assert proc.wait(timeout=300) == 1
+    stdout, stderr = output(tmp_path)
+    assert "no rank made progress for 20 s" in stderr and "the stalled rank: 1 (process stopped)" in stderr, stderr
+    rank1 = next(line for line in stderr.splitlines() if line.strip().startswith("rank 1 "))
+    assert "instruction started @" in rank1 and "[process stopped]" in rank1, rank1
+    assert "Traceback" not in stdout + stderr
+    assert_all_gone(tmp_path)
