@@ -22,8 +22,9 @@ import typing
 from dataclasses import dataclass, field, fields
 
 from gcompile.data import DataConfig, DataError, parse_split
-from gcompile.models import CONFIGS, DEFAULT_MODEL, spec_of
+from gcompile.models import CONFIGS, DEFAULT_MODEL, register_user_model, spec_of
 from gcompile.paths import path_error
+from gcompile.user_code import UserCodeError
 from gcompile.schedule import SCHEDULES, SPLIT_BACKWARD, ScheduleError, check_sizes
 
 
@@ -35,8 +36,9 @@ family; the section's keys are then that family's config fields."""
 @dataclass(frozen=True)
 class ModelChoice:
     arch: str = DEFAULT_MODEL
-    """Model family (gcompile/models): gpt2 or llama. The other [model] keys are that family's; a key
-    another family has is an error."""
+    """Model family (gcompile/models): gpt2 or llama, or your own model as pkg.module:spec or
+    path/to/file.py:spec (a ModelSpec, or a function returning one; this imports and runs that code).
+    The other [model] keys are that family's; a key another family has is an error."""
 
 TP_COMM_BACKENDS = ("auto", "shm", "gloo")
 """Values of parallel.tp_comm_backend (gcompile.mesh.tp_group_backend)."""
@@ -351,6 +353,8 @@ def load_toml(path: str) -> dict[str, dict]:
     for section, values in raw.items():
         if section not in SECTIONS or not isinstance(values, dict):
             raise ConfigError(f"{path}: unknown section [{section}]; known: {', '.join(SECTIONS)}")
+        if section == "model" and "arch" in values:
+            _family(values["arch"])  # a user's model brings its own keys
         known = section_fields(section)
         for key, value in values.items():
             if key not in known:
@@ -370,13 +374,34 @@ def build_config(overrides: dict[str, dict]) -> RunConfig:
     return config
 
 
+COMPILER_READS = ("n_layer", "block_size", "vocab_size")
+"""Model config fields outside the model itself reads: blocks to split over pipeline stages, the longest
+sequence, the largest token id."""
+
+
+def _family(arch: str) -> str:
+    """The registered family `arch` names; a user's model (`pkg.module:spec`, `file.py:spec`) is loaded
+    and registered first."""
+    if arch in CONFIGS:
+        return arch
+    if ":" in arch:
+        try:
+            return register_user_model(arch)
+        except UserCodeError as e:
+            raise ConfigError(str(e)) from None
+    raise ConfigError(f"arch={arch!r} is not a model family here; known: {', '.join(CONFIGS)}, or your own "
+                      f"model as pkg.module:spec or path/to/file.py:spec")
+
+
 def _model_config(values: dict):
     """The config of the family `arch` names, from the [model] keys; keys of another family are an error."""
     values = dict(values)
-    arch = values.pop("arch", DEFAULT_MODEL)
-    if arch not in CONFIGS:
-        raise ConfigError(f"arch={arch!r} is not a model family here; known: {', '.join(CONFIGS)}")
+    arch = _family(values.pop("arch", DEFAULT_MODEL))
     own = {f.name for f in fields(CONFIGS[arch])}
+    missing = [name for name in COMPILER_READS if name not in own]
+    if missing:
+        raise ConfigError(f"arch={arch}: its config has no {', '.join(missing)}; every model config needs "
+                          f"{', '.join(COMPILER_READS)} (the compiler and the data read them)")
     foreign = [key for key in values if key not in own]
     if foreign:
         raise ConfigError(f"{', '.join(foreign)}: not a key of arch={arch} (its keys: {', '.join(sorted(own))}); "
@@ -468,7 +493,7 @@ def validate(config: RunConfig) -> None:
             if getattr(obj, name) < 1:
                 errors.append(f"{_flag(name)}={getattr(obj, name)} must be at least 1")
 
-    positive("model", m, "n_layer", "n_head", "n_embd", "block_size", "vocab_size")
+    positive("model", m, *COMPILER_READS)
     positive("parallel", p, "tp", "pp", "dp", "cp", "virtual_pipeline_size", "make_vocab_size_divisible_by")
     positive("train", t, "micro_batch_size", "global_batch_size", "seq_length", "train_iters")
     positive("log", config.log, "log_interval")

@@ -8,13 +8,9 @@ shapes are re-derived from its placeholders, so a pass that leaves the graph
 inconsistent fails right there, named, with the passes that ran before it.
 """
 
-import importlib
-import importlib.util
 import os
 import re
-import sys
 import time
-import traceback
 import typing
 from collections import Counter
 from collections.abc import Callable
@@ -26,6 +22,7 @@ from gcompile.config import RunConfig
 from gcompile.axes import Coords
 from gcompile.program import Program, diff_counts, dump_text, op_counts, propagate_shapes, refresh_meta
 from gcompile.rank_program import RankProgram
+from gcompile.user_code import UserCodeError, load_object
 
 
 @dataclass(frozen=True)
@@ -56,45 +53,13 @@ def resolve_pass(spec: str) -> tuple[str, PassFn]:
     """A registered name, `pkg.module:function` (importable from the working folder or PYTHONPATH), or
     `path/to/file.py:function` for a user pass."""
     if ":" in spec:
-        module_name, _, fn_name = spec.rpartition(":")
         try:
-            module = _load_file(module_name) if module_name.endswith(".py") else importlib.import_module(module_name)
-            fn = getattr(module, fn_name)
-        except FileNotFoundError:
-            raise PassError(f"pass {spec!r} cannot be loaded: no file {module_name}") from None
-        except ModuleNotFoundError as e:
-            raise PassError(f"pass {spec!r} cannot be loaded: {e}; name a module importable from this folder "
-                            f"or PYTHONPATH, or give the file: path/to/file.py:{fn_name}") from None
-        except AttributeError:
-            raise PassError(f"pass {spec!r} cannot be loaded: {module_name} has no {fn_name!r}") from None
-        except Exception as e:
-            raise PassError(f"pass {spec!r} cannot be loaded: {_load_failure(e)}") from None
-        return fn_name, fn
+            return spec.rpartition(":")[2], load_object(spec, "pass")
+        except UserCodeError as e:
+            raise PassError(str(e)) from None
     if spec not in _REGISTRY:
         raise PassError(f"unknown pass {spec!r}; registered: {', '.join(sorted(_REGISTRY))}")
     return spec, _REGISTRY[spec]
-
-
-def _load_failure(error: Exception) -> str:
-    """`RuntimeError at FILE:LINE: first line of its message`: one line that points into the user's code."""
-    text = (str(error).strip().splitlines() or [""])[0]
-    if isinstance(error, SyntaxError):  # its message names the file and line already
-        return f"SyntaxError: {text}"
-    frame = traceback.extract_tb(error.__traceback__)[-1]
-    return f"{type(error).__name__} at {frame.filename}:{frame.lineno}: {text}"
-
-
-def _load_file(path: str):
-    """Import a user pass file by path (once per process)."""
-    name = "gcompile_user_pass_" + re.sub(r"\W", "_", os.path.abspath(path))
-    if name not in sys.modules:
-        if not os.path.isfile(path):
-            raise FileNotFoundError(path)
-        module_spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(module_spec)
-        module_spec.loader.exec_module(module)
-        sys.modules[name] = module
-    return sys.modules[name]
 
 
 def run_passes(program: Program, specs: list[str], ctx: PassContext, log: Callable[[str], None] = print) -> Program:

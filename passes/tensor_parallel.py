@@ -50,6 +50,7 @@ NAME = "tensor_parallel"
 aten = torch.ops.aten
 
 SHAPE_PRESERVING = (aten.gelu.default, aten.relu.default, aten.silu.default, aten.tanh.default, aten.neg.default,
+                    aten.pow.Tensor_Scalar,
                     aten.dropout.default, aten.clone.default, aten.contiguous.default, aten.to.dtype,
                     aten._to_copy.default)
 """Ops that act element by element on one tensor: the cut passes through them unchanged."""

@@ -1,7 +1,8 @@
 """Overlap tensor-parallel collectives with the compute that does not need their result.
 
 Requires: a lowered RankProgram whose graphs start collectives on "tp" as functional
-          collectives, each read by one wait_tensor.
+          collectives, each read by wait_tensor only (autograd may wait on one twice, e.g. for an
+          input copied to two column-parallel linears: the waits become one).
 Ensures:  each tp collective starts as soon as its input exists: the nodes just before it
           (back to the previous collective or wait) that it does not depend on move to
           right after it, in their order. Its wait sits right before the first node that
@@ -51,12 +52,17 @@ def overlap_tp_comm(gm: fx.GraphModule, stage: int) -> fx.GraphModule:
     started = [node for node, _, args in collective_nodes(gm) if args.get("group_name") == "tp"]
     for node in started:
         waits = [user for user in node.users if user.target is WAIT]
-        if len(node.users) != 1 or not waits:
-            raise ValueError(f"stage {stage}: tp collective {node.name} ({node.target}) should be read by one "
-                             f"wait_tensor, not by {[u.name for u in node.users]}; "
+        if len(waits) != len(node.users) or not waits:
+            raise ValueError(f"stage {stage}: tp collective {node.name} ({node.target}) should be read by "
+                             f"wait_tensor only, not by {[u.name for u in node.users]}; "
                              f"from: {node.meta.get('stack_trace', '?')}")
+        order = _order(gm.graph)
+        wait, *others = sorted(waits, key=order.__getitem__)
+        for other in others:  # the same wait twice: the first serves every reader
+            other.replace_all_uses_with(wait)
+            gm.graph.erase_node(other)
         _start_early(node)
-        _wait_late(waits[0])
+        _wait_late(wait)
     gm.graph.lint()
     gm.recompile()
     return gm

@@ -1,4 +1,4 @@
-"""A checkpoint is data, never code: crafted pickles are refused on --load, export and generate,
+"""A checkpoint is data, never code: crafted pickles are refused on --load, export, export-hf and generate,
 and the files that describe the tensors are covered by checksums.
 
 The payload is a live one: plain `pickle.load` of the crafted .metadata creates a marker file
@@ -97,6 +97,9 @@ def test_crafted_metadata_is_refused_and_runs_nothing(saved, tmp_path, capsys, c
     assert checkpoint.main(["export", save, "--output", str(tmp_path / "model.pt")]) == 2
     line = one_line(capsys)
     assert named in line and not (tmp_path / "model.pt").exists(), line
+    assert checkpoint.main(["export-hf", save, str(tmp_path / "hf")]) == 2
+    line = one_line(capsys)
+    assert named in line and not (tmp_path / "hf" / "model.safetensors").exists(), line
     assert not marker.exists()
 
 

@@ -2,18 +2,22 @@
 
 The registry names where each spec lives and imports it on first use: a spec
 imports torch (seconds), while a model's config class does not, so reading
-flags, presets and `run_gpt.py --help` never waits for it.
+flags, presets and `run_gpt.py --help` never waits for it. A user's own model
+(`--arch pkg.module:spec` or `--arch path/to/file.py:spec`) is registered when
+its arch is read: importing it runs the user's code, which the user asked for.
 """
 
-import importlib
+from gcompile.user_code import UserCodeError, load_object
 
 from gcompile.models.gpt2_config import GPTConfig
 from gcompile.models.llama_config import LlamaConfig
 
 MODELS = {"gpt2": "gcompile.models.gpt2:GPT2", "llama": "gcompile.models.llama:LLAMA"}
-"""Where each model's ModelSpec lives, by name: `module:attribute`."""
+"""Where each model's ModelSpec lives, by name: `module:attribute` (or `file.py:attribute`, a user's)."""
 CONFIGS = {"gpt2": GPTConfig, "llama": LlamaConfig}
 """Each model's `[model]` config class (its spec's `config`), importable without torch."""
+_USER_SPECS = {}
+"""User models registered in this process, by name: their specs as loaded."""
 DEFAULT_MODEL = "gpt2"
 """The model of the `[model]` section; its config's fields are the model flags."""
 
@@ -22,8 +26,22 @@ def model_spec(name: str):
     """The ModelSpec registered as `name`."""
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
-    module, _, attribute = MODELS[name].partition(":")
-    return getattr(importlib.import_module(module), attribute)
+    return _USER_SPECS[name] if name in _USER_SPECS else load_object(MODELS[name], "model")
+
+
+def register_user_model(arch: str) -> str:
+    """Load the ModelSpec (or the function returning it) that `arch` names and register it; its name."""
+    from gcompile.models.spec import ModelSpec
+
+    found = load_object(arch, "model")
+    spec = found() if callable(found) and not isinstance(found, ModelSpec) else found
+    if not isinstance(spec, ModelSpec):
+        raise UserCodeError(f"model {arch!r} is a {type(spec).__name__}, not a ModelSpec; return one, e.g. "
+                            f"gcompile.models.spec.spec_with_defaults(name, config, module)")
+    if spec.name in MODELS and MODELS[spec.name] != arch:
+        raise UserCodeError(f"model {arch!r} is named {spec.name!r}, which {MODELS[spec.name]} has; rename it")
+    MODELS[spec.name], CONFIGS[spec.name], _USER_SPECS[spec.name] = arch, spec.config, spec
+    return spec.name
 
 
 def spec_of(config):

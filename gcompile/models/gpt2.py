@@ -144,7 +144,10 @@ ACTIVATIONS = ("gelu", "gelu_tanh")
 
 def config_errors(config: GPTConfig) -> list[str]:
     """Sizes the model cannot be built with, in the config's words."""
-    errors = []
+    errors = [f"{name}={getattr(config, name)} must be at least 1" for name in ("n_head", "n_embd")
+              if getattr(config, name) < 1]
+    if errors:
+        return errors
     if config.n_embd % config.n_head:
         errors.append(f"n_embd={config.n_embd} is not divisible by n_head={config.n_head}")
     if not 0.0 <= config.dropout < 1.0:

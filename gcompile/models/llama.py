@@ -178,7 +178,10 @@ def tp_errors(model: Llama, name: str, placement: str, tp: int) -> list[str]:
 
 def config_errors(config: LlamaConfig) -> list[str]:
     """Sizes the model cannot be built with, in the config's words."""
-    errors = []
+    errors = [f"{name}={getattr(config, name)} must be at least 1" for name in ("n_head", "n_embd")
+              if getattr(config, name) < 1]
+    if errors:
+        return errors
     if config.n_embd % config.n_head:
         errors.append(f"n_embd={config.n_embd} is not divisible by n_head={config.n_head}")
     elif config.head_dim % 2:

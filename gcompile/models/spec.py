@@ -5,6 +5,7 @@ A spec lives beside its model (gcompile/models/gpt2.py holds GPT-2's) and is
 registered by name in gcompile/models/__init__.py.
 """
 
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -72,3 +73,42 @@ class ModelSpec:
             for name, p in model.named_parameters():
                 p.copy_(self.init_value(name, tuple(p.shape), config, seed))
         return model.to(dtype)
+
+
+def default_init(name: str, shape: tuple[int, ...], config, seed: int) -> torch.Tensor:
+    """N(0, 0.02) for matrices and embeddings, seeded by (seed, name); a 1-D `weight` (a norm's gain) at
+    one, a bias at zero: GPT-2's rule, which suits most transformers."""
+    if len(shape) == 1:
+        return torch.ones(shape) if name.endswith("weight") else torch.zeros(shape)
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    return torch.randn(shape, generator=generator) * 0.02
+
+
+def default_tp_errors(model: nn.Module, name: str, placement: str, tp: int) -> list[str]:
+    """A column-parallel Linear needs its output features, a row-parallel one its input features, to divide."""
+    linear = model.get_submodule(name)
+    what, size = ("out_features", linear.out_features) if placement == "column" else ("in_features", linear.in_features)
+    return [] if size % tp == 0 else [f"{name}.{what}={size} is not divisible by tp={tp}"]
+
+
+def token_batch(micro_batch_size: int, seq_length: int) -> tuple[Input, ...]:
+    """forward(idx, targets): token ids and next-token labels, (micro_batch_size, seq_length) each."""
+    return (Input("idx", (micro_batch_size, seq_length), torch.long),
+            Input("targets", (micro_batch_size, seq_length), torch.long))
+
+
+def spec_with_defaults(name: str, config: type, module: Callable[[Any], nn.Module], **facts) -> ModelSpec:
+    """A ModelSpec for your own model: `module(config)` returns an nn.Module whose forward(idx, targets)
+    returns the mean loss (and the logits without targets). Every other fact has a default a keyword
+    replaces: GPT-2's initialisation, no tensor-parallel plan (give `tp_plan` to cut), decay on
+    matrices, the context length `config.block_size`, 6 FLOPs per parameter per token."""
+
+    def flops(config_value, batch_size: int, seq_length: int) -> float:
+        with torch.device("meta"):
+            params = sum(p.numel() for p in module(config_value).parameters())
+        return 6.0 * params * batch_size * seq_length
+
+    defaults = dict(init_value=default_init, example_batch=token_batch, tp_plan=(), tp_errors=default_tp_errors,
+                    config_errors=lambda config_value: [], decays=lambda _, shape: len(shape) >= 2,
+                    context_length=lambda config_value: config_value.block_size, flops=flops)
+    return ModelSpec(name=name, config=config, module=module, **dict(defaults, **facts))
