@@ -25,7 +25,7 @@ import torch.distributed as dist
 from gcompile.config import build_config, load_toml
 from gcompile.axes import Coords
 from gcompile.mesh import init_groups
-from gcompile.models.gpt2 import GPT2
+from flags import adamw_groups  # bench/, first on sys.path when run as a script
 
 VARIANTS = {
     "torch DDP + AdamW (eager)": dict(kind="ddp"),
@@ -49,12 +49,9 @@ def make_config(args, dp: int, **train):
 
 def ddp_step_fn(config, rank: int):
     t = config.train
-    model = GPT2.build(config.model, t.seed)
+    model = config.model_spec.build(config.model, t.seed)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
-    decay = [p for n, p in model.named_parameters() if p.dim() == 2 and "wte" not in n and "wpe" not in n]
-    rest = [p for n, p in model.named_parameters() if not (p.dim() == 2 and "wte" not in n and "wpe" not in n)]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
-                                   {"params": rest, "weight_decay": 0.0}], lr=t.lr, betas=(t.adam_beta1, t.adam_beta2))
+    optimizer = torch.optim.AdamW(adamw_groups(model, config), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2))
 
     def step(tokens):
         idx, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()

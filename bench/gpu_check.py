@@ -16,7 +16,6 @@ from gcompile.compile import Compiler, compile_rank_program
 from gcompile.config import build_config, load_toml
 from gcompile.cuda_graphs import GraphedTrainStep
 from gcompile.axes import Coords
-from gcompile.models.gpt2 import GPT2
 from gcompile.pipeline import build_rank_program
 from gcompile.runtime import Runtime
 from gcompile.state import TrainState
@@ -38,7 +37,7 @@ def timed(step, tokens, warmup: int, iters: int) -> float:
 
 def torch_compile_step(config):
     t = config.train
-    model = GPT2.build(config.model, t.seed, device="cuda").to(torch.bfloat16)
+    model = config.model_spec.build(config.model, t.seed, device="cuda").to(torch.bfloat16)
     optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, fused=True)
     forward = torch.compile(model)
 
@@ -79,7 +78,7 @@ def main():
         config = build_config(overrides)
         t = config.train
         tokens = torch.randint(0, config.model.vocab_size, (t.global_batch_size, t.seq_length + 1), device="cuda")
-        flops = GPT2.flops(config.model, t.global_batch_size, t.seq_length)
+        flops = config.model_spec.flops(config.model, t.global_batch_size, t.seq_length)
         for name, make in (("torch.compile + fused AdamW", torch_compile_step),
                            ("gcompile --compile --cuda-graphs", gcompile_step)):
             seconds = timed(make(config), tokens, warmup=4, iters=args.iters)

@@ -2,6 +2,7 @@
 
     python bench/single_rank.py                 # 4 layers, 256 wide, T=256 (the config)
     python bench/single_rank.py --n-layer 2 --n-embd 64 --seq-length 64
+    python bench/single_rank.py --arch llama    # Llama's shapes at the same width
 
 (a) eager module + torch.optim.AdamW
 (b) torch.compile(model) + torch.optim.AdamW (nanoGPT's way)
@@ -17,11 +18,10 @@ import time
 
 import torch
 
-from flags import add_model_flags, model_section  # bench/, first on sys.path when run as a script
+from flags import adamw_groups, add_model_flags, model_section  # bench/, first on sys.path when run as a script
 from gcompile.compile import Compiler, compile_rank_program
 from gcompile.config import build_config
 from gcompile.axes import Coords
-from gcompile.models.gpt2 import GPT2
 from gcompile.pipeline import build_rank_program
 from gcompile.runtime import Runtime
 from gcompile.state import TrainState
@@ -58,11 +58,8 @@ def time_round_robin(steps: dict, tokens, warmup: int, iters: int) -> dict[str, 
 
 def torch_step_fn(config, compiled: bool):
     t = config.train
-    model = GPT2.build(config.model, t.seed)
-    decay = [p for n, p in model.named_parameters() if p.dim() == 2 and "wte" not in n and "wpe" not in n]
-    rest = [p for n, p in model.named_parameters() if not (p.dim() == 2 and "wte" not in n and "wpe" not in n)]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
-                                   {"params": rest, "weight_decay": 0.0}], lr=t.lr, betas=(t.adam_beta1, t.adam_beta2))
+    model = config.model_spec.build(config.model, t.seed)
+    optimizer = torch.optim.AdamW(adamw_groups(model, config), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2))
     forward = torch.compile(model) if compiled else model
 
     def step(tokens):
@@ -100,9 +97,9 @@ def main():
     t = config.train
     tokens = torch.randint(0, config.model.vocab_size, (t.global_batch_size, t.seq_length + 1),
                            generator=torch.Generator().manual_seed(0))
-    flops = GPT2.flops(config.model, t.global_batch_size, t.seq_length)
+    flops = config.model_spec.flops(config.model, t.global_batch_size, t.seq_length)
     peak = matmul_peak()
-    print(f"config: {args.n_layer} layers, {args.n_embd} wide, {args.n_head} heads, T={t.seq_length}, "
+    print(f"config: {args.arch}, {args.n_layer} layers, {args.n_embd} wide, {args.n_head} heads, T={t.seq_length}, "
           f"{t.global_batch_size // t.micro_batch_size} x {t.micro_batch_size} samples/step, "
           f"{torch.get_num_threads()} threads")
     runs = {
