@@ -20,7 +20,7 @@ from gcompile.models.llama import LLAMA, rope, rotate_half
 from gcompile.pipeline import BuildCache
 from gcompile.world import build_world
 from tests.multirank import run_layouts
-from tests.test_data_parallel import COMPILED_PARAM_TOL
+from tests.test_data_parallel import COMPILED_PARAM_TOL, assert_bf16_matches
 from tests.reference import ADAM_EPS, random_batches, reference_run, rel_err
 from tests.test_single_rank import run_gcompile
 
@@ -29,13 +29,14 @@ LRS = [1e-3, 6e-4, 3e-4]
 BUILD = BuildCache()
 
 
-def config(tie=False, n_layer=2, compile=False, **parallel):
+def config(tie=False, n_layer=2, compile=False, bf16=False, **parallel):
     return build_config({
         "model": dict(arch="llama", n_layer=n_layer, n_head=8, n_kv_head=4, n_embd=64, ffn_hidden_size=96,
                       block_size=32, tie_word_embeddings=tie),
         "parallel": parallel,
         "train": dict(micro_batch_size=2, global_batch_size=4 * parallel.get("dp", 1), seq_length=32, lr=1e-3,
-                      clip_grad=0.5, weight_decay=0.1, adam_eps=ADAM_EPS, compile=compile),
+                      clip_grad=0.5, weight_decay=0.1, adam_eps=ADAM_EPS, compile=compile,
+                      bf16=bf16),
     })
 
 
@@ -75,6 +76,14 @@ def test_layout_matches_single_device(case):
     batches, reference = expected(tie, n_layer, options.get("dp", 1))
     (result,) = harness.run_layouts([config(tie, n_layer, **options)], batches, LRS, cache=BUILD)
     assert_matches(result.losses, result.grad_norms, result.params, reference, case)
+
+
+def test_bf16_tp2_matches_single_device_bf16():
+    """Mixed precision at test_data_parallel.py's bf16 tolerances (their reasons are written there)."""
+    batches, _ = expected(False, 2, 1)
+    reference = reference_run(config(bf16=True), batches, LRS, dtype=torch.bfloat16)
+    (result,) = harness.run_layouts([config(bf16=True, tp=2)], batches, LRS, cache=BUILD)
+    assert_bf16_matches(result, reference, "bf16 tp2")
 
 
 @pytest.mark.slow
