@@ -83,7 +83,8 @@ def test_strategy_spelling():
     for bad, message in ((dict(data_parallel_sharding_strategy="optim_grads_params"), r"\(ZeRO-3\) is not built yet"),
                          (dict(data_parallel_sharding_strategy="full"), "must be no_shard, optim or optim_grads"),
                          (dict(data_parallel_sharding_strategy="no_shard", use_distributed_optimizer=True),
-                          "disagrees with data_parallel_sharding_strategy=no_shard")):
+                          "disagrees with data_parallel_sharding_strategy=no_shard"),
+                         (dict(pp=2, pipeline_schedule="zb1f1b", **ZERO2), "do not combine yet")):
         with pytest.raises(ConfigError, match=message):
             small_config(dp=2, **bad)
 
