@@ -5,15 +5,17 @@ Numerics as in tests/test_data_parallel.py (1e-5 relative in fp32, the bf16 tole
 """
 
 import pytest
+import torch
 
 import run_gpt
-from gcompile.check import MeasuredMemory
+from gcompile.check import MeasuredMemory, check_plan
 from gcompile.config import ConfigError
 from gcompile.pipeline import builtin_passes
 from gcompile.state import TrainState
 from gcompile.world import build_world
 from tests.multirank import assert_succeeded, launch, run_layouts
 from tests.test_checkpoint import N, SMALL, WORKER, assert_close, config, losses
+from tests.reference import random_batches
 from tests.test_data_parallel import LRS, check_dp_cases, in_one_process, small_config
 
 ZERO2 = dict(data_parallel_sharding_strategy="optim_grads")
@@ -25,6 +27,23 @@ def test_optim_grads_matches_eager():
         "dp4 optim_grads, buckets": small_config(dp=4, micro_batch_size=1, ddp_bucket_size=5000, **ZERO2),
         "dp2 bf16 optim_grads": small_config(dp=2, bf16=True, **ZERO2),
     }, in_one_process)
+
+
+def test_optim_grads_is_the_overlapped_distributed_optimizer_bitwise():
+    """The same collectives on the same values: only where the gradient lives between steps differs.
+    fp16 too: the reduced shard goes through the loss-scale check (the scale overflows and backs off)."""
+    for dtype in ({}, dict(fp16=True, initial_loss_scale=2.0 ** 20, loss_scale_window=2)):
+        zero2 = small_config(dp=2, ddp_bucket_size=8000, **ZERO2, **dtype)
+        batches = random_batches(zero2, 3)
+        got, want = in_one_process([zero2, small_config(dp=2, ddp_bucket_size=8000, use_distributed_optimizer=True,
+                                                        overlap_grad_reduce=True, **dtype)], batches)
+        assert (got.losses, got.grad_norms) == (want.losses, want.grad_norms), dtype
+        assert all(torch.equal(got.params[name], want.params[name]) for name in want.params), dtype
+
+
+def test_plan_checker_accepts_optim_grads():
+    for layout in (dict(dp=4), dict(tp=2, pp=2, dp=2)):
+        assert check_plan(build_world(small_config(**layout, **ZERO2), log=lambda _: None)).startswith("plan checked")
 
 
 @pytest.mark.slow
