@@ -41,9 +41,9 @@ class ModelChoice:
     The other [model] keys are that family's; a key another family has is an error."""
 
 TP_COMM_BACKENDS = ("auto", "shm", "gloo")
+"""Values of parallel.tp_comm_backend (gcompile.mesh.tp_group_backend)."""
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads")
 """Megatron-FSDP's --data-parallel-sharding-strategy values gcompile builds (optim_grads_params: not yet)."""
-"""Values of parallel.tp_comm_backend (gcompile.mesh.tp_group_backend)."""
 
 POINTS = ("capture", "tensor_parallel", "sequence_parallel", "pipeline_split", "lower", "tp_comm_overlap",
           "data_parallel", "sharded_optimizer")

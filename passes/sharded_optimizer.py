@@ -13,8 +13,8 @@ Ensures:  dp rank i owns the i-th 1/dp of every bucket; the step's main weights,
           microbatch's backward (passes/bucket_overlap.py) and lands in `reduced_grads`,
           a new input of the step.
           optim_grads: every bucket that can (all but those holding a pipeline-tied weight)
-          is reduce-scattered so, the step reads no full gradient (the copy it made is
-          erased), and program.grads_between_steps is False: the runtime frees the
+          is reduce-scattered so; when that is every bucket the step reads no full gradient
+          (the copy it made is erased). program.grads_between_steps is False: the runtime frees the
           flat accumulator after the step and allocates it again at the next step's
           first backward. It still holds the local stage's whole gradient from then to the
           update, as microbatches accumulate into it; between steps only the shard is kept.
