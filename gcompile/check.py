@@ -185,19 +185,18 @@ class MeasuredMemory:
     update (optim_grads), 0 when it is held throughout (and counted in `grads`)."""
 
     weights: int
-    """Model weights and fp32 main weights."""
+    """Model weights."""
     grads: int
     """The gradient accumulator when held between steps, and the reduced gradient shard."""
     optimizer: int
-    """AdamW states, per-element flags and the step's scalars."""
+    """fp32 main weights, AdamW states, per-element flags and the step's scalars (as MemoryEstimate counts)."""
     during_step: int
 
     @classmethod
     def of(cls, state: TrainState) -> "MeasuredMemory":
         held = state.buffer_bytes()
         accumulator = held["grads"]
-        weights = held.pop("params") + held.pop("main", 0)
-        grads = held.pop("grads") + held.pop("reduced_grads", 0)
+        weights, grads = held.pop("params"), held.pop("grads") + held.pop("reduced_grads", 0)
         return cls(weights=weights, grads=grads, optimizer=sum(held.values()),
                    during_step=0 if accumulator else state.grads.numel() * state.grads.element_size())
 
@@ -213,15 +212,17 @@ def estimate_memory(program: RankProgram) -> MemoryEstimate:
     """Peak bytes of what a rank holds at once; saved activations at the schedule's in-flight bound, and
     under zero-bubble schedules what W reads for the microbatches whose W waits (rank r holds back r)."""
     layout, settings = program.layout, program.step_settings
-    optimizer = sum(v.numel() * v.element_size() for name, v in program.optimizer.values().items()
-                    if name not in ("params", "grads"))  # main weights, AdamW states, flags, as the step reads them
+    held = {name: v.numel() * v.element_size() for name, v in program.optimizer.values().items()}
+    reduced = held.pop("reduced_grads", 0)  # the averaged gradient shard, written in backward
+    optimizer = sum(b for name, b in held.items() if name not in ("params", "grads"))  # main weights, AdamW
+    # states, flags, as the step reads them
     per_stage = {s: _saved_bytes(stage) for s, stage in program.stages.items()}
     stacked = sum(b * in_flight_bound(program.schedule, s) for s, b in per_stage.items())
     bound = rank_in_flight_bound(program.schedule, program.coords.axis_rank("pp"))
     activations = min(stacked, bound * max(per_stage.values(), default=0))
     waiting_w = waiting_weight_bound(program.schedule, program.coords.axis_rank("pp"))
     activations += waiting_w * sum(_weight_bytes(stage) for stage in program.stages.values())
-    return MemoryEstimate(weights=layout.numel * settings.param_dtype.itemsize, grads=layout.numel * 4,
+    return MemoryEstimate(weights=layout.numel * settings.param_dtype.itemsize, grads=layout.numel * 4 + reduced,
                           optimizer=optimizer, activations=activations)
 
 
