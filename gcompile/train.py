@@ -105,12 +105,13 @@ def train(config: RunConfig, coords: Coords, device: str = "cpu", log=print) -> 
     runtime = Runtime(program, functions, optimizer_step, state, recorder=recorder)
     train_step = runtime.train_step
     if t.cuda_graphs if t.cuda_graphs is not None else t.compile:
-        if not program.grads_between_steps:  # a replay cannot free and reallocate the accumulator
+        if not device.startswith("cuda"):
+            if t.cuda_graphs:
+                quiet("--cuda-graphs: no CUDA device here; the instruction list runs directly")
+        elif not program.grads_between_steps:  # a replay cannot free and reallocate the accumulator
             quiet("CUDA graphs: not under optim_grads, which frees the gradient accumulator between steps")
-        elif device.startswith("cuda"):
+        else:
             train_step = GraphedTrainStep(runtime)
-        elif t.cuda_graphs:
-            quiet("--cuda-graphs: no CUDA device here; the instruction list runs directly")
 
     metrics = MetricsLog(config.log.run_dir, config.log.tensorboard_dir, t.train_iters, coords.world_size,
                          progress.iteration, log) if logging else None
