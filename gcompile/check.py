@@ -28,6 +28,7 @@ from gcompile.collectives import collective_nodes
 from gcompile.config import RunConfig
 from gcompile.axes import group_members
 from gcompile.rank_program import RankProgram
+from gcompile.state import TrainState
 from gcompile.schedule import Kind, in_flight_bound, rank_in_flight_bound, waiting_weight_bound
 
 
@@ -177,19 +178,51 @@ class MemoryEstimate:
                 f"+ optimizer {self.optimizer / gib:.3f} + activations {self.activations / gib:.3f}")
 
 
+@dataclass(frozen=True)
+class MeasuredMemory:
+    """What a rank's TrainState holds between steps, by kind, from its buffers (TrainState.buffer_bytes);
+    `during_step`: the gradient accumulator allocated only from a step's first backward to its optimizer
+    update (optim_grads), 0 when it is held throughout (and counted in `grads`)."""
+
+    weights: int
+    """Model weights."""
+    grads: int
+    """The gradient accumulator when held between steps, and the reduced gradient shard."""
+    optimizer: int
+    """fp32 main weights, AdamW states, per-element flags and the step's scalars (as MemoryEstimate counts)."""
+    during_step: int
+
+    @classmethod
+    def of(cls, state: TrainState) -> "MeasuredMemory":
+        held = state.buffer_bytes()
+        accumulator = held["grads"]
+        weights, grads = held.pop("params"), held.pop("grads") + held.pop("reduced_grads", 0)
+        return cls(weights=weights, grads=grads, optimizer=sum(held.values()),
+                   during_step=0 if accumulator else state.grads.numel() * state.grads.element_size())
+
+    def __str__(self) -> str:
+        mib = 2 ** 20
+        step = f" (+ accumulator {self.during_step / mib:.3f} during a step)" if self.during_step else ""
+        return (f"measured {(self.weights + self.grads + self.optimizer) / mib:.3f} MiB = weights "
+                f"{self.weights / mib:.3f} + grads {self.grads / mib:.3f} + optimizer {self.optimizer / mib:.3f}"
+                f"{step}")
+
+
 def estimate_memory(program: RankProgram) -> MemoryEstimate:
     """Peak bytes of what a rank holds at once; saved activations at the schedule's in-flight bound, and
     under zero-bubble schedules what W reads for the microbatches whose W waits (rank r holds back r)."""
     layout, settings = program.layout, program.step_settings
-    optimizer = sum(v.numel() * v.element_size() for name, v in program.optimizer.values().items()
-                    if name not in ("params", "grads"))  # main weights, AdamW states, flags, as the step reads them
+    held = {name: v.numel() * v.element_size() for name, v in program.optimizer.values().items()}
+    reduced = held.pop("reduced_grads", 0)  # the averaged gradient shard, written in backward
+    optimizer = sum(b for name, b in held.items() if name not in ("params", "grads"))  # main weights, AdamW
+    # states, flags, as the step reads them
     per_stage = {s: _saved_bytes(stage) for s, stage in program.stages.items()}
     stacked = sum(b * in_flight_bound(program.schedule, s) for s, b in per_stage.items())
     bound = rank_in_flight_bound(program.schedule, program.coords.axis_rank("pp"))
     activations = min(stacked, bound * max(per_stage.values(), default=0))
     waiting_w = waiting_weight_bound(program.schedule, program.coords.axis_rank("pp"))
     activations += waiting_w * sum(_weight_bytes(stage) for stage in program.stages.values())
-    return MemoryEstimate(weights=layout.numel * settings.param_dtype.itemsize, grads=layout.numel * 4,
+    return MemoryEstimate(weights=layout.numel * settings.param_dtype.itemsize, grads=layout.numel * 4 + reduced,
                           optimizer=optimizer, activations=activations)
 
 
@@ -216,7 +249,8 @@ def check_plan(programs: dict[int, RankProgram], memory_budget_gb: float | None 
     lines = [f"plan checked: {len(programs)} ranks agree on every collective and pipeline message"]
     for rank, program in programs.items():
         estimate = estimate_memory(program)
-        lines.append(f"rank {rank:4d} {program.coords}: {estimate}")
+        lines.append(f"rank {rank:4d} {program.coords}: {estimate}; "
+                     f"{MeasuredMemory.of(TrainState.allocate(program, 'meta'))}")
         if memory_budget_gb is not None and estimate.total > memory_budget_gb * 2 ** 30:
             raise PlanError(f"rank {rank} {program.coords} needs about {estimate.total / 2 ** 30:.2f} GiB "
                             f"(> --memory-budget-gb {memory_budget_gb}): {estimate}")

@@ -42,6 +42,8 @@ class ModelChoice:
 
 TP_COMM_BACKENDS = ("auto", "shm", "gloo")
 """Values of parallel.tp_comm_backend (gcompile.mesh.tp_group_backend)."""
+SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads")
+"""Megatron-FSDP's --data-parallel-sharding-strategy values gcompile builds (optim_grads_params: not yet)."""
 
 POINTS = ("capture", "tensor_parallel", "sequence_parallel", "pipeline_split", "lower", "tp_comm_overlap",
           "data_parallel", "sharded_optimizer")
@@ -87,7 +89,10 @@ class ParallelConfig:
     pipeline_layers: tuple[int, ...] = ()
     """Layers per pipeline stage in stage order (pp * vpp entries, e.g. 3,5); empty = n_layer split evenly."""
     use_distributed_optimizer: bool = False
-    """ZeRO-1: AdamW states and fp32 main weights sharded over dp."""
+    """ZeRO-1: AdamW states and fp32 main weights sharded over dp (= data_parallel_sharding_strategy optim)."""
+    data_parallel_sharding_strategy: str | None = None
+    """What dp ranks shard: no_shard, optim (ZeRO-1) or optim_grads (ZeRO-2: gradients reduce-scattered into
+    the owner's shard too); None = optim with use_distributed_optimizer, else no_shard."""
     ddp_bucket_size: int | None = None
     """Elements per gradient-reduction bucket; None = Megatron's max(40M, 1M * dp)."""
     overlap_grad_reduce: bool = False
@@ -103,6 +108,13 @@ class ParallelConfig:
     """User passes (this imports and runs their code in the launcher and every rank): `pkg.module:function` or
     `path/to/file.py:function` (after pipeline_split, before lowering), or `after:POINT=...` / `before:POINT=...`
     with POINT capture, lower, grad_sync (whichever dp strategy runs) or a built-in pass this run runs."""
+
+    @property
+    def sharding(self) -> str:
+        """The dp sharding strategy this run builds, the alias resolved (SHARDING_STRATEGIES)."""
+        if self.data_parallel_sharding_strategy is not None:
+            return self.data_parallel_sharding_strategy
+        return "optim" if self.use_distributed_optimizer else "no_shard"
 
 
 @dataclass(frozen=True)
@@ -545,6 +557,20 @@ def validate(config: RunConfig) -> None:
     if p.overlap_grad_reduce and p.pipeline_schedule in SPLIT_BACKWARD:
         errors.append(f"--overlap-grad-reduce and --pipeline-schedule {p.pipeline_schedule} do not combine yet "
                       f"(the last backward is split in two); drop one of them")
+    strategy = p.data_parallel_sharding_strategy
+    if strategy == "optim_grads_params":
+        errors.append("data_parallel_sharding_strategy=optim_grads_params (ZeRO-3) is not built yet; use "
+                      "optim_grads (ZeRO-2), optim or no_shard")
+    elif strategy is not None and strategy not in SHARDING_STRATEGIES:
+        errors.append(f"data_parallel_sharding_strategy={strategy!r} must be {', '.join(SHARDING_STRATEGIES[:-1])} "
+                      f"or {SHARDING_STRATEGIES[-1]}")
+    elif strategy == "no_shard" and p.use_distributed_optimizer:
+        errors.append("use_distributed_optimizer (= sharding strategy optim) disagrees with "
+                      "data_parallel_sharding_strategy=no_shard; give one of them")
+    if p.sharding == "optim_grads" and p.pipeline_schedule in SPLIT_BACKWARD:
+        errors.append(f"data_parallel_sharding_strategy optim_grads and --pipeline-schedule {p.pipeline_schedule} "
+                      f"do not combine yet (the reduce-scatter runs in the last backward, which W splits); "
+                      f"use optim or another schedule")
     if p.overlap_grad_reduce and p.dp == 1:
         errors.append("overlap_grad_reduce overlaps the dp reduction with backward and needs dp > 1 (dp=1)")
     elif t.global_batch_size % per_step == 0 and p.pipeline_schedule in SCHEDULES:  # whole microbatches

@@ -7,7 +7,8 @@
     layout           the rank's parameters in flat buffers and reduction buckets
     lower_rank       the dp = 1 optimizer step as a graph, and the rank's instruction list
     rank passes      tp_comm_overlap: tp collectives started early, waited late;
-                     data_parallel or sharded_optimizer: gradients across dp, rewritten into the step;
+                     data_parallel or sharded_optimizer (optim, optim_grads): gradients across dp,
+                     rewritten into the step;
                      user passes (RankProgram)
 
 This is the one module that imports the built-in passes (registering them by name).
@@ -51,7 +52,7 @@ def builtin_passes(config: RunConfig) -> list[str]:
         names.append("pipeline_split")
     if p.tp > 1 and p.overlap_tp_comm:
         names.append("tp_comm_overlap")
-    if p.use_distributed_optimizer:
+    if p.sharding != "no_shard":
         names.append("sharded_optimizer")
     elif p.dp > 1:
         names.append("data_parallel")
@@ -67,7 +68,7 @@ def user_pass_point(entry: str, config: RunConfig, builtin: list[str]) -> tuple[
         return POINTS.index("lower") - 0.5, spec
     side, _, point = where.partition(":")
     if point == "grad_sync":
-        point = "sharded_optimizer" if config.parallel.use_distributed_optimizer else "data_parallel"
+        point = "sharded_optimizer" if config.parallel.sharding != "no_shard" else "data_parallel"
     elif point not in ("capture", "lower") and point not in builtin:
         runs = f"its built-in passes are {', '.join(builtin)}" if builtin else "it runs no built-in pass"
         raise PassError(f"passes entry {entry!r}: {point} does not run in this layout ({runs}); place the pass "
@@ -161,7 +162,7 @@ def build_rank_program(config: RunConfig, coords: Coords, device: str = "cpu",
     scaling = LossScaling(t.initial_loss_scale, t.min_loss_scale, t.loss_scale_window, t.hysteresis) \
         if t.fp16 else None
     settings = StepSettings(adamw=adamw, loss_scaling=scaling, reductions=tied_reductions(layout),
-                            separate_main=config.param_dtype != torch.float32 or p.use_distributed_optimizer,
+                            separate_main=config.param_dtype != torch.float32 or p.sharding != "no_shard",
                             param_dtype=config.param_dtype)
     rank_program = lower_rank(coords, stages, layout, schedule, settings, history=(*program.history, "lower"))
     number = len(program.history)

@@ -146,6 +146,10 @@ class RankProgram:
     optimizer_shard: str | None = None
     """The group whose ranks each hold 1/n of the optimizer state (main weights, AdamW states, flags),
     rank i the i-th 1/n of every bucket (gcompile.flat); None: every rank holds all of it."""
+    grads_between_steps: bool = True
+    """Whether the flat gradient accumulator stays allocated between steps; False under optim_grads (ZeRO-2),
+    where the step reads only the reduced shard: the runtime allocates the accumulator at a step's first
+    backward and frees it after the optimizer step."""
 
     def graph(self, instruction: Instruction) -> fx.GraphModule:
         """The graph an instruction runs."""

@@ -72,9 +72,12 @@ class Runtime:
         self.optimizer_args = state.optimizer_args(program.optimizer.inputs)
         self.state = state
         self.last_stage = program.schedule.pp * program.schedule.vpp - 1
+        state.acquire_grads()  # views need the storage; they outlive a release
         params, grads = program.layout.views(state.params), program.layout.views(state.grads)
         self.param_args = {s: [params[p.name] for p in st.params] for s, st in program.stages.items()}
         self.grad_views = {s: [grads[p.name] for p in st.params] for s, st in program.stages.items()}
+        if not program.grads_between_steps:
+            state.release_grads()
         self.constants = {s: {role: torch.tensor(value, device=state.params.device)
                               for role, value in st.rank_constants.items()} for s, st in program.stages.items()}
         self.loss_grad = torch.full((), 1.0 / program.schedule.num_microbatches, dtype=torch.float32,
@@ -143,7 +146,10 @@ class Runtime:
                 self._weight_backward(instruction)
             elif instruction.graph == OPTIMIZER:
                 self.step_result = self.step_fn(*self.optimizer_args)
+                if not self.program.grads_between_steps:  # optim_grads: only the reduced shard persists
+                    self.state.release_grads()
             else:
+                self.state.acquire_grads()
                 self._backward(instruction)
             self.recorder.finish("instruction")
         self._communicate(comm)

@@ -5,7 +5,7 @@ step count, the learning rate) is a device tensor, so an iteration never
 rebinds a tensor and a CUDA graph can replay it.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -44,19 +44,28 @@ class TrainState:
     @classmethod
     def initial(cls, program: RankProgram, model, seed: int, device) -> "TrainState":
         """Initial weights: each full parameter made from the seed by the model's spec (`model` is its
-        config), then cut to this rank's piece.
-        Every buffer the optimizer step reads is shaped as its input there (a pass may have sharded it)."""
-        layout, coords, settings = program.layout, program.coords, program.step_settings
-        wanted = program.optimizer.values()
-        params = torch.zeros(layout.numel, device=device, dtype=settings.param_dtype)
-        views = layout.views(params)
+        config), then cut to this rank's piece; main weights and flags follow from them."""
+        state, layout, coords = cls.allocate(program, device), program.layout, program.coords
+        views = layout.views(state.params)
         with torch.no_grad():
             for param in layout.params:
                 full = spec_of(model).init_value(param.name, param.full_shape, model, seed)
                 views[param.name].copy_(local_value(full, param, coords.axis_ranks, coords.axis_sizes))
-        flags, main = layout.flags(lambda param: norm_copies(param, program)).to(device), params.float()
-        if program.shard_rank is not None:
-            flags, main = layout.shard_of(flags, program.shard_rank), layout.shard_of(main, program.shard_rank)
+            flags, main = layout.flags(lambda param: norm_copies(param, program)).to(device), state.params.float()
+            if program.shard_rank is not None:
+                flags, main = layout.shard_of(flags, program.shard_rank), layout.shard_of(main, program.shard_rank)
+            state.flags.copy_(flags)
+            if state.main is not None:
+                state.main.copy_(main)
+        return state
+
+    @classmethod
+    def allocate(cls, program: RankProgram, device) -> "TrainState":
+        """Every buffer zeroed, each the optimizer step reads shaped as its input there (a pass may have
+        sharded it); the gradient accumulator released when the program keeps none between steps.
+        On the meta device it allocates nothing: what `--check-plan` measures."""
+        layout, settings = program.layout, program.step_settings
+        wanted = program.optimizer.values()
         scaling = settings.loss_scaling
 
         def zeros(name: str) -> torch.Tensor:
@@ -67,12 +76,12 @@ class TrainState:
             growth_tracker=torch.tensor(0.0, device=device),
             hysteresis_left=torch.tensor(float(scaling.hysteresis), device=device))
         state = cls(
-            params=params,
+            params=torch.zeros(layout.numel, device=device, dtype=settings.param_dtype),
             grads=torch.zeros(layout.numel, device=device, dtype=torch.float32),
-            main=main if "main" in wanted else None,
+            main=zeros("main") if "main" in wanted else None,
             exp_avg=zeros("exp_avg"),
             exp_avg_sq=zeros("exp_avg_sq"),
-            flags=flags,
+            flags=zeros("flags"),
             step=torch.zeros((), device=device, dtype=torch.float32),
             lr=torch.zeros((), device=device, dtype=torch.float32),
             reduced_grads=zeros("reduced_grads") if "reduced_grads" in wanted else None,
@@ -83,7 +92,25 @@ class TrainState:
             if (mine.shape, mine.dtype) != (value.shape, value.dtype):
                 raise ValueError(f"optimizer input {name!r} is {tuple(value.shape)} {value.dtype} but the state "
                                  f"holds {tuple(mine.shape)} {mine.dtype}")
+        if not program.grads_between_steps:
+            state.release_grads()
         return state
+
+    def release_grads(self) -> None:
+        """Free the gradient accumulator's memory; its views stay valid for `acquire_grads`."""
+        self.grads.untyped_storage().resize_(0)
+
+    def acquire_grads(self) -> None:
+        """Allocate the gradient accumulator again (zeroed) if `release_grads` freed it."""
+        storage = self.grads.untyped_storage()
+        if storage.nbytes() == 0:
+            storage.resize_(self.grads.numel() * self.grads.element_size())
+            self.grads.zero_()
+
+    def buffer_bytes(self) -> dict[str, int]:
+        """Bytes each buffer holds now, by field name (a released accumulator holds none)."""
+        return {f.name: getattr(self, f.name).untyped_storage().nbytes() for f in fields(self)
+                if getattr(self, f.name) is not None}
 
     def optimizer_args(self, names: tuple[str, ...]) -> list[torch.Tensor]:
         return [getattr(self, name) for name in names]

@@ -22,6 +22,7 @@ from gcompile.compile import Compiler, compile_rank_program, dump_generated_code
 from gcompile.cuda_graphs import GraphedTrainStep
 from gcompile.config import RunConfig, TrainConfig
 from gcompile.blend import BlendedDataset
+from gcompile.check import MeasuredMemory, estimate_memory
 from gcompile.data import GPTDataset, build_datasets, check_token_ids
 from gcompile.flight import FlightRecorder, flight_dir, rank_file
 from gcompile.log import MetricsLog
@@ -97,16 +98,20 @@ def train(config: RunConfig, coords: Coords, device: str = "cpu", log=print) -> 
         for line in format_rank_stats(_every_rank(compiler.stats, coords)):
             quiet(line)
     state = TrainState.initial(program, config.model, t.seed, device)
+    quiet(f"rank 0 memory: {MeasuredMemory.of(state)}; estimated {estimate_memory(program)}")
     seed_generators(t.seed, coords)
     recorder.phase("loading the checkpoint")
     progress = resume(config, program, state, log=quiet)  # on the saving layout, restores the generators
     runtime = Runtime(program, functions, optimizer_step, state, recorder=recorder)
     train_step = runtime.train_step
     if t.cuda_graphs if t.cuda_graphs is not None else t.compile:
-        if device.startswith("cuda"):
+        if not device.startswith("cuda"):
+            if t.cuda_graphs:
+                quiet("--cuda-graphs: no CUDA device here; the instruction list runs directly")
+        elif not program.grads_between_steps:  # a replay cannot free and reallocate the accumulator
+            quiet("CUDA graphs: not under optim_grads, which frees the gradient accumulator between steps")
+        else:
             train_step = GraphedTrainStep(runtime)
-        elif t.cuda_graphs:
-            quiet("--cuda-graphs: no CUDA device here; the instruction list runs directly")
 
     metrics = MetricsLog(config.log.run_dir, config.log.tensorboard_dir, t.train_iters, coords.world_size,
                          progress.iteration, log) if logging else None

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from gcompile.check import check_plan, estimate_memory
+from gcompile.check import MeasuredMemory, check_plan, estimate_memory
 from gcompile.compile import Compiler, CompileStats, graph_key, named_graphs
 from gcompile.config import RunConfig
 from gcompile.axes import Coords
@@ -26,6 +26,7 @@ from gcompile.log import rank_ranges
 from gcompile.mesh import init_fake_world
 from gcompile.pipeline import BuildCache, build_rank_program
 from gcompile.rank_program import RankProgram
+from gcompile.state import TrainState
 
 
 def build_world(config: RunConfig, device: str = "cpu", dump_root: str | None = None,
@@ -81,9 +82,10 @@ def prepare_launch(config: RunConfig, device: str, threads: int, log: Callable[[
     programs = build_world(config, device, log=lambda _: None, cache=cache)
     report = check_plan(programs, config.parallel.memory_budget_gb)
     steps = ", ".join(f"{step} {seconds:.1f} s" for step, seconds in cache.seconds.items())
+    largest = max(programs, key=lambda r: estimate_memory(programs[r]).total)
     log(f"{report.splitlines()[0]} (built in {time.perf_counter() - start:.1f} s: {steps}); "
-        f"largest estimate: rank {max(programs, key=lambda r: estimate_memory(programs[r]).total)}: "
-        f"{max((estimate_memory(p) for p in programs.values()), key=lambda e: e.total)}")
+        f"largest estimate: rank {largest}: {estimate_memory(programs[largest])}; "
+        f"{MeasuredMemory.of(TrainState.allocate(programs[largest], 'meta'))}")
     if config.train.compile:
         stats = precompile(programs, threads, log)
         log(f"precompiled {stats.distinct} distinct graphs for {len(programs)} ranks in {stats.seconds:.1f} s "

@@ -52,6 +52,14 @@ def reduce_gradient(gm: fx.GraphModule, layout: FlatLayout, start: StartReductio
     # update reads; a new dict, as copies of the graph share the old one
 
 
+def drop_unread(gm: fx.GraphModule, node: fx.Node) -> None:
+    """Erase `node` if nothing reads it, and so on up through the copies and aliases it was made of."""
+    while node.target in (aten.alias.default, aten.clone.default) and not node.users:
+        source = node.args[0]
+        gm.graph.erase_node(node)
+        node = source
+
+
 def reduce_over(gm: fx.GraphModule, node: fx.Node, op: str, group: str, name: str) -> None:
     """Make `node`'s value reduced over `group`: re-target the all-reduce that reads it, or add one."""
     graph = gm.graph

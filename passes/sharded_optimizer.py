@@ -1,4 +1,5 @@
-"""The distributed optimizer (Megatron's ZeRO-1): each dp rank updates 1/dp of the weights.
+"""The distributed optimizer (Megatron's ZeRO-1, strategy optim): each dp rank updates 1/dp of the weights;
+and ZeRO-2 (strategy optim_grads): the gradients, too, are kept only as each rank's reduced shard.
 
 Requires: a lowered RankProgram whose flat layout is bucketed with every bucket a
           multiple of dp (gcompile.flat guarantees it), and whose optimizer step is the
@@ -11,6 +12,12 @@ Ensures:  dp rank i owns the i-th 1/dp of every bucket; the step's main weights,
           `--overlap-grad-reduce` a bucket's reduce-scatter starts inside the last
           microbatch's backward (passes/bucket_overlap.py) and lands in `reduced_grads`,
           a new input of the step.
+          optim_grads: every bucket that can (all but those holding a pipeline-tied weight)
+          is reduce-scattered so; when that is every bucket the step reads no full gradient
+          (the copy it made is erased). program.grads_between_steps is False: the runtime frees the
+          flat accumulator after the step and allocates it again at the next step's
+          first backward. It still holds the local stage's whole gradient from then to the
+          update, as microbatches accumulate into it; between steps only the shard is kept.
 
 Rewrite (optimizer graph):
     before: main, exp_avg, exp_avg_sq, flags: (numel,)
@@ -31,11 +38,11 @@ import torch
 import torch.fx as fx
 
 from gcompile.flat import FlatLayout
-from gcompile.optimizer import FOUND_INF, NORM_SQ, WRITE_BACK, marked
+from gcompile.optimizer import FOUND_INF, GRAD, NORM_SQ, WRITE_BACK, marked
 from gcompile.pass_manager import PassContext, register_pass
 from gcompile.rank_program import OptimizerGraph, RankProgram
 from passes.bucket_overlap import overlap_buckets, overlappable_buckets, slice_of
-from passes.optimizer_rewrite import editable, finished, reduce_gradient, reduce_over, required
+from passes.optimizer_rewrite import drop_unread, editable, finished, reduce_gradient, reduce_over, required
 
 NAME = "sharded_optimizer"
 SHARDED_STATE = ("main", "exp_avg", "exp_avg_sq", "flags")
@@ -57,7 +64,8 @@ def sharded_optimizer_pass(program: RankProgram, ctx: PassContext) -> RankProgra
         return graph.call_function(torch.ops.aten.div.Tensor, (reduced, dp))
 
     overlapped = frozenset()
-    if ctx.config.parallel.overlap_grad_reduce:
+    shard_grads = ctx.config.parallel.sharding == "optim_grads"
+    if ctx.config.parallel.overlap_grad_reduce or shard_grads:
         overlapped = overlappable_buckets(program)
         program = overlap_buckets(program, overlapped, start, finish,
                                   lambda i, b: ("reduced_grads", offsets[i], offsets[i + 1]))
@@ -73,15 +81,17 @@ def sharded_optimizer_pass(program: RankProgram, ctx: PassContext) -> RankProgra
         reduced_grads.meta["val"] = _shard_sized(placeholders["exp_avg"].meta["val"], layout)
         reduced_grads.meta["pass"] = NAME
         inputs += ("reduced_grads",)
+    full_grad = required(gm, GRAD)
     reduce_gradient(gm, layout, start, finish, overlapped,
                     ready=lambda graph, grad, i: slice_of(graph, reduced_grads, offsets[i], offsets[i + 1]))
+    drop_unread(gm, full_grad)  # every bucket overlapped: the step copies no full gradient
     if ctx.coords.world_size > 1:
         for mark, op in ((NORM_SQ, "sum"), (FOUND_INF, "max")):
             if (node := marked(gm, mark)) is not None:
                 reduce_over(gm, node, op, "world", NAME)
     _gather_write_back(gm, required(gm, WRITE_BACK), offsets, dp)
     return replace(program, optimizer=OptimizerGraph(finished(gm, NAME), inputs), optimizer_shard="dp",
-                   norm_group="world" if ctx.coords.world_size > 1 else None)
+                   norm_group="world" if ctx.coords.world_size > 1 else None, grads_between_steps=not shard_grads)
 
 
 def _gather_write_back(gm: fx.GraphModule, write_back: fx.Node, offsets: list[int], dp: int) -> None:

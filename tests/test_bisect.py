@@ -15,6 +15,7 @@ TINY = ["--config", "configs/tiny.toml"]
 @pytest.mark.parametrize("layout, passes", [
     (["--tp", "2"], ["capture", "tensor_parallel", "tp_comm_overlap"]),
     (["--tp", "2", "--pp", "2"], ["capture", "tensor_parallel", "pipeline_split", "tp_comm_overlap"]),
+    (["--dp", "2", "--data-parallel-sharding-strategy", "optim_grads"], ["capture", "sharded_optimizer"]),
 ])
 def test_a_correct_layout_stays_within_tolerance(layout, passes, capsys):
     assert inspect.main(["bisect", *TINY, *layout]) == 0
