@@ -16,7 +16,7 @@ from gcompile.compile import CompileStats, format_rank_stats
 from gcompile.config import SECTIONS, TrainConfig, parse_args, section_fields
 from gcompile.inspect import main as inspect_main
 from gcompile.axes import Coords
-from gcompile.log import MetricsLog
+from gcompile.log import MetricsLog, rank_ranges
 from gcompile.schedule import build_schedule
 from gcompile.schedule_render import render_svg
 from gcompile.train import lr_schedule_change, train
@@ -59,6 +59,12 @@ def test_a_compiled_run_says_what_it_builds_and_compiles(tmp_path):
     assert all(line.endswith(("(inductor cache hit)", "(inductor cache miss)")) for line in compiled), compiled
     assert [line for line in lines if line.startswith("compile, ")] == \
         [next(line for line in lines if line.startswith("compile, rank 0: 3 graphs, 3 distinct, in "))]
+
+
+def test_a_line_for_one_rank_says_rank():
+    # the launcher's "compiled 1/7 stage0.forward (rank 0)" under pp, where a stage runs on one rank
+    assert rank_ranges([3]) == "rank 3"
+    assert rank_ranges([9, 0, 1, 2, 3, 8]) == "ranks 0-3,8-9"
 
 
 def test_identical_ranks_fold_into_one_compile_line():
