@@ -3,10 +3,12 @@ silence, one metrics file per run, a schedule picture that shows its title, dump
 collectives, and a word when a resume changes the learning-rate curve."""
 
 import dataclasses
+import fnmatch
 import json
 import os
 import subprocess
 import sys
+import tomllib
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -29,6 +31,17 @@ SMALL = ["--n-layer", "2", "--n-head", "4", "--n-embd", "64", "--block-size", "3
 
 
 # --- --help ------------------------------------------------------------------------------------------
+
+def test_the_package_holds_every_subpackage():
+    # `pip install .` (not -e) installs only what pyproject names; a subpackage left out imports only in a checkout
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        include = tomllib.load(f)["tool"]["setuptools"]["packages"]["find"]["include"]
+    on_disk = {os.path.relpath(folder, ROOT).replace(os.sep, ".")
+               for top in ("gcompile", "passes") for folder, _, files in os.walk(os.path.join(ROOT, top))
+               if "__init__.py" in files}
+    assert "gcompile.models" in on_disk
+    assert {name for name in on_disk if any(fnmatch.fnmatchcase(name, glob) for glob in include)} == on_disk
+
 
 def test_help_imports_no_torch_and_shows_every_default():
     result = subprocess.run([sys.executable, "-X", "importtime", "run_gpt.py", "--help"], cwd=ROOT,
