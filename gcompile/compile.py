@@ -87,7 +87,7 @@ def format_rank_stats(stats: dict[int, CompileStats]) -> list[str]:
     for (graphs, distinct, hits, misses), ranks in groups.items():
         seconds = sorted(stats[r].seconds for r in ranks)
         took = f"{seconds[0]:.1f} s" if len(ranks) == 1 else f"{seconds[0]:.1f} to {seconds[-1]:.1f} s"
-        lines.append(f"compile, {'rank' if len(ranks) == 1 else 'ranks'} {rank_ranges(ranks)}: {graphs} graphs, "
+        lines.append(f"compile, {rank_ranges(ranks)}: {graphs} graphs, "
                      f"{distinct} distinct, in {took} (inductor cache: {hits} hits, {misses} misses"
                      f"{'' if len(ranks) == 1 else ' each'})")
     return lines

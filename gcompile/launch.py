@@ -166,8 +166,9 @@ def join_world(mesh_sizes: dict[str, int], tp_comm_backend: str = "auto",
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     if world != math.prod(mesh_sizes.values()):
         factors = " * ".join(f"{axis} {size}" for axis, size in mesh_sizes.items() if size > 1) or "1"
-        raise ConfigError(f"the launcher started {world} ranks but {factors} = {math.prod(mesh_sizes.values())}; "
-                          f"start that many (torchrun --nnodes * --nproc-per-node) or change the layout")
+        raise ConfigError(f"the launcher started {world} ranks but the layout ({factors}) needs "
+                          f"{math.prod(mesh_sizes.values())}; start that many (torchrun --nnodes * --nproc-per-node) "
+                          f"or change the layout")
     if torch.cuda.is_available():
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         torch.cuda.set_device(local_rank)

@@ -105,11 +105,12 @@ def last_iteration(path: str) -> int | None:
 
 
 def rank_ranges(ranks: list[int]) -> str:
-    """[0, 1, 2, 3, 8, 9] -> "0-3,8-9": the ranks a line speaks for, short enough for 128 of them."""
+    """[0, 1, 2, 3, 8, 9] -> "ranks 0-3,8-9", [3] -> "rank 3": the ranks a line speaks for, short enough
+    for 128 of them."""
     runs = []
     for rank in sorted(ranks):
         if runs and rank == runs[-1][1] + 1:
             runs[-1][1] = rank
         else:
             runs.append([rank, rank])
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+    return ("rank " if len(ranks) == 1 else "ranks ") + ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)

@@ -52,7 +52,7 @@ def precompile(programs: dict[int, RankProgram], threads: int, log: Callable[[st
     for rank, program in programs.items():
         for name, gm in named_graphs(program).items():
             sharing.setdefault(graph_key(gm), (name, gm, []))[2].append(rank)
-    graphs = {f"{name} (ranks {rank_ranges(ranks)})": gm for name, gm, ranks in sharing.values()}
+    graphs = {f"{name} ({rank_ranges(ranks)})": gm for name, gm, ranks in sharing.values()}
     log(f"compiling {len(graphs)} distinct graphs for {len(programs)} ranks with Inductor; the ranks then load "
         f"them from its cache")
     compiler = Compiler(enabled=True, log=log)

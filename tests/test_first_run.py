@@ -3,10 +3,12 @@ silence, one metrics file per run, a schedule picture that shows its title, dump
 collectives, and a word when a resume changes the learning-rate curve."""
 
 import dataclasses
+import fnmatch
 import json
 import os
 import subprocess
 import sys
+import tomllib
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -16,7 +18,7 @@ from gcompile.compile import CompileStats, format_rank_stats
 from gcompile.config import SECTIONS, TrainConfig, parse_args, section_fields
 from gcompile.inspect import main as inspect_main
 from gcompile.axes import Coords
-from gcompile.log import MetricsLog
+from gcompile.log import MetricsLog, rank_ranges
 from gcompile.schedule import build_schedule
 from gcompile.schedule_render import render_svg
 from gcompile.train import lr_schedule_change, train
@@ -29,6 +31,17 @@ SMALL = ["--n-layer", "2", "--n-head", "4", "--n-embd", "64", "--block-size", "3
 
 
 # --- --help ------------------------------------------------------------------------------------------
+
+def test_the_package_holds_every_subpackage():
+    # `pip install .` (not -e) installs only what pyproject names; a subpackage left out imports only in a checkout
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        include = tomllib.load(f)["tool"]["setuptools"]["packages"]["find"]["include"]
+    on_disk = {os.path.relpath(folder, ROOT).replace(os.sep, ".")
+               for top in ("gcompile", "passes") for folder, _, files in os.walk(os.path.join(ROOT, top))
+               if "__init__.py" in files}
+    assert "gcompile.models" in on_disk
+    assert {name for name in on_disk if any(fnmatch.fnmatchcase(name, glob) for glob in include)} == on_disk
+
 
 def test_help_imports_no_torch_and_shows_every_default():
     result = subprocess.run([sys.executable, "-X", "importtime", "run_gpt.py", "--help"], cwd=ROOT,
@@ -59,6 +72,12 @@ def test_a_compiled_run_says_what_it_builds_and_compiles(tmp_path):
     assert all(line.endswith(("(inductor cache hit)", "(inductor cache miss)")) for line in compiled), compiled
     assert [line for line in lines if line.startswith("compile, ")] == \
         [next(line for line in lines if line.startswith("compile, rank 0: 3 graphs, 3 distinct, in "))]
+
+
+def test_a_line_for_one_rank_says_rank():
+    # the launcher's "compiled 1/7 stage0.forward (rank 0)" under pp, where a stage runs on one rank
+    assert rank_ranges([3]) == "rank 3"
+    assert rank_ranges([9, 0, 1, 2, 3, 8]) == "ranks 0-3,8-9"
 
 
 def test_identical_ranks_fold_into_one_compile_line():

@@ -64,6 +64,6 @@ def test_torchrun_world_that_does_not_fit_the_layout_is_one_line_per_rank(tmp_pa
                             capture_output=True, text=True, timeout=600, env=dict(os.environ, PYTHONPATH=ROOT))
     assert result.returncode != 0
     ours = [line for line in result.stderr.splitlines() if line.startswith("run_gpt.py:")]
-    assert ours == ["run_gpt.py: error: the launcher started 2 ranks but tp 4 = 4; start that many "
+    assert ours == ["run_gpt.py: error: the launcher started 2 ranks but the layout (tp 4) needs 4; start that many "
                     "(torchrun --nnodes * --nproc-per-node) or change the layout"] * 2, result.stderr
     assert result.stderr.index("run_gpt.py: error:") < result.stderr.index("ChildFailedError")
