@@ -9,14 +9,14 @@ import torch
 
 import run_gpt
 from gcompile.check import MeasuredMemory, check_plan
-from gcompile.config import ConfigError
+from gcompile.config import ConfigError, build_config
 from gcompile.pipeline import builtin_passes
 from gcompile.state import TrainState
 from gcompile.world import build_world
 from tests.multirank import assert_succeeded, launch, run_layouts
 from tests.test_checkpoint import N, SMALL, WORKER, assert_close, config, losses
-from tests.reference import random_batches
-from tests.test_data_parallel import LRS, check_dp_cases, in_one_process, small_config
+from tests.reference import ADAM_EPS, random_batches, reference_run
+from tests.test_data_parallel import LRS, assert_matches, check_dp_cases, in_one_process, small_config
 
 ZERO2 = dict(data_parallel_sharding_strategy="optim_grads")
 
@@ -52,6 +52,18 @@ def test_optim_grads_with_model_parallel_matches_eager():
         "tp2 dp2 optim_grads": small_config(tp=2, dp=2, ddp_bucket_size=4000, **ZERO2),
         "pp2 dp2 optim_grads": small_config(pp=2, dp=2, ddp_bucket_size=4000, **ZERO2),
     }, in_one_process)
+
+
+def test_optim_grads_with_interleaved_pipeline_matches_eager():
+    """Virtual stages: two chunks per pipeline rank, each with buckets reduce-scattered in its last backward."""
+    def config(**parallel):
+        return build_config({"model": dict(n_layer=4, n_head=4, n_embd=64, block_size=32),
+                             "parallel": dict(parallel, ddp_bucket_size=6000),
+                             "train": dict(micro_batch_size=2, global_batch_size=8, seq_length=32, lr=1e-3,
+                                           clip_grad=0.5, adam_eps=ADAM_EPS)})
+    batches = random_batches(config(), 3)
+    (result,) = in_one_process([config(pp=2, virtual_pipeline_size=2, dp=2, **ZERO2)], batches)
+    assert_matches(result, reference_run(config(), batches, LRS), 64, "pp2 vpp2 dp2 optim_grads")
 
 
 @pytest.mark.slow
