@@ -18,7 +18,7 @@ import torch.nn as nn
 from torch.export.graph_signature import InputKind
 
 from gcompile.layout import Param
-from gcompile.models.spec import Input
+from gcompile.models.spec import Input, canonical_names
 from gcompile.program import Program, Stage, refresh_meta
 from gcompile.torch_api import FakeTensorMode
 
@@ -37,7 +37,7 @@ def capture(build: Callable[[], nn.Module], batch: tuple[Input, ...], decays: Ca
     exported = torch.export.export(model, example)
     graph = exported.graph_module
 
-    canonical = _canonical_names(model)
+    canonical = canonical_names(model)
     placeholders = list(graph.graph.find_nodes(op="placeholder"))
     params, kept = [], {}
     for spec, node in zip(exported.graph_signature.input_specs, placeholders):
@@ -77,9 +77,3 @@ def _default_dtype(dtype: torch.dtype):
         yield
     finally:
         torch.set_default_dtype(saved)
-
-
-def _canonical_names(model: nn.Module) -> dict[str, str]:
-    """Every parameter name, tied aliases included -> the name the module's state dict uses first."""
-    first_name = {id(p): name for name, p in reversed(list(model.named_parameters(remove_duplicate=False)))}
-    return {name: first_name[id(p)] for name, p in model.named_parameters(remove_duplicate=False)}

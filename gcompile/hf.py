@@ -20,7 +20,7 @@ import os
 import torch
 
 from gcompile.checkpoint_files import CheckpointError
-from gcompile.models import model_spec
+from gcompile.models.spec import canonical_names
 
 SAFETENSORS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -200,13 +200,12 @@ def _read_weights(hf_dir: str) -> dict:
 
 def _aliases(config) -> dict[str, list[str]]:
     """Every name a parameter may be stored under: save_pretrained keeps one name of a tied pair."""
-    spec = model_spec(config.model_spec.name)
     with torch.device("meta"):
-        module = spec.module(config.model)
-    first = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        first.setdefault(id(p), []).append(name)
-    return {names[0]: names for names in first.values()}
+        module = config.model_spec.module(config.model)
+    names = {}
+    for name, owner in canonical_names(module).items():
+        names.setdefault(owner, []).append(name)
+    return names
 
 
 def _weight(weights: dict, name: str, aliases: dict, family: Family, hf_dir: str) -> torch.Tensor:

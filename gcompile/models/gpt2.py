@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gcompile.models.gpt2_config import GPTConfig
-from gcompile.models.spec import Input, ModelSpec
+from gcompile.models.spec import ModelSpec, head_errors, token_batch
 
 
 class CausalSelfAttention(nn.Module):
@@ -116,10 +116,6 @@ def module(config: GPTConfig) -> GPT:
     return GPT(config).train(config.dropout > 0)
 
 
-def example_batch(micro_batch_size: int, seq_length: int) -> tuple[Input, ...]:
-    return (Input("idx", (micro_batch_size, seq_length), torch.long),
-            Input("targets", (micro_batch_size, seq_length), torch.long))
-
 
 MEGATRON_PLAN = ("transformer.h.*.attn.c_attn=column", "transformer.h.*.attn.c_proj=row",
                  "transformer.h.*.mlp.c_fc=column", "transformer.h.*.mlp.c_proj=row", "transformer.wte=vocab")
@@ -144,12 +140,7 @@ ACTIVATIONS = ("gelu", "gelu_tanh")
 
 def config_errors(config: GPTConfig) -> list[str]:
     """Sizes the model cannot be built with, in the config's words."""
-    errors = [f"{name}={getattr(config, name)} must be at least 1" for name in ("n_head", "n_embd")
-              if getattr(config, name) < 1]
-    if errors:
-        return errors
-    if config.n_embd % config.n_head:
-        errors.append(f"n_embd={config.n_embd} is not divisible by n_head={config.n_head}")
+    errors = head_errors(config)
     if not 0.0 <= config.dropout < 1.0:
         errors.append(f"dropout={config.dropout} must be in [0, 1)")
     if config.activation not in ACTIVATIONS:
@@ -180,7 +171,7 @@ GPT2 = ModelSpec(
     config=GPTConfig,
     module=module,
     init_value=init_value,
-    example_batch=example_batch,
+    example_batch=token_batch,
     tp_plan=MEGATRON_PLAN,
     tp_errors=tp_errors,
     config_errors=config_errors,

@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gcompile.models.llama_config import LlamaConfig
-from gcompile.models.spec import Input, ModelSpec
+from gcompile.models.spec import ModelSpec, head_errors, token_batch
 
 
 class RMSNorm(nn.Module):
@@ -153,10 +153,6 @@ def module(config: LlamaConfig) -> Llama:
     return Llama(config).eval()
 
 
-def example_batch(micro_batch_size: int, seq_length: int) -> tuple[Input, ...]:
-    return (Input("idx", (micro_batch_size, seq_length), torch.long),
-            Input("targets", (micro_batch_size, seq_length), torch.long))
-
 
 TP_PLAN = ("model.layers.*.self_attn.[qkv]_proj=column", "model.layers.*.self_attn.o_proj=row",
            "model.layers.*.mlp.gate_proj=column", "model.layers.*.mlp.up_proj=column",
@@ -179,13 +175,10 @@ def tp_errors(model: Llama, name: str, placement: str, tp: int) -> list[str]:
 
 def config_errors(config: LlamaConfig) -> list[str]:
     """Sizes the model cannot be built with, in the config's words."""
-    errors = [f"{name}={getattr(config, name)} must be at least 1" for name in ("n_head", "n_embd")
-              if getattr(config, name) < 1]
-    if errors:
+    errors = head_errors(config)
+    if config.n_head < 1 or config.n_embd < 1:
         return errors
-    if config.n_embd % config.n_head:
-        errors.append(f"n_embd={config.n_embd} is not divisible by n_head={config.n_head}")
-    elif config.head_dim % 2:
+    if not errors and config.head_dim % 2:
         errors.append(f"head_dim = n_embd / n_head = {config.head_dim} must be even for rotary embeddings")
     if config.n_kv_head < 1 or config.n_head % config.n_kv_head:
         errors.append(f"n_kv_head={config.n_kv_head} must divide n_head={config.n_head}")
@@ -217,7 +210,7 @@ LLAMA = ModelSpec(
     config=LlamaConfig,
     module=module,
     init_value=init_value,
-    example_batch=example_batch,
+    example_batch=token_batch,
     tp_plan=TP_PLAN,
     tp_errors=tp_errors,
     config_errors=config_errors,

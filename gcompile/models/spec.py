@@ -61,11 +61,9 @@ class ModelSpec:
         """
         with torch.device("meta"):
             model = self.module(config)
-        first = {}
-        aliases = [(name, first.setdefault(id(p), name))
-                   for name, p in model.named_parameters(remove_duplicate=False)]
+        aliases = canonical_names(model)
         model.to_empty(device=device)
-        for name, owner_name in aliases:
+        for name, owner_name in aliases.items():
             if name != owner_name:
                 owner, _, attr = name.rpartition(".")
                 setattr(model.get_submodule(owner), attr, model.get_parameter(owner_name))
@@ -73,6 +71,21 @@ class ModelSpec:
             for name, p in model.named_parameters():
                 p.copy_(self.init_value(name, tuple(p.shape), config, seed))
         return model.to(dtype)
+
+
+def canonical_names(model: nn.Module) -> dict[str, str]:
+    """Every parameter name, tied aliases included -> the name the module's state dict uses first."""
+    first = {}
+    return {name: first.setdefault(id(p), name) for name, p in model.named_parameters(remove_duplicate=False)}
+
+
+def head_errors(config) -> list[str]:
+    """n_head and n_embd of an attention model: positive, and whole heads."""
+    errors = [f"{name}={getattr(config, name)} must be at least 1" for name in ("n_head", "n_embd")
+              if getattr(config, name) < 1]
+    if not errors and config.n_embd % config.n_head:
+        errors.append(f"n_embd={config.n_embd} is not divisible by n_head={config.n_head}")
+    return errors
 
 
 def default_init(name: str, shape: tuple[int, ...], config, seed: int) -> torch.Tensor:
