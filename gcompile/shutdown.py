@@ -124,13 +124,11 @@ def launcher_alive() -> bool:
     return launcher is None or os.getppid() == int(launcher)
 
 
-def agreed(world_size: int, device: str) -> bool:
+def agreed(device: str) -> bool:
     """Whether any rank was asked to stop (`requested`); every rank gets the same answer at the same
-    iteration because every rank asks once per iteration (an all-reduce of one flag)."""
+    iteration because every rank asks once per iteration (gcompile.stop.any_rank: one flag's all-reduce)."""
     import torch  # here: run_gpt.py installs the handlers before it imports torch
-    import torch.distributed as dist
 
-    flag = torch.tensor([int(requested.is_set())], device=device)
-    if world_size > 1:
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
+    from gcompile.stop import any_rank
+
+    return any_rank(torch.tensor([float(requested.is_set())], device=device))[0]

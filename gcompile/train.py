@@ -253,7 +253,7 @@ def _mean_over_dp(loss: torch.Tensor | None, coords: Coords, recorder: FlightRec
 def _stop_agreed(coords: Coords, device: str, recorder: FlightRecorder) -> bool:
     """--exit-signal-handler: whether any rank got SIGTERM, the same answer on every rank."""
     recorder.start("collective", "all_reduce of the SIGTERM flag over the world (--exit-signal-handler)")
-    agreed = shutdown.agreed(coords.world_size, device)
+    agreed = shutdown.agreed(device)
     recorder.finish("collective")
     if agreed:
         shutdown.requested.set()  # this rank too exits as signalled, whichever rank got the signal
