@@ -17,11 +17,11 @@ from gcompile.schedule import Schedule
 
 
 def lower_rank(coords: Coords, stages: dict[int, LoweredStage], layout: FlatLayout, schedule: Schedule,
-               settings: StepSettings, history: tuple[str, ...]) -> RankProgram:
-    """`history`: the passes that made the forward program, then this step."""
+               settings: StepSettings, history: tuple[str, ...], device: str = "cpu") -> RankProgram:
+    """`history`: the passes that made the forward program, then this step. `device`: where the rank runs."""
     norm_group = "mp" if role_size(coords, "mp") > 1 else None  # tp x pp ranks hold each gradient once
     split = frozenset(s for s, stage in stages.items() if stage.backward_weight is not None)
     return RankProgram(coords=coords, stages=stages, layout=layout, step_settings=settings,
-                       optimizer=build_optimizer_graph(layout, settings, norm_group), schedule=schedule,
+                       optimizer=build_optimizer_graph(layout, settings, norm_group, device), schedule=schedule,
                        instructions=lower_instructions(schedule, coords, split), history=history,
                        norm_group=norm_group)

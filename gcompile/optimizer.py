@@ -56,9 +56,12 @@ def tied_reductions(layout: FlatLayout) -> tuple[GradReduction, ...]:
 
 
 @functools.lru_cache(maxsize=32)
-def build_optimizer_graph(layout: FlatLayout, settings: StepSettings, norm_group: str | None) -> OptimizerGraph:
-    """Traced once per distinct (layout, settings, norm_group): the ranks of a world share it.
-    `norm_group`: the group whose ranks together hold every gradient once; None alone."""
+def build_optimizer_graph(layout: FlatLayout, settings: StepSettings, norm_group: str | None,
+                          device: str = "cpu") -> OptimizerGraph:
+    """Traced once per distinct (layout, settings, norm_group, device): the ranks of a world share it.
+    `norm_group`: the group whose ranks together hold every gradient once; None alone. `device`: where
+    the step runs; Inductor writes kernels for the device of the traced inputs (CPU C++ handed CUDA
+    pointers crashes the process)."""
     s, separate_main, scaling = settings.adamw, settings.separate_main, settings.loss_scaling
     inputs = ("params", "grads") + (("main",) if separate_main else ()) + (
         "exp_avg", "exp_avg_sq", "flags", "lr", "step") + (
@@ -110,7 +113,7 @@ def build_optimizer_graph(layout: FlatLayout, settings: StepSettings, norm_group
                 x["params"].copy_(main)
         return grad_norm, found_inf
 
-    with FakeTensorMode():
+    with FakeTensorMode(), torch.device(device):
         example = {
             "params": torch.empty(layout.numel, dtype=settings.param_dtype),
             "grads": torch.empty(layout.numel),

@@ -164,7 +164,8 @@ def build_rank_program(config: RunConfig, coords: Coords, device: str = "cpu",
     settings = StepSettings(adamw=adamw, loss_scaling=scaling, reductions=tied_reductions(layout),
                             separate_main=config.param_dtype != torch.float32 or p.sharding != "no_shard",
                             param_dtype=config.param_dtype)
-    rank_program = lower_rank(coords, stages, layout, schedule, settings, history=(*program.history, "lower"))
+    rank_program = lower_rank(coords, stages, layout, schedule, settings, history=(*program.history, "lower"),
+                              device=device)
     number = len(program.history)
     if dump_dir:
         for s, stage in stages.items():

@@ -11,6 +11,7 @@ import torch
 
 from gcompile import harness
 from gcompile.collectives import collective_nodes
+from gcompile.compile import named_graphs
 from gcompile.config import build_config
 from gcompile.axes import Coords
 from gcompile.optimizer import GRAD, build_optimizer_graph, marked
@@ -212,3 +213,13 @@ def test_fp16_overflow_skips_that_step_everywhere():
     for name, value in clean.params.items():
         err = rel_err(without_key_bias(name, result.params[name], 64), without_key_bias(name, value, 64))
         assert err < 1e-3, (name, err)
+
+
+def test_every_graph_of_a_rank_lives_on_its_device():
+    """Inductor writes kernels for the device of a graph's traced values: an optimizer step traced on the
+    CPU and handed CUDA buffers crashed the first GPU run. `meta` stands in for `cuda` on a CPU-only torch."""
+    config = small_config(dp=2, use_distributed_optimizer=True, ddp_bucket_size=8000)
+    program = build_rank_program(config, Coords.from_rank(1, {"dp": 2}), device="meta", log=lambda _: None)
+    for name, gm in named_graphs(program).items():
+        devices = {n.meta["val"].device.type for n in gm.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)}
+        assert devices == {"meta"}, (name, devices)
