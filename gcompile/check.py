@@ -167,15 +167,18 @@ class MemoryEstimate:
     grads: int
     optimizer: int
     activations: int
+    gathered: int = 0
+    """optim_grads_params: weights all-gathered at once (the unit in use and the one prefetched)."""
 
     @property
     def total(self) -> int:
-        return self.weights + self.grads + self.optimizer + self.activations
+        return self.weights + self.grads + self.optimizer + self.activations + self.gathered
 
     def __str__(self) -> str:
         gib = 2 ** 30
+        gathered = f" + gathered {self.gathered / gib:.3f}" if self.gathered else ""
         return (f"{self.total / gib:8.3f} GiB = weights {self.weights / gib:.3f} + grads {self.grads / gib:.3f} "
-                f"+ optimizer {self.optimizer / gib:.3f} + activations {self.activations / gib:.3f}")
+                f"+ optimizer {self.optimizer / gib:.3f} + activations {self.activations / gib:.3f}{gathered}")
 
 
 @dataclass(frozen=True)
@@ -223,7 +226,16 @@ def estimate_memory(program: RankProgram) -> MemoryEstimate:
     waiting_w = waiting_weight_bound(program.schedule, program.coords.axis_rank("pp"))
     activations += waiting_w * sum(_weight_bytes(stage) for stage in program.stages.values())
     return MemoryEstimate(weights=layout.numel * settings.param_dtype.itemsize, grads=layout.numel * 4 + reduced,
-                          optimizer=optimizer, activations=activations)
+                          optimizer=optimizer, activations=activations,
+                          gathered=max((_gathered_bytes(stage) for stage in program.stages.values()), default=0))
+
+
+def _gathered_bytes(stage) -> int:
+    """The two largest consecutive parameter all-gathers (over dp) of a forward: one unit's weights in use
+    while the next unit's arrive."""
+    sizes = [n.meta["val"].numel() * n.meta["val"].element_size() for n, op, args in collective_nodes(stage.forward)
+             if op == "all_gather_into_tensor" and args["group_name"] == "dp"]
+    return max((a + b for a, b in zip(sizes, sizes[1:])), default=sum(sizes))
 
 
 def _saved_bytes(stage) -> int:

@@ -275,7 +275,10 @@ class Checkpoint:
         layout = self.meta["layout"]
         axes = " ".join(f"{axis}{self.axis_sizes[axis]}" for axis in ("tp", "cp", "pp", "dp")
                         if axis != "cp" or self.axis_sizes[axis] > 1)
-        return (f"{axes}{', distributed optimizer' if layout['distributed_optimizer'] else ''}, {layout['param_dtype']}")
+        fully_sharded = any(s["axis"] == "dp" for d in self.meta["params"].values() for s in d["shards"])
+        sharding = ", fully sharded" if fully_sharded else ", distributed optimizer" if layout["distributed_optimizer"] \
+            else ""
+        return f"{axes}{sharding}, {layout['param_dtype']}"
 
     def check_model(self, model) -> None:
         """`model` (a model config) is the model saved here, up to dropout."""

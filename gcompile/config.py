@@ -42,10 +42,11 @@ class ModelChoice:
 
 TP_COMM_BACKENDS = ("auto", "shm", "gloo")
 """Values of parallel.tp_comm_backend (gcompile.mesh.tp_group_backend)."""
-SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads")
-"""Megatron-FSDP's --data-parallel-sharding-strategy values gcompile builds (optim_grads_params: not yet)."""
+SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+"""Megatron-FSDP's --data-parallel-sharding-strategy values."""
 
-POINTS = ("capture", "tensor_parallel", "sequence_parallel", "pipeline_split", "lower", "tp_comm_overlap",
+POINTS = ("capture", "tensor_parallel", "sequence_parallel", "pipeline_split", "fully_sharded", "lower",
+          "tp_comm_overlap",
           "data_parallel", "sharded_optimizer")
 """The named points of the compiler, in order; a user pass goes `before:` or `after:` one of them
 (up to pipeline_split it sees the forward Program, after lower the lowered RankProgram)."""
@@ -91,8 +92,12 @@ class ParallelConfig:
     use_distributed_optimizer: bool = False
     """ZeRO-1: AdamW states and fp32 main weights sharded over dp (= data_parallel_sharding_strategy optim)."""
     data_parallel_sharding_strategy: str | None = None
-    """What dp ranks shard: no_shard, optim (ZeRO-1) or optim_grads (ZeRO-2: gradients reduce-scattered into
-    the owner's shard too); None = optim with use_distributed_optimizer, else no_shard."""
+    """What dp ranks shard: no_shard, optim (ZeRO-1), optim_grads (ZeRO-2: gradients reduce-scattered into
+    the owner's shard too) or optim_grads_params (ZeRO-3 / FSDP: parameters too, all-gathered per layer
+    where used); None = optim with use_distributed_optimizer, else no_shard."""
+    fsdp_reshard_after_forward: bool = True
+    """optim_grads_params: free each layer's gathered weights after forward and gather them again in
+    backward (less memory); false keeps them from forward to backward (one all-gather fewer per layer)."""
     ddp_bucket_size: int | None = None
     """Elements per gradient-reduction bucket; None = Megatron's max(40M, 1M * dp)."""
     overlap_grad_reduce: bool = False
@@ -558,10 +563,7 @@ def validate(config: RunConfig) -> None:
         errors.append(f"--overlap-grad-reduce and --pipeline-schedule {p.pipeline_schedule} do not combine yet "
                       f"(the last backward is split in two); drop one of them")
     strategy = p.data_parallel_sharding_strategy
-    if strategy == "optim_grads_params":
-        errors.append("data_parallel_sharding_strategy=optim_grads_params (ZeRO-3) is not built yet; use "
-                      "optim_grads (ZeRO-2), optim or no_shard")
-    elif strategy is not None and strategy not in SHARDING_STRATEGIES:
+    if strategy is not None and strategy not in SHARDING_STRATEGIES:
         errors.append(f"data_parallel_sharding_strategy={strategy!r} must be {', '.join(SHARDING_STRATEGIES[:-1])} "
                       f"or {SHARDING_STRATEGIES[-1]}")
     elif strategy == "no_shard" and p.use_distributed_optimizer:

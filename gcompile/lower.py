@@ -30,6 +30,7 @@ from dataclasses import replace
 
 import torch
 import torch.fx as fx
+from torch.utils.checkpoint import CheckpointPolicy
 
 from gcompile.backward_split import split_backward
 from gcompile.torch_api import activation_memory_budget, aot_export_joint_with_descriptors, min_cut_rematerialization_partition
@@ -48,6 +49,8 @@ def lower_stage(stage: Stage, recompute: bool = False, split: bool = False) -> L
     with contextlib.ExitStack() as stack:
         joint = aot_export_joint_with_descriptors(stack, stage.graph, tuple(args)).graph_module
     _check_joint_convention(joint, len(args), len(stage.outputs), stage.index)
+    if stage.recompute_from_params:
+        _recompute_parameter_derived(joint, len(stage.params))
 
     with activation_memory_budget(0.0 if recompute else 1.0):
         forward, backward = min_cut_rematerialization_partition(joint, None, num_fwd_outputs=len(stage.outputs))
@@ -65,6 +68,16 @@ def lower_stage(stage: Stage, recompute: bool = False, split: bool = False) -> L
         return lowered
     return replace(lowered, backward=parts.backward_input, backward_weight=parts.backward_weight,
                    weight_inputs=parts.weight_inputs, num_stash=parts.num_stash)
+
+
+def _recompute_parameter_derived(joint: fx.GraphModule, num_params: int) -> None:
+    """Have the partitioner recompute in backward every node that reads parameters alone (their gathers,
+    views and casts): backward then holds the shards, which live in the state anyway, not their results."""
+    derived = set(list(joint.graph.find_nodes(op="placeholder"))[:num_params])
+    for node in joint.graph.nodes:
+        if node.op == "call_function" and node.all_input_nodes and set(node.all_input_nodes) <= derived:
+            derived.add(node)
+            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
 
 
 def _drop_dead_code(forward: fx.GraphModule, backward: fx.GraphModule, num_outputs: int) -> int:

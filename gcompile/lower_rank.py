@@ -10,7 +10,7 @@ before it edits.
 
 from gcompile.flat import FlatLayout
 from gcompile.instructions import lower_instructions
-from gcompile.axes import Coords, role_size
+from gcompile.axes import GROUP_ROLES, Coords, role_size
 from gcompile.optimizer import build_optimizer_graph
 from gcompile.rank_program import LoweredStage, RankProgram, StepSettings
 from gcompile.schedule import Schedule
@@ -19,9 +19,17 @@ from gcompile.schedule import Schedule
 def lower_rank(coords: Coords, stages: dict[int, LoweredStage], layout: FlatLayout, schedule: Schedule,
                settings: StepSettings, history: tuple[str, ...], device: str = "cpu") -> RankProgram:
     """`history`: the passes that made the forward program, then this step. `device`: where the rank runs."""
-    norm_group = "mp" if role_size(coords, "mp") > 1 else None  # tp x pp ranks hold each gradient once
+    norm_group = _norm_group(coords, layout)
     split = frozenset(s for s, stage in stages.items() if stage.backward_weight is not None)
     return RankProgram(coords=coords, stages=stages, layout=layout, step_settings=settings,
                        optimizer=build_optimizer_graph(layout, settings, norm_group, device), schedule=schedule,
                        instructions=lower_instructions(schedule, coords, split), history=history,
                        norm_group=norm_group)
+
+
+def _norm_group(coords: Coords, layout: FlatLayout) -> str | None:
+    """The smallest group whose ranks together hold every gradient element: tp x pp ("mp"), or the whole
+    world once a parameter is cut over another axis (dp under optim_grads_params); None for one rank."""
+    cut = {"tp", "pp"} | {s.axis for p in layout.params for s in p.shards}
+    role = next(role for role in ("mp", "world") if cut <= set(GROUP_ROLES[role].axes))
+    return role if role_size(coords, role) > 1 else None

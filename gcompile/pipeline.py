@@ -40,6 +40,11 @@ from gcompile.rank_program import AdamWSettings, LoweredStage, LossScaling, Rank
 from gcompile.schedule import build_schedule, simulate
 
 
+GRAD_SYNC = {"no_shard": "data_parallel", "optim": "sharded_optimizer", "optim_grads": "sharded_optimizer",
+             "optim_grads_params": "fully_sharded"}
+"""The pass that makes gradients cross dp ranks, by sharding strategy (the `grad_sync` point)."""
+
+
 def builtin_passes(config: RunConfig) -> list[str]:
     """The built-in passes a config asks for, in the order they run."""
     p = config.parallel
@@ -52,10 +57,8 @@ def builtin_passes(config: RunConfig) -> list[str]:
         names.append("pipeline_split")
     if p.tp > 1 and p.overlap_tp_comm:
         names.append("tp_comm_overlap")
-    if p.sharding != "no_shard":
-        names.append("sharded_optimizer")
-    elif p.dp > 1:
-        names.append("data_parallel")
+    if p.sharding != "no_shard" or p.dp > 1:
+        names.append(GRAD_SYNC[p.sharding])
     return names
 
 
@@ -65,10 +68,10 @@ def user_pass_point(entry: str, config: RunConfig, builtin: list[str]) -> tuple[
     pass this run runs: a point that does not run would silently move the pass to another place."""
     where, _, spec = entry.rpartition("=") if "=" in entry else ("", "", entry)
     if not where:
-        return POINTS.index("lower") - 0.5, spec
+        return POINTS.index("pipeline_split") + 0.5, spec
     side, _, point = where.partition(":")
     if point == "grad_sync":
-        point = "sharded_optimizer" if config.parallel.sharding != "no_shard" else "data_parallel"
+        point = GRAD_SYNC[config.parallel.sharding]
     elif point not in ("capture", "lower") and point not in builtin:
         runs = f"its built-in passes are {', '.join(builtin)}" if builtin else "it runs no built-in pass"
         raise PassError(f"passes entry {entry!r}: {point} does not run in this layout ({runs}); place the pass "
@@ -162,7 +165,7 @@ def build_rank_program(config: RunConfig, coords: Coords, device: str = "cpu",
     scaling = LossScaling(t.initial_loss_scale, t.min_loss_scale, t.loss_scale_window, t.hysteresis) \
         if t.fp16 else None
     settings = StepSettings(adamw=adamw, loss_scaling=scaling, reductions=tied_reductions(layout),
-                            separate_main=config.param_dtype != torch.float32 or p.sharding != "no_shard",
+                            separate_main=config.param_dtype != torch.float32 or p.sharding in ("optim", "optim_grads"),
                             param_dtype=config.param_dtype)
     rank_program = lower_rank(coords, stages, layout, schedule, settings, history=(*program.history, "lower"),
                               device=device)
@@ -184,7 +187,7 @@ def build_rank_program(config: RunConfig, coords: Coords, device: str = "cpu",
 
 def _lower(stage: Stage, recompute: bool, split: bool, cache: BuildCache, log: Callable[[str], None]) -> LoweredStage:
     """Lower a stage, or reuse the lowering of an identical one (same code over the same input values)."""
-    key = (graph_key(stage.graph), recompute, split)
+    key = (graph_key(stage.graph), recompute, split, stage.recompute_from_params)
     if key not in cache.lowered:
         start = time.perf_counter()
         cache.lowered[key] = lower_stage(stage, recompute, split)

@@ -44,6 +44,9 @@ class Stage:
     """Roles of the outputs: "loss" or an activation name."""
     rank_constants: dict[str, int] = field(default_factory=dict)
     """Input roles fed with a per-rank number (as a 0-d int64 tensor), by role."""
+    recompute_from_params: bool = False
+    """Backward recomputes what forward derives from parameters alone rather than keeping it (FSDP's
+    reshard after forward: the parameter all-gathers run again in backward)."""
 
     def activation_inputs(self) -> list[str]:
         return activation_roles(self.inputs, self.rank_constants)

@@ -1,4 +1,4 @@
 """Built-in passes; importing this package registers them by name (see gcompile.pass_manager)."""
 
-from passes import (data_parallel, pipeline_split, sequence_parallel, sharded_optimizer,  # noqa: F401
-                    tensor_parallel, tp_comm_overlap)
+from passes import (data_parallel, fully_sharded, pipeline_split, sequence_parallel,  # noqa: F401
+                    sharded_optimizer, tensor_parallel, tp_comm_overlap)
