@@ -20,8 +20,12 @@ from dataclasses import dataclass
 
 AXES = ("tp", "cp", "dp", "pp")
 """World axes, fastest first; the world size is the product of their sizes."""
-FOLDED = {"ep": ("cp", "dp")}
-"""Axes that subdivide the ranks of world axes instead of multiplying the world."""
+FOLDED = {"ep": ("cp", "dp"), "dp_shard": ("dp",)}
+"""Axes that subdivide the ranks of world axes instead of multiplying the world: a group is a run of
+consecutive positions over the parents."""
+ACROSS = {"dp_replicate": "dp_shard"}
+"""Folded axes whose group is the ranks at one position of every group of another folded axis
+(HSDP: dp_shard groups shard the weights, the dp_replicate groups across them hold the same shard)."""
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,8 @@ GROUP_ROLES = {
     "cp": GroupRole(("cp",)),
     "dp": GroupRole(("dp",)),
     "dp_cp": GroupRole(("cp", "dp")),  # gradient reduction under context parallel
+    "dp_shard": GroupRole(("dp_shard",)),  # HSDP: the ranks that shard the weights between them
+    "dp_replicate": GroupRole(("dp_replicate",)),  # HSDP: the ranks that hold the same shard
     "ep": GroupRole(("ep",)),
     "pp": GroupRole(("pp",)),
     "mp": GroupRole(("tp", "pp")),  # model parallel: every parameter once (gradient norm)
@@ -58,14 +64,15 @@ class Coords:
     @classmethod
     def from_rank(cls, rank: int, sizes: Mapping[str, int]) -> "Coords":
         """The coordinates of global `rank` in a world of `sizes` (axes left out have size 1)."""
-        unknown = set(sizes) - set(AXES) - set(FOLDED)
+        unknown = set(sizes) - set(AXES) - set(FOLDED) - set(ACROSS)
         if unknown:
-            raise ValueError(f"unknown mesh axes {sorted(unknown)}; axes are {AXES + tuple(FOLDED)}")
+            raise ValueError(f"unknown mesh axes {sorted(unknown)}; axes are {AXES + tuple(FOLDED) + tuple(ACROSS)}")
         ordered = tuple((axis, sizes.get(axis, 1)) for axis in AXES)
-        folded = tuple((axis, sizes[axis]) for axis in FOLDED if axis in sizes)
+        folded = tuple((axis, sizes[axis]) for axis in (*FOLDED, *ACROSS) if axis in sizes)
         for axis, size in folded:
-            if math.prod(sizes.get(a, 1) for a in FOLDED[axis]) % size:
-                raise ValueError(f"{axis} {size} must divide {' x '.join(FOLDED[axis])}")
+            parents = FOLDED[ACROSS.get(axis, axis)]
+            if math.prod(sizes.get(a, 1) for a in parents) % size:
+                raise ValueError(f"{axis} {size} must divide {' x '.join(parents)}")
         ranks, rest = [], rank
         for axis, size in ordered:
             ranks.append((axis, rest % size))
@@ -84,6 +91,8 @@ class Coords:
         ranks = dict(self.ranks)
         for axis, parents in FOLDED.items():
             ranks[axis] = _flat_position(self, parents) % self.size(axis)
+        for axis, inner in ACROSS.items():
+            ranks[axis] = _flat_position(self, FOLDED[inner]) // self.size(inner) % self.size(axis)
         return ranks
 
     def size(self, axis: str) -> int:
@@ -113,6 +122,11 @@ class Coords:
         return f"({' '.join(shown)})"
 
 
+def world_axes_of(axis: str) -> tuple[str, ...]:
+    """The world axes whose ranks `axis` subdivides; the axis itself for a world axis."""
+    return FOLDED.get(ACROSS.get(axis, axis), (axis,))
+
+
 def _flat_position(coords: Coords, axes: tuple[str, ...]) -> int:
     """The rank's index among the ranks that differ only on `axes` (the first axis fastest)."""
     ranks, position, stride = dict(coords.ranks), 0, 1
@@ -127,7 +141,7 @@ def group_members(coords: Coords, role: str) -> tuple[int, ...]:
     spec = GROUP_ROLES[role]
     members = [coords]
     for axis in spec.axes:
-        if axis in FOLDED:
+        if axis in FOLDED or axis in ACROSS:
             members = [m for c in members for m in _folded_group(c, axis)]
             continue
         positions = range(coords.size(axis))
@@ -138,11 +152,16 @@ def group_members(coords: Coords, role: str) -> tuple[int, ...]:
 
 
 def _folded_group(coords: Coords, axis: str) -> list[Coords]:
-    """The ranks of the folded `axis`'s group: a run of size(axis) consecutive positions over its parents."""
-    parents = FOLDED[axis]
-    size, position = coords.size(axis), _flat_position(coords, parents)
-    first = position - position % size
-    return [coords.moved(**_unflatten(coords, parents, first + i)) for i in range(size)]
+    """The ranks of the folded `axis`'s group: a run of size(axis) consecutive positions over its parents,
+    or for an ACROSS axis every size(inner)-th position from the rank's position in its inner group."""
+    if axis in ACROSS:
+        parents, stride = FOLDED[ACROSS[axis]], coords.size(ACROSS[axis])
+        first = _flat_position(coords, parents) % stride
+    else:
+        parents, stride = FOLDED[axis], 1
+        position = _flat_position(coords, parents)
+        first = position - position % coords.size(axis)
+    return [coords.moved(**_unflatten(coords, parents, first + i * stride)) for i in range(coords.size(axis))]
 
 
 def _unflatten(coords: Coords, axes: tuple[str, ...], position: int) -> dict[str, int]:

@@ -60,7 +60,7 @@ from gcompile.checkpoint_files import (CHECKSUMS, GCOMPILE_JSON, CheckpointError
 from gcompile.config import RunConfig
 from gcompile.flat import Span
 from gcompile.layout import Param, Shard, first_holder, full_value, local_value
-from gcompile.axes import AXES, Coords
+from gcompile.axes import ACROSS, AXES, FOLDED, Coords
 from gcompile.models import DEFAULT_MODEL, MODELS, model_spec, spec_of
 from gcompile.models.spec import ModelSpec
 from gcompile.paths import path_error
@@ -237,7 +237,7 @@ class Checkpoint:
         try:
             _check_meta(self.meta)
             layout = self.meta["layout"]
-            self.axis_sizes = {axis: layout.get(axis, 1) for axis in AXES}  # cp came later: absent = 1
+            self.axis_sizes = {axis: layout.get(axis, 1) for axis in (*AXES, *FOLDED, *ACROSS)}  # absent = 1
             self.params = {name: _param(name, d) for name, d in self.meta["params"].items()}
             self.ranges = {}  # (state, name, piece) -> [(start, key)]
             for key in self.meta["keys"]:
@@ -275,9 +275,10 @@ class Checkpoint:
         layout = self.meta["layout"]
         axes = " ".join(f"{axis}{self.axis_sizes[axis]}" for axis in ("tp", "cp", "pp", "dp")
                         if axis != "cp" or self.axis_sizes[axis] > 1)
-        fully_sharded = any(s["axis"] == "dp" for d in self.meta["params"].values() for s in d["shards"])
-        sharding = ", fully sharded" if fully_sharded else ", distributed optimizer" if layout["distributed_optimizer"] \
-            else ""
+        fully_sharded = any(s["axis"] in ("dp", "dp_shard") for d in self.meta["params"].values() for s in d["shards"])
+        hybrid = f" in groups of {self.axis_sizes['dp_shard']}" if self.axis_sizes["dp_shard"] > 1 else ""
+        sharding = f", fully sharded{hybrid}" if fully_sharded else ", distributed optimizer" \
+            if layout["distributed_optimizer"] else ""
         return f"{axes}{sharding}, {layout['param_dtype']}"
 
     def check_model(self, model) -> None:

@@ -95,6 +95,9 @@ class ParallelConfig:
     """What dp ranks shard: no_shard, optim (ZeRO-1), optim_grads (ZeRO-2: gradients reduce-scattered into
     the owner's shard too) or optim_grads_params (ZeRO-3 / FSDP: parameters too, all-gathered per layer
     where used); None = optim with use_distributed_optimizer, else no_shard."""
+    data_parallel_shard_size: int | None = None
+    """optim_grads_params, hybrid (HSDP): shard over groups of this many consecutive dp ranks and replicate
+    across the groups (gradients all-reduced over the replicas); None = shard over all dp ranks."""
     fsdp_reshard_after_forward: bool = True
     """optim_grads_params: free each layer's gathered weights after forward and gather them again in
     backward (less memory); false keeps them from forward to backward (one all-gather fewer per layer)."""
@@ -222,7 +225,10 @@ class RunConfig:
     def mesh_sizes(self) -> dict[str, int]:
         """Size per mesh axis (gcompile.axes)."""
         p = self.parallel
-        return {"tp": p.tp, "cp": p.cp, "dp": p.dp, "pp": p.pp}
+        sizes = {"tp": p.tp, "cp": p.cp, "dp": p.dp, "pp": p.pp}
+        if p.data_parallel_shard_size not in (None, p.dp):  # HSDP: axes folded into dp (no ranks of their own)
+            sizes.update(dp_shard=p.data_parallel_shard_size, dp_replicate=p.dp // p.data_parallel_shard_size)
+        return sizes
 
     @property
     def model_spec(self):
@@ -236,7 +242,8 @@ class RunConfig:
 
     @property
     def world_size(self) -> int:
-        return math.prod(self.mesh_sizes.values())
+        p = self.parallel
+        return p.tp * p.cp * p.dp * p.pp
 
     @property
     def param_dtype(self) -> "torch.dtype":
@@ -573,6 +580,16 @@ def validate(config: RunConfig) -> None:
         errors.append(f"data_parallel_sharding_strategy optim_grads and --pipeline-schedule {p.pipeline_schedule} "
                       f"do not combine yet (the reduce-scatter runs in the last backward, which W splits); "
                       f"use optim or another schedule")
+    if p.data_parallel_shard_size is not None:
+        if p.sharding != "optim_grads_params":
+            errors.append(f"data_parallel_shard_size (HSDP) shards the weights and needs "
+                          f"--data-parallel-sharding-strategy optim_grads_params (this run: {p.sharding})")
+        elif p.data_parallel_shard_size < 1 or p.dp % p.data_parallel_shard_size:
+            errors.append(f"data_parallel_shard_size={p.data_parallel_shard_size} does not divide dp={p.dp}; "
+                          f"give a divisor of dp")
+        elif p.data_parallel_shard_size == 1 < p.dp:
+            errors.append("data_parallel_shard_size=1 shards nothing; give 2 or more, or use "
+                          "--data-parallel-sharding-strategy no_shard")
     if p.overlap_grad_reduce and p.dp == 1:
         errors.append("overlap_grad_reduce overlaps the dp reduction with backward and needs dp > 1 (dp=1)")
     elif t.global_batch_size % per_step == 0 and p.pipeline_schedule in SCHEDULES:  # whole microbatches

@@ -29,7 +29,7 @@ import torch
 import torch.fx as fx
 
 from gcompile.config import RunConfig
-from gcompile.layout import full_value
+from gcompile.layout import first_holder, full_value
 from gcompile.axes import Coords, group_members
 from gcompile.pipeline import BuildCache
 from gcompile.rank_program import RankProgram
@@ -383,20 +383,20 @@ def reassemble(ranks: list[tuple]) -> dict[str, torch.Tensor]:
 
     The first holder of each piece (position 0 on every axis that does not cut it; pipeline
     stages apart) gives it; every other holder is a replica and must be bitwise equal to it."""
-    by_rank = {coords.rank: values for coords, _, values in ranks}
-    pieces, cuts = {}, {}
+    pieces, cuts, replicas = {}, {}, []
     for coords, params, values in ranks:
         for param in params:
             if param.tied_copy:
                 continue
-            first = coords.moved(**{axis: 0 for axis, _ in coords.ranks if axis != "pp" and not param.sharded_over(axis)})
-            if first != coords:
-                if not torch.equal(values[param.name], by_rank[first.rank][param.name]):
-                    raise AssertionError(f"{param.name}: the copy on rank {coords.rank} {coords} differs from "
-                                         f"rank {first.rank}'s")
+            position = tuple(coords.axis_rank(s.axis) for s in param.shards)  # the first cut outermost
+            if not first_holder(param, coords.axis_ranks):
+                replicas.append((param.name, position, coords, values[param.name]))
                 continue
             cuts[param.name] = (param, coords.axis_sizes)
-            position = tuple(coords.axis_rank(s.axis) for s in param.shards)  # the first cut outermost
-            pieces.setdefault(param.name, []).append((position, values[param.name]))
-    return {name: full_value([v for _, v in sorted(found, key=lambda x: x[0])], *cuts[name])
+            pieces.setdefault(param.name, {})[position] = (coords, values[param.name])
+    for name, position, coords, value in replicas:
+        first, expected = pieces[name][position]
+        if not torch.equal(value, expected):
+            raise AssertionError(f"{name}: the copy on rank {coords.rank} {coords} differs from rank {first.rank}'s")
+    return {name: full_value([value for _, (_, value) in sorted(found.items())], *cuts[name])
             for name, found in pieces.items()}

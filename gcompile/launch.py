@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from gcompile import flight, shutdown
 from gcompile.config import ConfigError, RunConfig
-from gcompile.axes import Coords
+from gcompile.axes import AXES, Coords
 from gcompile.mesh import init_groups
 
 
@@ -164,10 +164,11 @@ def join_world(mesh_sizes: dict[str, int], tp_comm_backend: str = "auto",
     """Initialize this process as one rank of the launcher's world of `mesh_sizes`; (coords, device).
     A collective that waits longer than `timeout_minutes` fails (parallel.distributed_timeout_minutes)."""
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
-    if world != math.prod(mesh_sizes.values()):
-        factors = " * ".join(f"{axis} {size}" for axis, size in mesh_sizes.items() if size > 1) or "1"
+    sizes = {axis: size for axis, size in mesh_sizes.items() if axis in AXES}  # folded axes add no ranks
+    if world != math.prod(sizes.values()):
+        factors = " * ".join(f"{axis} {size}" for axis, size in sizes.items() if size > 1) or "1"
         raise ConfigError(f"the launcher started {world} ranks but the layout ({factors}) needs "
-                          f"{math.prod(mesh_sizes.values())}; start that many (torchrun --nnodes * --nproc-per-node) "
+                          f"{math.prod(sizes.values())}; start that many (torchrun --nnodes * --nproc-per-node) "
                           f"or change the layout")
     if torch.cuda.is_available():
         local_rank = int(os.environ.get("LOCAL_RANK", 0))

@@ -12,6 +12,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from gcompile.axes import world_axes_of
+
 
 @dataclass(frozen=True)
 class Shard:
@@ -72,16 +74,20 @@ def local_value(full: torch.Tensor, param: Param, coords: Mapping[str, int],
 
 
 def replicas(param: Param, axis_sizes: Mapping[str, int], axes) -> int:
-    """On how many of the ranks spanning `axes` the same elements of `param` sit: the product of
-    the sizes of those axes that do not cut it."""
-    return math.prod(axis_sizes[axis] for axis in axes if not param.sharded_over(axis))
+    """On how many of the ranks spanning `axes` the same elements of `param` sit: their number over the
+    pieces it is cut into there (a cut over a folded axis counts where its parent axes are all in `axes`)."""
+    axes = set(axes)
+    pieces = math.prod(axis_sizes[s.axis] for s in param.shards if set(world_axes_of(s.axis)) <= axes)
+    return math.prod(axis_sizes[axis] for axis in axes) // pieces
 
 
 def first_holder(param: Param, axis_ranks: Mapping[str, int], apart: tuple[str, ...] = ("pp",)) -> bool:
     """Whether the rank at `axis_ranks` is the one that writes its piece of `param` (to a checkpoint, say):
-    position 0 on every axis that neither cuts the parameter nor is in `apart`, the axes whose ranks hold
-    different things (pipeline stages; dp ranks under a sharded optimizer)."""
-    return all(r == 0 for axis, r in axis_ranks.items() if axis not in apart and not param.sharded_over(axis))
+    position 0 on every axis that neither cuts the parameter (itself or through an axis folded into it)
+    nor is in `apart`, the axes whose ranks hold different things (pipeline stages; dp ranks under a
+    sharded optimizer)."""
+    cut = {axis for s in param.shards for axis in (s.axis, *world_axes_of(s.axis))}
+    return all(r == 0 for axis, r in axis_ranks.items() if axis not in apart and axis not in cut)
 
 
 def full_value(pieces: Sequence[torch.Tensor], param: Param, axis_sizes: Mapping[str, int]) -> torch.Tensor:

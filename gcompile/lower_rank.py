@@ -10,7 +10,7 @@ before it edits.
 
 from gcompile.flat import FlatLayout
 from gcompile.instructions import lower_instructions
-from gcompile.axes import GROUP_ROLES, Coords, role_size
+from gcompile.axes import GROUP_ROLES, Coords, role_size, world_axes_of
 from gcompile.optimizer import build_optimizer_graph
 from gcompile.rank_program import LoweredStage, RankProgram, StepSettings
 from gcompile.schedule import Schedule
@@ -30,6 +30,6 @@ def lower_rank(coords: Coords, stages: dict[int, LoweredStage], layout: FlatLayo
 def _norm_group(coords: Coords, layout: FlatLayout) -> str | None:
     """The smallest group whose ranks together hold every gradient element: tp x pp ("mp"), or the whole
     world once a parameter is cut over another axis (dp under optim_grads_params); None for one rank."""
-    cut = {"tp", "pp"} | {s.axis for p in layout.params for s in p.shards}
+    cut = {"tp", "pp"} | {axis for p in layout.params for s in p.shards for axis in world_axes_of(s.axis)}
     role = next(role for role in ("mp", "world") if cut <= set(GROUP_ROLES[role].axes))
     return role if role_size(coords, role) > 1 else None

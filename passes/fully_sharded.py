@@ -11,6 +11,8 @@ Requires: the forward Program after tensor/sequence parallel and the pipeline sp
 Ensures:  every parameter placeholder holds this dp rank's 1/dp of the rank's (tp-local)
           parameter, cut on dim 0 after zero-padding it to a multiple of dp
           (Param.shards gains Shard("dp", 0), so init, checkpoints and export place it);
+          under HSDP (--data-parallel-shard-size n) 1/n, Shard("dp_shard", 0), and the
+          gradient shards are also all-reduced over the dp/n "dp_replicate" ranks;
           per unit, one all-gather over "dp" of the unit's shards, flattened end to end,
           rebuilds its parameters right before the unit's first use, and is issued when
           the previous unit starts (prefetch: it overlaps that unit's compute);
@@ -45,17 +47,18 @@ aten = torch.ops.aten
 
 @register_pass(NAME)
 def fully_sharded_pass(program: Program, ctx: PassContext) -> Program:
-    dp = ctx.coords.size("dp")
-    if dp == 1:
+    axis = "dp_shard" if ctx.coords.size("dp_shard") > 1 else "dp"  # HSDP: dp_shard groups, replicated across
+    if ctx.coords.size("dp") == 1:
         return program
     program = program.clone()
     for stage in program.stages:
-        _shard_stage(stage, dp, ctx)
+        _shard_stage(stage, axis, ctx)
         stage.recompute_from_params = ctx.config.parallel.fsdp_reshard_after_forward
     return program
 
 
-def _shard_stage(stage: Stage, dp: int, ctx: PassContext) -> None:
+def _shard_stage(stage: Stage, axis: str, ctx: PassContext) -> None:
+    dp, replicas = ctx.coords.size(axis), ctx.coords.size("dp_replicate")
     graph = stage.graph.graph
     nodes = stage.placeholders()[:len(stage.params)]
     position = {node: i for i, node in enumerate(graph.nodes)}
@@ -68,7 +71,7 @@ def _shard_stage(stage: Stage, dp: int, ctx: PassContext) -> None:
             raise ValueError(f"fully_sharded: parameter {param.name} is a scalar; it has no dim 0 to shard over dp")
         padded = -(-shape[0] // dp) * dp
         local[k] = (shape, padded)
-        stage.params[k] = param.with_shard(Shard("dp", 0, padded_size=padded if padded != shape[0] else None))
+        stage.params[k] = param.with_shard(Shard(axis, 0, padded_size=padded if padded != shape[0] else None))
         nodes[k].meta["val"] = fake_like(nodes[k], stage.params[k].local_shape(sizes))
     units = _units(sorted(first_use, key=lambda k: position[first_use[k]]), stage)
     starts = [first_use[unit[0]] for unit in units]  # each unit's first use, in graph order
@@ -76,7 +79,7 @@ def _shard_stage(stage: Stage, dp: int, ctx: PassContext) -> None:
         with graph.inserting_before(starts[max(j - 1, 0)]):  # one unit ahead
             flat = [graph.call_function(aten.view.default, (nodes[k], [-1])) for k in unit]
             shards = flat[0] if len(flat) == 1 else graph.call_function(aten.cat.default, (flat,))
-            started = graph.call_function(start_gather_params, (shards, dp))
+            started = graph.call_function(start_gather_params, (shards, dp, axis, replicas))
         numels = [math.prod(local[k][0][1:]) * local[k][1] // dp for k in unit]
         with graph.inserting_before(starts[j]):
             rows = graph.call_function(aten.view.default,

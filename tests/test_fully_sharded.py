@@ -44,6 +44,20 @@ def test_zero3_with_model_parallel_matches_eager():
     }, in_one_process)
 
 
+def test_hybrid_sharding_matches_eager():
+    """HSDP, shard size 2 on dp 4: weights sharded over dp ranks {0, 1} and {2, 3}, gradients reduce-scattered
+    there and all-reduced between the two groups."""
+    hsdp = dict(dp=4, micro_batch_size=1, data_parallel_shard_size=2, **ZERO3)
+    check_dp_cases({"dp4 shard size 2": small_config(**hsdp),
+                    "tp2 dp4 shard size 2": small_config(tp=2, **hsdp)}, in_one_process)
+    program = build_rank_program(small_config(**hsdp), Coords.from_rank(2, small_config(**hsdp).mesh_sizes),
+                                 log=lambda _: None)
+    groups = {(op, args["group_name"]) for _, op, args in collective_nodes(program.stages[0].backward)}
+    assert groups == {("all_gather_into_tensor", "dp_shard"), ("reduce_scatter_tensor", "dp_shard"),
+                      ("all_reduce", "dp_replicate")}
+    assert all(p.shards[-1].axis == "dp_shard" for p in program.layout.params)
+
+
 @pytest.mark.slow
 def test_zero3_compiled_on_ranks(tmp_path):
     cases = {"dp2 zero3, compiled": small_config(dp=2, compile=True, **ZERO3)}
