@@ -17,6 +17,7 @@ refused with the bytes it needs before anything is allocated.
 A failure is a PlanError that names the two ranks, the group and the instruction.
 """
 
+import operator
 import os
 from collections import defaultdict
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from gcompile.config import RunConfig
 from gcompile.axes import group_members
 from gcompile.rank_program import RankProgram
 from gcompile.state import TrainState
+from gcompile.torch_api import is_op_overload
 from gcompile.schedule import Kind, in_flight_bound, rank_in_flight_bound, waiting_weight_bound
 
 
@@ -240,18 +242,45 @@ def _gathered_bytes(stage) -> int:
 
 def _saved_bytes(stage) -> int:
     """Bytes a forward saves for its backward, not counting weights it passes through."""
-    inputs = set(stage.forward.graph.find_nodes(op="placeholder"))
-    saved = stage.forward.graph.output_node().args[0][len(stage.outputs):]
-    return sum(n.meta["val"].numel() * n.meta["val"].element_size() for n in saved
-               if n not in inputs and isinstance(n.meta.get("val"), torch.Tensor))
+    return _held_bytes(stage, _saved(stage))
 
 
 def _weight_bytes(stage) -> int:
-    """Bytes a microbatch holds from its B until its W: the tensors W reads."""
+    """Bytes a microbatch holds from its B until its W: the tensors W reads (saved ones as _held_bytes
+    counts them; output gradients and B's stash as they are)."""
     if stage.backward_weight is None:
         return 0
-    return sum(n.meta["val"].numel() * n.meta["val"].element_size()
-               for n in stage.backward_weight.graph.find_nodes(op="placeholder"))
+    saved = _saved(stage)
+    reads = list(stage.backward_weight.graph.find_nodes(op="placeholder"))
+    kept = [i if i < len(saved) else None for i in stage.weight_inputs]
+    others = [node for node, i in zip(reads, kept + [None] * (len(reads) - len(kept))) if i is None]
+    return _held_bytes(stage, [saved[i] for i in kept if i is not None]) + sum(_nbytes(n) for n in others)
+
+
+def _saved(stage) -> list[fx.Node]:
+    return [n for n in stage.forward.graph.output_node().args[0][len(stage.outputs):]
+            if isinstance(n.meta.get("val"), torch.Tensor)]
+
+
+def _held_bytes(stage, nodes: list[fx.Node]) -> int:
+    """Bytes that tensors of the forward graph hold: each storage once (a view, such as a weight's transpose
+    or a reshaped output, holds its base's), the weights' not at all (the state holds them)."""
+    weights = set(list(stage.forward.graph.find_nodes(op="placeholder"))[:len(stage.params)])
+    return sum(_nbytes(base) for base in {_base(n) for n in nodes} if base not in weights)
+
+
+def _base(node: fx.Node) -> fx.Node:
+    """The node whose storage `node` views (itself if it is no view): through view ops, and through the
+    pieces of one that returns several (split)."""
+    while True:
+        source = node.args[0] if node.target is operator.getitem else node  # a piece: its op's list
+        if not (is_op_overload(source.target) and source.target.is_view):
+            return node
+        node = source.args[0]
+
+
+def _nbytes(node: fx.Node) -> int:
+    return node.meta["val"].numel() * node.meta["val"].element_size()
 
 
 def check_plan(programs: dict[int, RankProgram], memory_budget_gb: float | None = None) -> str:

@@ -34,13 +34,14 @@ class MetricsLog:
 
     def step(self, *, iteration: int, consumed_samples: int, elapsed_ms: float, tokens: int, flops: float,
              lr: float, loss: float, grad_norm: float, batch_size: int, loss_scale: float | None,
-             skipped_iterations: int, print_line: bool) -> None:
+             skipped_iterations: int, print_line: bool, memory: dict[str, int] | None = None) -> None:
+        """`memory`: the logging rank's measured peak (gcompile.memory.StepPeak.metrics), on a run's first step."""
         tokens_per_s = tokens / (elapsed_ms / 1e3)
         tflops = flops / (elapsed_ms / 1e3) / self.world_size / 1e12
         record = dict(iteration=iteration, consumed_samples=consumed_samples, lm_loss=loss, lr=lr,
                       grad_norm=grad_norm, elapsed_ms=elapsed_ms, tokens_per_s=tokens_per_s,
                       tflops_per_rank=tflops, batch_size=batch_size, loss_scale=loss_scale,
-                      skipped_iterations=skipped_iterations)
+                      skipped_iterations=skipped_iterations, **(memory or {}))
         self._write(record)
         tb = self.tensorboard
         tb.add_scalar("learning-rate", lr, iteration)
@@ -52,6 +53,8 @@ class MetricsLog:
         tb.add_scalar("grad-norm vs samples", grad_norm, consumed_samples)
         tb.add_scalar("iteration-time", elapsed_ms / 1e3, iteration)
         tb.add_scalar("throughput", tflops, iteration)
+        for key, value in (memory or {}).items():
+            tb.add_scalar(key.replace("_", "-"), value, iteration)
         if loss_scale is not None:
             tb.add_scalar("loss-scale", loss_scale, iteration)
             tb.add_scalar("loss-scale vs samples", loss_scale, consumed_samples)

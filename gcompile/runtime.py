@@ -17,16 +17,20 @@ iteration, so a send never blocks a rank (the schedule simulator assumes
 exactly that). Messages between two ranks are matched in posting order, which
 the simulator checks is the same on both ends. Stages on one rank hand tensors
 over directly.
+
+Memory: between `start_measuring` and `stop_measuring` (the first step of a
+run), every instruction boundary samples what the rank holds (gcompile.memory).
 """
 
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from gcompile.flight import NO_RECORDER, FlightRecorder
+from gcompile.memory import PeakMeter, StepPeak
 from gcompile.rank_program import RankProgram
 from gcompile.instructions import OPT_STEP, OPTIMIZER, Instruction
 from gcompile.schedule import Kind, in_flight_bound, rank_in_flight_bound
@@ -95,6 +99,17 @@ class Runtime:
         """Most (stage, microbatch) saved-activation sets alive at once, per stage, over all iterations."""
         self.rank_peak_saved = 0
         """The same over all of this rank's stages together."""
+        self.meter: PeakMeter | None = None
+        """Samples held bytes at every instruction boundary while set (start_measuring)."""
+
+    def start_measuring(self) -> None:
+        """From now on, sample what this rank holds at every instruction boundary (a little host work each)."""
+        self.meter = PeakMeter(self.state.params.device)
+
+    def stop_measuring(self) -> StepPeak:
+        """The peak since start_measuring; sampling stops."""
+        peak, self.meter = self.meter.result(), None
+        return peak
 
     def train_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
         """One optimizer step over this rank's microbatches: the whole instruction list."""
@@ -152,12 +167,22 @@ class Runtime:
                 self.state.acquire_grads()
                 self._backward(instruction)
             self.recorder.finish("instruction")
+            self._measure()
         self._communicate(comm)
         if self.sends:
             self.recorder.start("collective", f"the {len(self.sends)} sends of this iteration's list, to be received")
             for work, _ in self.sends:
                 work.wait()
             self.recorder.finish("collective")
+
+    def _measure(self):
+        if self.meter is None:
+            return
+        self.meter.sample(
+            state=self.state.buffers().values(),
+            activations=_tensors(*self.saved.values(), *self.weight_args.values()),
+            messages=_tensors(*self.acts.values(), *self.grads_in.values(), [t for _, t in self.sends]),
+            other=_tensors(*self.batch, self.losses, *(c.values() for c in self.constants.values()), [self.loss_grad]))
 
     def _forward(self, a: Instruction, training: bool):
         stage = self.program.stages[a.stage]
@@ -258,6 +283,7 @@ class Runtime:
             else:
                 self.pending_recvs[key] = (label, works[i:i + len(tensors)])
             i += len(tensors)
+        self._measure()
 
     def _empty_like_inputs(self, stage: int) -> list[torch.Tensor]:
         st = self.program.stages[stage]
@@ -272,3 +298,8 @@ class Runtime:
 
     def _empty(self, val) -> torch.Tensor:
         return torch.empty(val.shape, dtype=val.dtype, device=self.state.params.device)
+
+
+def _tensors(*groups) -> Iterator[torch.Tensor]:
+    """The tensors of several lists (a saved list may hold a None where a graph output is not a tensor)."""
+    return (t for group in groups for t in group if isinstance(t, torch.Tensor))

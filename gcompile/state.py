@@ -107,10 +107,13 @@ class TrainState:
             storage.resize_(self.grads.numel() * self.grads.element_size())
             self.grads.zero_()
 
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """Every buffer this state has, by field name."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
     def buffer_bytes(self) -> dict[str, int]:
         """Bytes each buffer holds now, by field name (a released accumulator holds none)."""
-        return {f.name: getattr(self, f.name).untyped_storage().nbytes() for f in fields(self)
-                if getattr(self, f.name) is not None}
+        return {name: buffer.untyped_storage().nbytes() for name, buffer in self.buffers().items()}
 
     def optimizer_args(self, names: tuple[str, ...]) -> list[torch.Tensor]:
         return [getattr(self, name) for name in names]

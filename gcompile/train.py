@@ -26,6 +26,7 @@ from gcompile.check import MeasuredMemory, estimate_memory
 from gcompile.data import GPTDataset, build_datasets, check_token_ids
 from gcompile.flight import FlightRecorder, flight_dir, rank_file
 from gcompile.log import MetricsLog
+from gcompile.memory import MIB
 from gcompile.axes import Coords
 from gcompile.mesh import group
 from gcompile.pass_manager import rank_dump_dir
@@ -123,11 +124,19 @@ def train(config: RunConfig, coords: Coords, device: str = "cpu", log=print) -> 
         batch = microbatches(train_data, consumed, config, coords, device)
         lr = lr_at(iteration, t)
         state.lr.fill_(lr)
+        first = iteration == progress.iteration + 1
+        if first:
+            runtime.start_measuring()  # a little host work per instruction, this step only
         start = time.perf_counter()
         result = train_step(batch)
+        peak = runtime.stop_measuring() if first else None
         loss = _mean_over_dp(result.loss, coords, recorder)
         skipped += int(result.skipped.item())
         elapsed_ms = (time.perf_counter() - start) * 1e3
+        if peak:
+            estimate = estimate_memory(program)
+            quiet(f"rank 0 memory over its first step: {peak}; estimated {estimate.total / MIB:.1f} MiB "
+                  f"(activations {estimate.activations / MIB:.1f})")
         consumed += t.global_batch_size
         if metrics:
             record = dict(iteration=iteration, consumed_samples=consumed,
@@ -135,7 +144,8 @@ def train(config: RunConfig, coords: Coords, device: str = "cpu", log=print) -> 
                           loss=loss.item(), grad_norm=result.grad_norm.item(), batch_size=t.global_batch_size,
                           loss_scale=None if state.loss_scale is None else state.loss_scale.item(),
                           skipped_iterations=skipped)
-            metrics.step(**record, print_line=iteration % config.log.log_interval == 0)
+            metrics.step(**record, print_line=iteration % config.log.log_interval == 0,
+                         memory=peak.metrics() if peak else None)
             records.append(record)
         if t.check_for_nan_in_loss_and_grad:
             check_step(iteration, loss, result.grad_norm, report=coords.rank == 0)

@@ -50,3 +50,15 @@ def test_cuda_graph_replay_equals_the_plain_run(bf16, deterministic):
         assert actual.grad_norm.item() == expected.grad_norm.item(), step
     assert graphed.graph is not None, "the last steps replayed a captured graph"
     assert torch.equal(graphed.runtime.state.params, plain.state.params)
+
+
+def test_the_allocator_saw_at_least_the_measured_peak():
+    """The runtime's boundary samples count allocated storages, so CUDA's allocator peak over the same step
+    (which also sees the graphs' intermediates) is at least their sum."""
+    config = build_config({"model": dict(n_layer=2, n_head=4, n_embd=128, block_size=64),
+                           "train": dict(micro_batch_size=2, global_batch_size=4, seq_length=64)})
+    runtime = runtime_for(config)
+    runtime.start_measuring()
+    runtime.train_step(split_microbatches(random_batches(config, 1)[0].cuda(), 2))
+    peak = runtime.stop_measuring()
+    assert peak.allocator_peak >= peak.peak.total > sum(runtime.state.buffer_bytes().values())
