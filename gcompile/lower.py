@@ -55,6 +55,9 @@ def lower_stage(stage: Stage, recompute: bool = False, split: bool = False) -> L
     with activation_memory_budget(0.0 if recompute else 1.0):
         forward, backward = min_cut_rematerialization_partition(joint, None, num_fwd_outputs=len(stage.outputs))
     num_saved = _drop_dead_code(forward, backward, len(stage.outputs))
+    if stage.recompute_from_params:
+        _gather_one_ahead(backward)
+    _wait_one_behind(backward)
     for gm in (forward, backward):
         for node in gm.graph.find_nodes(op="placeholder"):
             if not isinstance(node.meta.get("val"), torch.Tensor):
@@ -78,6 +81,81 @@ def _recompute_parameter_derived(joint: fx.GraphModule, num_params: int) -> None
         if node.op == "call_function" and node.all_input_nodes and set(node.all_input_nodes) <= derived:
             derived.add(node)
             node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+
+
+def _gather_one_ahead(gm: fx.GraphModule) -> None:
+    """Issue each all-gather that reads only graph inputs (a parameter gather recomputed in backward) as soon
+    as the one before it is waited for, so it arrives while the layer before it computes; the partitioner
+    leaves each right before its use."""
+    graph = gm.graph
+    inputs = set(graph.find_nodes(op="placeholder"))
+    gathers = [n for n in graph.nodes if n.target is torch.ops._c10d_functional.all_gather_into_tensor.default]
+    for previous, gather in zip(gathers, gathers[1:]):
+        chain = _ancestors(gather) - inputs
+        if any(n.op != "call_function" or not set(n.all_input_nodes) <= chain | inputs for n in chain):
+            continue  # reads more than saved shards: it cannot move
+        anchor = next(u for u in previous.users if u.target is torch.ops._c10d_functional.wait_tensor.default)
+        order = list(graph.nodes)
+        if order.index(anchor) > order.index(gather):
+            continue  # issued already
+        for node in [n for n in order[order.index(anchor) + 1:] if n in chain]:  # only earlier, in graph order
+            anchor.append(node)
+            anchor = node
+    graph.lint()  # still in dependency order
+    gm.recompile()
+
+
+def _wait_one_behind(gm: fx.GraphModule) -> None:
+    """Wait for a gradient reduce-scatter (one whose result is only divided, cut into gradients, and maybe
+    all-reduced on) after the next one is issued, so each runs while backward computes the layer before
+    it; at most two are in flight, so at most two layers' unreduced gradients are held."""
+    graph = gm.graph
+    output = graph.output_node()
+    waits = []
+    for node in graph.nodes:
+        if node.target is _ops.wait_tensor.default and node.args[0].target is _ops.reduce_scatter_tensor.default:
+            after = _descendants(node)
+            if all(n.target in _GRADIENT_TAIL for n in after - {node}) and \
+                    all(user in after or user is output for n in after for user in n.users):
+                waits.append((node, after))
+    for (wait, after), (next_wait, _) in zip(waits, waits[1:]):
+        order = list(graph.nodes)
+        issued = next_wait.args[0]
+        if order.index(issued) < order.index(wait):
+            continue  # issued before this wait already
+        anchor = issued
+        for node in [n for n in order if n in after]:  # in graph order
+            anchor.append(node)
+            anchor = node
+    graph.lint()  # still in dependency order
+    gm.recompile()
+
+
+_ops = torch.ops._c10d_functional
+_GRADIENT_TAIL = {torch.ops.aten.div.Tensor, torch.ops.aten.slice.Tensor, torch.ops.aten.view.default,
+                  torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default, _ops.all_reduce.default,
+                  _ops.wait_tensor.default}
+"""What may follow a gradient reduce-scatter's wait for `_wait_one_behind` to move it: no compute."""
+
+
+def _descendants(node: fx.Node) -> set[fx.Node]:
+    found, todo = {node}, [node]
+    while todo:
+        for user in todo.pop().users:
+            if user not in found and user.op != "output":
+                found.add(user)
+                todo.append(user)
+    return found
+
+
+def _ancestors(node: fx.Node) -> set[fx.Node]:
+    found, todo = {node}, [node]
+    while todo:
+        for source in todo.pop().all_input_nodes:
+            if source not in found:
+                found.add(source)
+                todo.append(source)
+    return found
 
 
 def _drop_dead_code(forward: fx.GraphModule, backward: fx.GraphModule, num_outputs: int) -> int:

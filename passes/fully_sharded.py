@@ -17,7 +17,8 @@ Ensures:  every parameter placeholder holds this dp rank's 1/dp of the rank's (t
           rebuilds its parameters right before the unit's first use, and is issued when
           the previous unit starts (prefetch: it overlaps that unit's compute);
           Stage.recompute_from_params = --fsdp-reshard-after-forward: lowering then has
-          backward gather again instead of keeping the gathered weights from forward.
+          backward gather again (each one unit ahead too) instead of keeping the gathered
+          weights from forward.
           A unit is the parameters of one numbered layer (the name up to its first
           numeric part: `h.3`, `layers.3`), or a run of unnumbered ones in order of use
           (the embeddings; the final norm and head).

@@ -22,6 +22,8 @@ from tests.test_checkpoint import N, WORKER, assert_close, assert_resume_is_exac
 from tests.test_data_parallel import LRS, check_dp_cases, in_one_process, small_config
 
 ZERO3 = dict(data_parallel_sharding_strategy="optim_grads_params")
+MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+           torch.ops.aten.embedding.default, torch.ops.aten.embedding_dense_backward.default)
 
 
 def test_zero3_matches_eager():
@@ -65,22 +67,27 @@ def test_zero3_compiled_on_ranks(tmp_path):
 
 
 def test_layers_gather_one_ahead_and_backward_gathers_again_only_when_resharding():
-    """One all-gather per layer (embeddings, each block, the final norm) in forward, each issued before the
-    previous layer's first matmul; reduce-scatters of the gradients in backward; the backward gathers again
+    """One all-gather per layer (embeddings, each block, the final norm) in forward and again in backward, each
+    issued before the previous layer's first matmul; reduce-scatters of the gradients in backward, each waited for after the next is
+    issued; the backward gathers again
     under --fsdp-reshard-after-forward (the default) and never without it."""
     programs = {reshard: build_rank_program(small_config(dp=2, fsdp_reshard_after_forward=reshard, **ZERO3),
                                             Coords.from_rank(1, {"dp": 2}), log=lambda _: None)
                 for reshard in (True, False)}
-    stage = programs[True].stages[0]
-    nodes = list(stage.forward.graph.nodes)
-    gathers = [n for n, op, args in collective_nodes(stage.forward) if op == "all_gather_into_tensor"]
-    assert len(gathers) == 2 + 2  # n_layer = 2
-    for gather, previous in zip(gathers[1:], gathers):
-        wait = next(u for u in previous.users if "wait_tensor" in str(u.target))
-        first_matmul = next(n for n in nodes[nodes.index(wait):] if n.target in (torch.ops.aten.mm.default,
-                                                                                 torch.ops.aten.addmm.default,
-                                                                                 torch.ops.aten.embedding.default))
-        assert nodes.index(gather) < nodes.index(first_matmul), f"{gather} waits for {first_matmul}"
+    for graph in (programs[True].stages[0].forward, programs[True].stages[0].backward):
+        nodes = list(graph.graph.nodes)
+        gathers = [n for n, op, args in collective_nodes(graph) if op == "all_gather_into_tensor"]
+        assert len(gathers) == 2 + 2  # n_layer = 2
+        for gather, previous in zip(gathers[1:], gathers):
+            wait = next(u for u in previous.users if "wait_tensor" in str(u.target))
+            first_matmul = next(n for n in nodes[nodes.index(wait):] if n.target in MATMULS)
+            assert nodes.index(gather) < nodes.index(first_matmul), f"{gather} waits for {first_matmul}"
+    backward = programs[True].stages[0].backward.graph
+    scatters = list(backward.find_nodes(op="call_function", target=torch.ops._c10d_functional.reduce_scatter_tensor.default))
+    nodes = list(backward.nodes)
+    for scatter, following in zip(scatters, scatters[1:]):  # each waited for once the next is under way
+        wait = next(iter(scatter.users))
+        assert nodes.index(following) < nodes.index(wait), f"{scatter} is waited for before {following} starts"
     for reshard, program in programs.items():
         backward = [op for _, op, args in collective_nodes(program.stages[0].backward) if args["group_name"] == "dp"]
         assert backward.count("reduce_scatter_tensor") == 4
