@@ -1,13 +1,20 @@
-"""Data parallel, one run: gcompile against torch DDP + torch.optim.AdamW, and optimizer memory per rank.
+"""Data parallel, one run: gcompile against torch DDP and FSDP2 + torch.optim.AdamW, and optimizer memory per rank.
 
     python bench/data_parallel.py                    # dp=2, 4 layers, 256 wide, T=256, 8 samples per rank
     python bench/data_parallel.py --memory-config configs/gpt2-small.toml
 
 Throughput: each variant runs on `--dp` gloo ranks (one process each, threads
-split evenly), same model, same global batch, timed after warm-up; rank 0
-reports the median step time. Memory: fp32 main weights + AdamW states per
-rank for dp in {1, 2, 4}, with and without the distributed optimizer, counted
-from each rank's flat layout (nothing is allocated).
+split evenly), same model, same weights, same data, same global batch, timed
+after warm-up; rank 0 reports the median step time. All variants run once per
+round, `--repeats` rounds, so launch-to-launch noise shows as the spread of a
+row. FSDP2 is torchtitan's: `fully_shard` on each transformer block, then on
+the root, fp32; compiled as torchtitan compiles, each block by itself before
+sharding. A variant whose config gcompile refuses (a sharding strategy not
+built yet) or whose ranks fail keeps its row, with the reason.
+
+Memory: fp32 main weights + AdamW states per rank for dp in {1, 2, 4}, with and
+without the distributed optimizer, counted from each rank's flat layout
+(nothing is allocated).
 """
 
 import argparse
@@ -22,44 +29,75 @@ import time
 import torch
 import torch.distributed as dist
 
-from gcompile.config import build_config, load_toml
+from gcompile.config import ConfigError, build_config, load_toml
 from gcompile.axes import Coords
 from gcompile.mesh import init_groups
 from flags import adamw_groups  # bench/, first on sys.path when run as a script
 
-VARIANTS = {
+COMPILE = dict(compile=True)
+VARIANTS = {  # name -> the step's kind and the [train] / [parallel] keys it runs with
     "torch DDP + AdamW (eager)": dict(kind="ddp"),
-    "gcompile dp (FX graphs)": dict(kind="gcompile", compile=False, sharded=False),
-    "gcompile dp --compile": dict(kind="gcompile", compile=True, sharded=False),
-    "gcompile dp --compile --overlap-grad-reduce": dict(kind="gcompile", compile=True, sharded=False, overlap=True),
-    "gcompile dp --compile --use-distributed-optimizer": dict(kind="gcompile", compile=True, sharded=True),
+    "torch FSDP2 fully_shard + AdamW (eager)": dict(kind="fsdp2"),
+    "torch FSDP2 fully_shard + AdamW (torch.compile)": dict(kind="fsdp2", train=COMPILE),
+    "gcompile dp (FX graphs)": dict(kind="gcompile"),
+    "gcompile dp --compile": dict(kind="gcompile", train=COMPILE),
+    "gcompile dp --compile --overlap-grad-reduce": dict(kind="gcompile", train=COMPILE,
+                                                        parallel=dict(overlap_grad_reduce=True)),
+    "gcompile dp --compile --use-distributed-optimizer": dict(kind="gcompile", train=COMPILE,
+                                                              parallel=dict(use_distributed_optimizer=True)),
+    "gcompile dp --compile ZeRO-2 (optim_grads)": dict(
+        kind="gcompile", train=COMPILE, parallel=dict(data_parallel_sharding_strategy="optim_grads")),
+    "gcompile dp --compile ZeRO-3 (optim_grads_params)": dict(
+        kind="gcompile", train=COMPILE, parallel=dict(data_parallel_sharding_strategy="optim_grads_params")),
 }
+BASELINES = {"vs DDP": "torch DDP + AdamW (eager)",
+             "vs FSDP2 compiled": "torch FSDP2 fully_shard + AdamW (torch.compile)"}
+"""Column -> the row every other row is divided by: DDP as before, and FSDP2 compiled (issue 15's target)."""
 
 
-def make_config(args, dp: int, **train):
-    parallel = dict(dp=dp, use_distributed_optimizer=train.pop("sharded", False),
-                    overlap_grad_reduce=train.pop("overlap", False), ddp_bucket_size=args.bucket_size)
+def make_config(args, dp: int, variant: dict):
     return build_config({
         "model": dict(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, block_size=args.seq_length),
-        "parallel": parallel,
+        "parallel": dict(dp=dp, ddp_bucket_size=args.bucket_size, **variant.get("parallel", {})),
         "train": dict(micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
-                      global_batch_size=args.micro_batch_size * dp, **train),
+                      global_batch_size=args.micro_batch_size * dp, **variant.get("train", {})),
     })
 
 
-def ddp_step_fn(config, rank: int):
+def torch_step(wrapped, model, config):
+    """torch's own training step: the wrapped model's loss backward, clip, AdamW with the peers' groups."""
     t = config.train
-    model = config.model_spec.build(config.model, t.seed)
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.AdamW(adamw_groups(model, config), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2))
 
     def step(tokens):
         idx, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-        ddp(idx, targets).backward()
+        wrapped(idx, targets).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), t.clip_grad)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return step
+
+
+def ddp_step_fn(config, rank: int):
+    model = config.model_spec.build(config.model, config.train.seed)
+    return torch_step(torch.nn.parallel.DistributedDataParallel(model), model, config)
+
+
+def fsdp2_step_fn(config, rank: int):
+    """torchtitan's FSDP2: each block of the model's ModuleLists sharded by itself (one all-gather per block,
+    resharded after forward), then the root (embeddings, final norm, head); with compile, each block is
+    torch.compile'd (fullgraph) before it is sharded, as torchtitan does: compiling the whole sharded model
+    instead leaves FSDP2's sharded blocks to run eagerly."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = config.model_spec.build(config.model, config.train.seed)
+    for blocks in [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]:
+        for i, block in enumerate(blocks):
+            if config.train.compile:
+                blocks[i] = block = torch.compile(block, fullgraph=True)
+            fully_shard(block)
+    fully_shard(model)
+    return torch_step(model, model, config)
 
 
 def gcompile_step_fn(config, rank: int):
@@ -82,15 +120,16 @@ def gcompile_step_fn(config, rank: int):
     return lambda tokens: runtime.train_step(split_microbatches(tokens, config.train.micro_batch_size))
 
 
+STEP_FNS = {"ddp": ddp_step_fn, "fsdp2": fsdp2_step_fn, "gcompile": gcompile_step_fn}
+
+
 def worker(args) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("gloo", init_method=f"file://{args.store}", rank=rank, world_size=world)
     variant = VARIANTS[args.variant]
-    train = dict(compile=variant.get("compile", False), sharded=variant.get("sharded", False),
-                 overlap=variant.get("overlap", False))
-    config = make_config(args, world, **train)
-    step = (ddp_step_fn if variant["kind"] == "ddp" else gcompile_step_fn)(config, rank)
+    config = make_config(args, world, variant)
+    step = STEP_FNS[variant["kind"]](config, rank)
     tokens = torch.randint(0, config.model.vocab_size, (config.train.micro_batch_size, config.train.seq_length + 1),
                            generator=torch.Generator().manual_seed(rank))
     for _ in range(args.warmup):
@@ -108,16 +147,61 @@ def worker(args) -> None:
 
 
 def run_variant(args, name: str) -> float:
+    """Rank 0's median step time; RuntimeError with the failing rank's last line of stderr."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         argv = [sys.executable, os.path.abspath(__file__), "--worker", "--variant", name, "--store",
                 os.path.join(tmp, "store"), "--out", out] + _model_flags(args)
-        procs = [subprocess.Popen(argv, env=dict(os.environ, RANK=str(r), WORLD_SIZE=str(args.dp)))
-                 for r in range(args.dp)]
-        if any(p.wait() for p in procs):
-            raise RuntimeError(f"{name}: a rank failed")
+        logs = [os.path.join(tmp, f"rank{r}.err") for r in range(args.dp)]
+        procs = []
+        for r, log in enumerate(logs):
+            with open(log, "w") as err:
+                procs.append(subprocess.Popen(argv, stderr=err,
+                                              env=dict(os.environ, RANK=str(r), WORLD_SIZE=str(args.dp))))
+        failed = [log for p, log in zip(procs, logs) if p.wait()]
+        if failed:
+            with open(failed[0]) as f:
+                lines = [line.strip() for line in f if line.strip()]
+            raise RuntimeError(f"rank failed: {lines[-1] if lines else 'no message'}")
         with open(out) as f:
             return json.load(f)["seconds"]
+
+
+def measure(args) -> dict[str, list[float] | str]:
+    """Each variant's tokens/s, one per round, or why it did not run: refused by gcompile's config (checked
+    before any rank starts) or a failed rank. Each round runs every variant in turn, so a row's launches
+    are a round apart and a busy spell of the machine shows as that row's spread."""
+    tokens = args.dp * args.micro_batch_size * args.seq_length
+    results = {}
+    for name, variant in VARIANTS.items():
+        try:
+            make_config(args, args.dp, variant)
+            results[name] = []
+        except ConfigError as e:
+            results[name] = f"not run: {e}"
+    for _ in range(args.repeats):
+        for name, runs in list(results.items()):
+            if isinstance(runs, list):
+                try:
+                    runs.append(tokens / run_variant(args, name))
+                except RuntimeError as e:
+                    results[name] = str(e)
+    return results
+
+
+def throughput_table(results: dict[str, list[float] | str]) -> str:
+    """tokens/s (median over rounds), spread ((max - min) / median over rounds) and ratios to BASELINES."""
+    medians = {name: statistics.median(runs) for name, runs in results.items() if isinstance(runs, list)}
+    lines = [f"{'':50s} {'tokens/s':>9s} {'spread':>7s}" + "".join(f" {column:>17s}" for column in BASELINES)]
+    for name, runs in results.items():
+        if name not in medians:
+            lines.append(f"{name:50s} {runs}")
+            continue
+        ratios = [f" {medians[name] / medians[b]:16.2f}x" if b in medians else f" {'-':>17s}"
+                  for b in BASELINES.values()]
+        spread = (max(runs) - min(runs)) / medians[name]
+        lines.append(f"{name:50s} {medians[name]:9.0f} {spread:7.1%}" + "".join(ratios))
+    return "\n".join(lines)
 
 
 def _model_flags(args) -> list[str]:
@@ -154,8 +238,9 @@ def main():
     p.add_argument("--n-head", type=int, default=8)
     p.add_argument("--seq-length", type=int, default=256)
     p.add_argument("--micro-batch-size", type=int, default=8)
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=6)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=2, help="rounds of all variants; the spread column is across them")
     p.add_argument("--bucket-size", type=int, default=1_000_000, help="--ddp-bucket-size for gcompile")
     p.add_argument("--memory-config", default="configs/gpt2-small.toml")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -165,14 +250,10 @@ def main():
     args = p.parse_args()
     if args.worker:
         return worker(args)
-    tokens = args.dp * args.micro_batch_size * args.seq_length
     print(f"dp={args.dp}: {args.n_layer} layers, {args.n_embd} wide, T={args.seq_length}, "
-          f"{args.micro_batch_size} samples per rank per step, gloo, {os.cpu_count()} cores")
-    results = {name: run_variant(args, name) for name in VARIANTS}
-    baseline = results["torch DDP + AdamW (eager)"]
-    print(f"{'':52s} {'tokens/s':>9s} {'vs DDP':>7s}")
-    for name, seconds in results.items():
-        print(f"{name:52s} {tokens / seconds:9.0f} {baseline / seconds:6.2f}x")
+          f"{args.micro_batch_size} samples per rank per step, gloo, {os.cpu_count()} cores, "
+          f"{args.repeats} rounds of {args.iters} timed steps", flush=True)
+    print(throughput_table(measure(args)))
     print(optimizer_bytes_table(args.memory_config))
 
 
