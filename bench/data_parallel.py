@@ -173,7 +173,9 @@ def measure(args) -> dict[str, list[float] | str]:
     are a round apart and a busy spell of the machine shows as that row's spread."""
     tokens = args.dp * args.micro_batch_size * args.seq_length
     results = {}
-    for name, variant in VARIANTS.items():
+    chosen = {name: v for name, v in VARIANTS.items()
+              if not args.only or name in BASELINES.values() or any(word in name for word in args.only)}
+    for name, variant in chosen.items():
         try:
             make_config(args, args.dp, variant)
             results[name] = []
@@ -241,6 +243,8 @@ def main():
     p.add_argument("--iters", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=2, help="rounds of all variants; the spread column is across them")
+    p.add_argument("--only", nargs="+", default=[], metavar="WORD",
+                   help="run the baselines and the variants whose name holds one of these words (e.g. ZeRO-3)")
     p.add_argument("--bucket-size", type=int, default=1_000_000, help="--ddp-bucket-size for gcompile")
     p.add_argument("--memory-config", default="configs/gpt2-small.toml")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
