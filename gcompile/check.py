@@ -227,7 +227,7 @@ def estimate_memory(program: RankProgram) -> MemoryEstimate:
     activations = min(stacked, bound * max(per_stage.values(), default=0))
     waiting_w = waiting_weight_bound(program.schedule, program.coords.axis_rank("pp"))
     activations += waiting_w * sum(_weight_bytes(stage) for stage in program.stages.values())
-    return MemoryEstimate(weights=layout.numel * settings.param_dtype.itemsize, grads=layout.numel * 4 + reduced,
+    return MemoryEstimate(weights=layout.numel * settings.param_dtype.itemsize, grads=held["grads"] + reduced,
                           optimizer=optimizer, activations=activations,
                           gathered=max((_gathered_bytes(stage) for stage in program.stages.values()), default=0))
 

@@ -72,12 +72,15 @@ class LoweredStage:
     """Tensors forward saves for backward, per microbatch."""
     rank_constants: dict[str, int]
     backward_last: fx.GraphModule | None = None
-    """The backward of the stage's last microbatch when it also starts dp reductions of finished buckets:
+    """The backward of the stage's last microbatch (under optim_grads: of every microbatch) when it also
+    starts dp reductions of finished buckets:
     backward_last(*saved, *output_grads, *last_inputs) -> (*param_grads, *input_grads, *last_outputs)."""
     last_inputs: tuple[tuple[str, int, int], ...] = ()
     """(TrainState buffer, start, end) slices fed to backward_last after the output gradients."""
     last_outputs: tuple[tuple[str, int, int], ...] = ()
     """(TrainState buffer, start, end) slices that backward_last's extra outputs are copied into."""
+    last_outputs_add: bool = False
+    """backward_last runs for every microbatch (optim_grads) and its extra outputs add into those slices."""
     backward_weight: fx.GraphModule | None = None
     """Zero-bubble schedules: W, the parameter gradients `backward` (then B) leaves (gcompile/backward_split.py):
     backward(*saved, *output_grads) -> (*param_grads, *input_grads, *stash);
@@ -146,6 +149,9 @@ class RankProgram:
     optimizer_shard: str | None = None
     """The group whose ranks each hold 1/n of the optimizer state (main weights, AdamW states, flags),
     rank i the i-th 1/n of every bucket (gcompile.flat); None: every rank holds all of it."""
+    grad_accumulator: bool = True
+    """Whether any gradient accumulates in the flat fp32 buffer; False when every bucket is reduce-scattered
+    by each microbatch's backward (optim_grads): the runtime never allocates it."""
     grads_between_steps: bool = True
     """Whether the flat gradient accumulator stays allocated between steps; False under optim_grads (ZeRO-2),
     where the step reads only the reduced shard: the runtime allocates the accumulator at a step's first

@@ -76,12 +76,15 @@ class Runtime:
         self.optimizer_args = state.optimizer_args(program.optimizer.inputs)
         self.state = state
         self.last_stage = program.schedule.pp * program.schedule.vpp - 1
-        state.acquire_grads()  # views need the storage; they outlive a release
-        params, grads = program.layout.views(state.params), program.layout.views(state.grads)
+        params = program.layout.views(state.params)
         self.param_args = {s: [params[p.name] for p in st.params] for s, st in program.stages.items()}
-        self.grad_views = {s: [grads[p.name] for p in st.params] for s, st in program.stages.items()}
-        if not program.grads_between_steps:
-            state.release_grads()
+        self.grad_views = {s: [] for s in program.stages}  # optim_grads: every gradient goes to its shard
+        if program.grad_accumulator:
+            state.acquire_grads()  # views need the storage; they outlive a release
+            grads = program.layout.views(state.grads)
+            self.grad_views = {s: [grads[p.name] for p in st.params] for s, st in program.stages.items()}
+            if not program.grads_between_steps:
+                state.release_grads()
         self.constants = {s: {role: torch.tensor(value, device=state.params.device)
                               for role, value in st.rank_constants.items()} for s, st in program.stages.items()}
         self.loss_grad = torch.full((), 1.0 / program.schedule.num_microbatches, dtype=torch.float32,
@@ -163,8 +166,11 @@ class Runtime:
                 self.step_result = self.step_fn(*self.optimizer_args)
                 if not self.program.grads_between_steps:  # optim_grads: only the reduced shard persists
                     self.state.release_grads()
+                if any(st.last_outputs_add for st in self.program.stages.values()):
+                    self.state.reduced_grads.zero_()  # the next step's microbatches add into it
             else:
-                self.state.acquire_grads()
+                if self.program.grad_accumulator:
+                    self.state.acquire_grads()
                 self._backward(instruction)
             self.recorder.finish("instruction")
             self._measure()
@@ -232,7 +238,8 @@ class Runtime:
         if last:  # reduced buckets replace what they were reduced from
             reduced = grads[len(grads) - len(stage.last_outputs):]
             for (buffer, start, end), value in zip(stage.last_outputs, reduced):
-                getattr(self.state, buffer)[start:end].copy_(value)
+                target = getattr(self.state, buffer)[start:end]
+                target.add_(value) if stage.last_outputs_add else target.copy_(value)
             grads = grads[:len(grads) - len(stage.last_outputs)]
         if a.stage > 0:
             acts = stage.activation_inputs()

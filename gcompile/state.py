@@ -77,7 +77,7 @@ class TrainState:
             hysteresis_left=torch.tensor(float(scaling.hysteresis), device=device))
         state = cls(
             params=torch.zeros(layout.numel, device=device, dtype=settings.param_dtype),
-            grads=torch.zeros(layout.numel, device=device, dtype=torch.float32),
+            grads=zeros("grads"),  # empty where no gradient accumulates (optim_grads)
             main=zeros("main") if "main" in wanted else None,
             exp_avg=zeros("exp_avg"),
             exp_avg_sq=zeros("exp_avg_sq"),

@@ -109,8 +109,10 @@ def train(config: RunConfig, coords: Coords, device: str = "cpu", log=print) -> 
         if not device.startswith("cuda"):
             if t.cuda_graphs:
                 quiet("--cuda-graphs: no CUDA device here; the instruction list runs directly")
-        elif not program.grads_between_steps:  # a replay cannot free and reallocate the accumulator
-            quiet("CUDA graphs: not under optim_grads, which frees the gradient accumulator between steps")
+        elif program.grad_accumulator and not program.grads_between_steps:  # a replay cannot free and
+            # reallocate the accumulator
+            quiet("CUDA graphs: not under optim_grads with a pipeline-tied embedding, whose gradient "
+                  "accumulator is freed between steps")
         else:
             train_step = GraphedTrainStep(runtime)
 

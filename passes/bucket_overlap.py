@@ -10,6 +10,10 @@ Ensures:  each local stage whose last-microbatch backward finishes some buckets 
           state buffers the optimizer reads; the stage's last B instruction runs `backward_last`.
           Buckets holding a tied parameter are left
           to the optimizer step (their pipeline-stage sum must come first).
+          Every microbatch (optim_grads): each B instruction runs `backward_last`, which
+          reduces that microbatch's gradients alone (zeros where the bucket holds other
+          stages' parameters) and returns no gradient of them to the accumulator; the runtime
+          adds the results into the buffer, so no full gradient of those buckets is kept.
 
 Rewrite (backward of the last microbatch, per finished bucket b):
     before: g_p = ...grad of p...                           (runtime: acc[p] += g_p)
@@ -49,26 +53,37 @@ def overlappable_buckets(program: RankProgram) -> frozenset[int]:
 
 
 def overlap_buckets(program: RankProgram, buckets: frozenset[int], start: StartReduction, finish: Finish,
-                    destination: Callable[[int, Bucket], tuple[str, int, int]]) -> RankProgram:
-    """Move the reduction of `buckets` into the backward graphs that finish them."""
+                    destination: Callable[[int, Bucket], tuple[str, int, int]],
+                    every_microbatch: bool = False) -> RankProgram:
+    """Move the reduction of `buckets` into the backward graphs that finish them. `every_microbatch`: every
+    microbatch's backward reduces its own gradients of every bucket its stage holds a parameter of, and
+    the runtime adds the results up (nothing of those buckets accumulates in the flat gradient buffer)."""
     layout = program.layout
-    last_b = {a.stage: i for i, a in enumerate(program.instructions) if a.op == Kind.B}
+    b_instructions = {}
+    for i, a in enumerate(program.instructions):
+        if a.op == Kind.B:
+            b_instructions.setdefault(a.stage, []).append(i)
     holders = {name: [s for s, st in program.stages.items() if name in {p.name for p in st.params}]
                for name in (p.name for p in layout.params)}
-    finished_by = {}
+    reduced_by = {}
     for i in sorted(buckets):
         b = layout.buckets[i]
         stages = {s for p, o in zip(layout.params, layout.offsets) if b.start <= o < b.end for s in holders[p.name]}
-        finished_by.setdefault(max(stages, key=last_b.__getitem__), []).append(i)
+        for s in stages if every_microbatch else [max(stages, key=lambda s: b_instructions[s][-1])]:
+            reduced_by.setdefault(s, []).append(i)
     stages, instructions = dict(program.stages), list(program.instructions)
-    for s, bucket_ids in finished_by.items():
-        stages[s] = _with_reductions(stages[s], program, bucket_ids, start, finish, destination)
-        instructions[last_b[s]] = replace(instructions[last_b[s]], graph="backward_last")
-    return replace(program, stages=stages, instructions=tuple(instructions))
+    for s, bucket_ids in reduced_by.items():
+        stages[s] = _with_reductions(stages[s], program, bucket_ids, start, finish, destination, every_microbatch)
+        for i in b_instructions[s] if every_microbatch else b_instructions[s][-1:]:
+            instructions[i] = replace(instructions[i], graph="backward_last")
+    covered = {p.name for p, o in zip(layout.params, layout.offsets)
+               if any(layout.buckets[i].start <= o < layout.buckets[i].end for i in buckets)}
+    accumulates = not every_microbatch or any(p.name not in covered for p in layout.params)
+    return replace(program, stages=stages, instructions=tuple(instructions), grad_accumulator=accumulates)
 
 
 def _with_reductions(stage: LoweredStage, program: RankProgram, bucket_ids: list[int], start: StartReduction,
-                     finish: Finish, destination) -> LoweredStage:
+                     finish: Finish, destination, every_microbatch: bool) -> LoweredStage:
     layout = program.layout
     gm = copy.deepcopy(stage.backward)
     graph = gm.graph
@@ -78,43 +93,58 @@ def _with_reductions(stage: LoweredStage, program: RankProgram, bucket_ids: list
     order = {node: i for i, node in enumerate(graph.nodes)}
     anchor = list(graph.find_nodes(op="placeholder"))[-1]
     val = anchor.meta["val"]
-    inputs, finals = [], []
+
+    def zeros(n: int) -> fx.Node:
+        return graph.call_function(aten.zeros.default, ([n],), {"dtype": torch.float32, "device": val.device})
+
+    inputs, finals, reduced = [], [], set()
     for i in bucket_ids:
         b = layout.buckets[i]
-        with graph.inserting_after(anchor):
-            acc = anchor = graph.placeholder(f"bucket{i}_accumulated")
-        with val.fake_mode:
-            acc.meta["val"] = torch.empty(b.numel, dtype=torch.float32, device=val.device)
-        inputs.append(("grads", b.start, b.end))
+        if every_microbatch:
+            acc = None
+        else:
+            with graph.inserting_after(anchor):
+                acc = anchor = graph.placeholder(f"bucket{i}_accumulated")
+            with val.fake_mode:
+                acc.meta["val"] = torch.empty(b.numel, dtype=torch.float32, device=val.device)
+            inputs.append(("grads", b.start, b.end))
         members = [(p, shape, o) for p, shape, o in zip(layout.params, layout.shapes, layout.offsets)
                    if b.start <= o < b.end]
         grads = [grad_of[p.name] for p, _, _ in members if p.name in grad_of]
         last = max(grads, key=order.__getitem__, default=None)
         with graph.inserting_before(last.next if last is not None else output):  # keeps creation order
+
+            def held(begin: int, end: int) -> fx.Node:  # what the accumulator holds of [begin, end)
+                return zeros(end - begin) if acc is None else slice_of(graph, acc, begin - b.start, end - b.start)
+
             pieces, cursor = [], b.start
             for p, shape, o in members:
                 if o > cursor:
-                    pieces.append(slice_of(graph, acc, cursor - b.start, o - b.start))
-                piece = slice_of(graph, acc, o - b.start, o - b.start + math.prod(shape))
+                    pieces.append(held(cursor, o))
+                piece = held(o, o + math.prod(shape))
                 if p.name in grad_of:
                     flat = graph.call_function(aten.reshape.default, (grad_of[p.name], [-1]))
                     flat = graph.call_function(aten._to_copy.default, (flat,), {"dtype": torch.float32})
-                    piece = graph.call_function(aten.add.Tensor, (piece, flat))
+                    piece = flat if acc is None else graph.call_function(aten.add.Tensor, (piece, flat))
+                    reduced.add(p.name)
                 pieces.append(piece)
                 cursor = o + math.prod(shape)
             if cursor < b.end:
-                pieces.append(slice_of(graph, acc, cursor - b.start, b.numel))
+                pieces.append(held(cursor, b.end))
             total = graph.call_function(aten.cat.default, (pieces,))
             started = start(graph, total, i)
         with graph.inserting_before(output):
             finals.append(finish(graph, graph.call_function(torch.ops._c10d_functional.wait_tensor.default,
                                                               (started,))))
+    if every_microbatch:  # the reduced shard holds them: nothing of them goes to the accumulator
+        outputs = [None if k < len(stage.params) and stage.params[k].name in reduced else g
+                   for k, g in enumerate(outputs)]
     output.args = (tuple(outputs) + tuple(finals),)
     for node in graph.nodes:
         if node.op == "call_function" and "val" not in node.meta:
             node.meta["pass"] = NAME
     propagate_shapes(gm)
-    return replace(stage, backward_last=gm, last_inputs=tuple(inputs),
+    return replace(stage, backward_last=gm, last_inputs=tuple(inputs), last_outputs_add=every_microbatch,
                    last_outputs=tuple(destination(i, layout.buckets[i]) for i in bucket_ids))
 
 

@@ -13,11 +13,12 @@ Ensures:  dp rank i owns the i-th 1/dp of every bucket; the step's main weights,
           microbatch's backward (passes/bucket_overlap.py) and lands in `reduced_grads`,
           a new input of the step.
           optim_grads: every bucket that can (all but those holding a pipeline-tied weight)
-          is reduce-scattered so; when that is every bucket the step reads no full gradient
-          (the copy it made is erased). program.grads_between_steps is False: the runtime frees the
-          flat accumulator after the step and allocates it again at the next step's
-          first backward. It still holds the local stage's whole gradient from then to the
-          update, as microbatches accumulate into it; between steps only the shard is kept.
+          is reduce-scattered by every microbatch's backward, each microbatch's own gradients,
+          and the runtime adds the shards up in `reduced_grads`; when that is every bucket
+          the step reads and zeroes no full gradient and the runtime never allocates the flat
+          accumulator (program.grad_accumulator is False). Otherwise the accumulator holds the
+          tied buckets from a step's first backward to its update, and is freed after it
+          (program.grads_between_steps is False).
 
 Rewrite (optimizer graph):
     before: main, exp_avg, exp_avg_sq, flags: (numel,)
@@ -68,7 +69,7 @@ def sharded_optimizer_pass(program: RankProgram, ctx: PassContext) -> RankProgra
     if ctx.config.parallel.overlap_grad_reduce or shard_grads:
         overlapped = overlappable_buckets(program)
         program = overlap_buckets(program, overlapped, start, finish,
-                                  lambda i, b: ("reduced_grads", offsets[i], offsets[i + 1]))
+                                  lambda i, b: ("reduced_grads", offsets[i], offsets[i + 1]), every_microbatch=shard_grads)
     gm = editable(program)
     inputs = program.optimizer.inputs
     placeholders = dict(zip(inputs, gm.graph.find_nodes(op="placeholder"), strict=True))
@@ -85,6 +86,11 @@ def sharded_optimizer_pass(program: RankProgram, ctx: PassContext) -> RankProgra
     reduce_gradient(gm, layout, start, finish, overlapped,
                     ready=lambda graph, grad, i: slice_of(graph, reduced_grads, offsets[i], offsets[i + 1]))
     drop_unread(gm, full_grad)  # every bucket overlapped: the step copies no full gradient
+    if not program.grad_accumulator:  # and zeroes none: the runtime never allocates it
+        for node in list(placeholders["grads"].users):
+            gm.graph.erase_node(node)
+        with placeholders["grads"].meta["val"].fake_mode:
+            placeholders["grads"].meta["val"] = torch.empty(0, device=placeholders["grads"].meta["val"].device)
     if ctx.coords.world_size > 1:
         for mark, op in ((NORM_SQ, "sum"), (FOUND_INF, "max")):
             if (node := marked(gm, mark)) is not None:
