@@ -11,6 +11,7 @@ import torch
 
 from gcompile.axes import Coords
 from gcompile.check import MeasuredMemory, check_plan, estimate_memory
+from gcompile.config import build_config
 from gcompile.collectives import collective_nodes
 from gcompile.pipeline import build_rank_program, builtin_passes
 from gcompile.state import TrainState
@@ -19,7 +20,8 @@ from gcompile.world import build_world
 from tests.multirank import assert_succeeded, launch, run_layouts
 from tests.test_checkpoint import N, WORKER, assert_close, assert_resume_is_exact, config, cut_resumed_straight, \
     losses
-from tests.test_data_parallel import LRS, check_dp_cases, in_one_process, small_config
+from tests.reference import ADAM_EPS, random_batches, reference_run
+from tests.test_data_parallel import LRS, assert_matches, check_dp_cases, in_one_process, small_config
 
 ZERO3 = dict(data_parallel_sharding_strategy="optim_grads_params")
 MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
@@ -44,6 +46,17 @@ def test_zero3_with_model_parallel_matches_eager():
         "tp2 pp2 dp2 zero3 1f1b": small_config(tp=2, pp=2, dp=2, **ZERO3),
         "tp2 pp2 dp2 zero3 zb1f1b": small_config(tp=2, pp=2, dp=2, pipeline_schedule="zb1f1b", **ZERO3),
     }, in_one_process)
+
+
+def test_zero3_with_interleaved_pipeline_matches_eager():
+    def config(**parallel):
+        return build_config({"model": dict(n_layer=4, n_head=4, n_embd=64, block_size=32),
+                             "parallel": parallel,
+                             "train": dict(micro_batch_size=2, global_batch_size=8, seq_length=32, lr=1e-3,
+                                           clip_grad=0.5, adam_eps=ADAM_EPS)})
+    batches = random_batches(config(), 3)
+    (result,) = in_one_process([config(pp=2, virtual_pipeline_size=2, dp=2, **ZERO3)], batches)
+    assert_matches(result, reference_run(config(), batches, LRS), 64, "pp2 vpp2 dp2 zero3")
 
 
 def test_hybrid_sharding_matches_eager():
