@@ -204,6 +204,9 @@ class _Done:
     def wait(self) -> bool:
         return True
 
+    def is_completed(self) -> bool:
+        return True
+
 
 @dataclass
 class _Recv:

@@ -14,7 +14,8 @@ Communication: consecutive SEND/RECV instructions go out as one batched
 isend/irecv into freshly allocated contiguous buffers. A receive is waited for
 right before its tensor is used; sends are waited for at the end of the
 iteration, so a send never blocks a rank (the schedule simulator assumes
-exactly that). Messages between two ranks are matched in posting order, which
+exactly that), and those already delivered are let go before each new
+exchange, so a rank holds only the sent activations still on their way. Messages between two ranks are matched in posting order, which
 the simulator checks is the same on both ends. Stages on one rank hand tensors
 over directly.
 
@@ -269,6 +270,9 @@ class Runtime:
     def _communicate(self, instructions: list[Instruction]):
         if not instructions:
             return
+        if not (self.state.params.is_cuda and torch.cuda.is_current_stream_capturing()):  # a query would
+            # break the capture; a replay holds its buffers anyway
+            self.sends = [(work, t) for work, t in self.sends if not work.is_completed()]  # drop what arrived
         ops, posted = [], []
         for a in instructions:
             if a.op == Kind.SEND_F:

@@ -55,6 +55,14 @@ def test_the_peak_holds_the_state_and_grows_with_the_microbatches_in_flight():
     assert g.peak.state == o.peak.state
 
 
+def test_a_rank_holds_only_the_sends_still_on_their_way():
+    """pp 2 gpipe, 8 microbatches: the first stage sends 8 activations; delivered ones are let go before the
+    next exchange, so at its peak it holds 3 messages of 1 x 32 x 64 fp32 (the last send and the receive
+    buffers posted around it), where keeping every send to the end of the step held 10."""
+    (peak, _, _) = measured_step(config(pp=2, pipeline_schedule="gpipe"), BuildCache())[0]
+    assert 0 < peak.peak.messages <= 3 * 32 * 64 * 4, peak
+
+
 def test_the_estimated_activations_match_the_measured_ones():
     """Saved tensors counted once per storage, weights not at all: the plan's estimate and the bytes the
     runtime holds agree to the byte on layouts with and without a pipeline (zero-bubble aside: its
