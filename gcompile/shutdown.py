@@ -9,9 +9,10 @@ thread blocked on that pipe acts at once, whatever the main thread is doing:
   rank) prints one line and exits 128 + the signal: 130 for SIGINT, 143 for SIGTERM;
 - a rank of the local launcher exits the same way without a word: the launcher passed
   the signal on and prints the line;
-- with --exit-signal-handler, SIGTERM only sets `requested`; the training loop asks
-  `agreed` after every iteration, an all-reduce of the flag, so every rank stops after
-  the same iteration, saves, and exits 143 (Megatron's DistributedSignalHandler).
+- with --exit-signal-handler, SIGTERM only sets `requested`; after every iteration the
+  training loop agrees on the flag over the world (in the all-reduce of gcompile.stop's
+  step flags), so every rank stops after the same iteration, saves, and exits 143
+  (Megatron's DistributedSignalHandler).
 
 A rank of the local launcher asks the kernel for SIGTERM when the launcher dies
 (`tie_to_launcher`) and then exits at once, --exit-signal-handler or not: no launcher is
@@ -122,13 +123,3 @@ def launcher_alive() -> bool:
     """False only in a rank whose local launcher has died (or one not started by one: True)."""
     launcher = os.environ.get(LAUNCHER_PID)
     return launcher is None or os.getppid() == int(launcher)
-
-
-def agreed(device: str) -> bool:
-    """Whether any rank was asked to stop (`requested`); every rank gets the same answer at the same
-    iteration because every rank asks once per iteration (gcompile.stop.any_rank: one flag's all-reduce)."""
-    import torch  # here: run_gpt.py installs the handlers before it imports torch
-
-    from gcompile.stop import any_rank
-
-    return any_rank(torch.tensor([float(requested.is_set())], device=device))[0]

@@ -97,12 +97,17 @@ def any_rank(flags: torch.Tensor) -> list[bool]:
     return [bool(f) for f in flags.tolist()]
 
 
-def check_step(iteration: int, loss: torch.Tensor | None, grad_norm: torch.Tensor, report: bool) -> None:
-    """Stop every rank when this step's loss (where this rank has it) or gradient norm is not finite."""
+def step_flags(loss: torch.Tensor | None, grad_norm: torch.Tensor, stop_requested: bool) -> torch.Tensor:
+    """What this rank saw of the step, for one `any_rank`: the loss (where this rank has it) not finite,
+    the gradient norm not finite, a stop asked for (gcompile.shutdown.requested)."""
     no_loss = torch.zeros((), device=grad_norm.device)
-    flags = torch.stack([no_loss if loss is None else (~torch.isfinite(loss)).float(),
-                         (~torch.isfinite(grad_norm)).float()])
-    bad_loss, bad_norm = any_rank(flags)
+    return torch.stack([no_loss if loss is None else (~torch.isfinite(loss)).float(),
+                        (~torch.isfinite(grad_norm)).float(), torch.full((), float(stop_requested),
+                                                                         device=grad_norm.device)])
+
+
+def check_step(iteration: int, bad_loss: bool, bad_norm: bool, report: bool) -> None:
+    """Stop every rank when any rank saw this step's loss or gradient norm not finite (`step_flags`)."""
     if bad_loss or bad_norm:
         what = {(1, 0): "lm loss is", (0, 1): "grad norm is", (1, 1): "lm loss and grad norm are"}[bad_loss, bad_norm]
         raise RunStopped(f"iteration {iteration}: the {what} NaN or inf; stopped before validating or "

@@ -37,7 +37,7 @@ from gcompile.runtime import Runtime
 from gcompile.schedule import Schedule, format_table, simulate
 from gcompile.schedule_render import render_svg
 from gcompile.state import TrainState
-from gcompile.stop import check_state, check_step
+from gcompile.stop import any_rank, check_state, check_step, step_flags
 
 
 LR_SCHEDULE = ("lr", "min_lr", "lr_warmup_iters", "lr_decay_iters", "lr_decay_style", "train_iters")
@@ -149,8 +149,17 @@ def train(config: RunConfig, coords: Coords, device: str = "cpu", log=print) -> 
             metrics.step(**record, print_line=iteration % config.log.log_interval == 0,
                          memory=peak.metrics() if peak else None)
             records.append(record)
-        if t.check_for_nan_in_loss_and_grad:
-            check_step(iteration, loss, result.grad_norm, report=coords.rank == 0)
+        signalled = False
+        if t.check_for_nan_in_loss_and_grad or c.exit_signal_handler:
+            recorder.start("collective", "all_reduce of this step's stop flags over the world (a NaN or inf "
+                                         "loss or grad norm, SIGTERM under --exit-signal-handler)")
+            bad_loss, bad_norm, signalled = any_rank(step_flags(loss, result.grad_norm, shutdown.requested.is_set()))
+            recorder.finish("collective")
+            if t.check_for_nan_in_loss_and_grad:
+                check_step(iteration, bad_loss, bad_norm, report=coords.rank == 0)
+            signalled = c.exit_signal_handler and signalled
+            if signalled:
+                shutdown.requested.set()  # this rank too exits as signalled, whichever rank got the signal
         if t.eval_interval and (iteration % t.eval_interval == 0 or iteration == t.train_iters):
             recorder.phase(f"validation at iteration {iteration}")
             val_loss = evaluate(runtime, valid_data, config, coords, device)
@@ -158,7 +167,6 @@ def train(config: RunConfig, coords: Coords, device: str = "cpu", log=print) -> 
                 metrics.validation(iteration=iteration, consumed_samples=consumed, loss=val_loss)
                 records.append(dict(iteration=iteration, val_loss=val_loss))
         exiting = c.exit_interval is not None and iteration % c.exit_interval == 0
-        signalled = c.exit_signal_handler and _stop_agreed(coords, device, recorder)
         interval = c.save_interval is not None and iteration % c.save_interval == 0
         if c.save and (exiting or signalled or interval or iteration == t.train_iters):
             if t.check_for_nan_in_loss_and_grad:
@@ -260,13 +268,3 @@ def _mean_over_dp(loss: torch.Tensor | None, coords: Coords, recorder: FlightRec
     dist.all_reduce(loss, group=group("dp"))
     recorder.finish("collective")
     return loss / coords.size("dp")
-
-
-def _stop_agreed(coords: Coords, device: str, recorder: FlightRecorder) -> bool:
-    """--exit-signal-handler: whether any rank got SIGTERM, the same answer on every rank."""
-    recorder.start("collective", "all_reduce of the SIGTERM flag over the world (--exit-signal-handler)")
-    agreed = shutdown.agreed(device)
-    recorder.finish("collective")
-    if agreed:
-        shutdown.requested.set()  # this rank too exits as signalled, whichever rank got the signal
-    return agreed
