@@ -1,0 +1,54 @@
+"""Context parallel (passes/context_parallel.py) against single-device eager, and what its graphs hold.
+
+Numerics as in tests/test_data_parallel.py: fp32, 1e-5 relative on losses, grad norms and final
+parameters after 3 steps on random batches, every rank in this process (gcompile.harness). GPT-2
+carries positions as arange + wpe, Llama as RoPE tables with grouped-query attention: the pass
+must give each token its global position in both without naming either model.
+"""
+
+import pytest
+import torch
+
+from gcompile import harness
+from gcompile.axes import Coords
+from gcompile.collectives import collective_nodes
+from gcompile.cp_ops import positions
+from gcompile.pipeline import build_rank_program, builtin_passes
+from tests import test_llama
+from tests.test_data_parallel import BUILD, LRS, check_dp_cases, in_one_process, small_config
+
+
+def test_layout_is_megatrons_load_balanced_one():
+    """2n chunks; rank i holds chunks i and 2n-1-i, so all ranks together hold every position once."""
+    assert positions(8, 2, 0).tolist() == [0, 1, 6, 7]
+    assert positions(8, 2, 1).tolist() == [2, 3, 4, 5]
+    assert sorted(torch.cat([positions(16, 4, r) for r in range(4)]).tolist()) == list(range(16))
+
+
+def test_gpt2_matches_eager():
+    check_dp_cases({"cp2": small_config(cp=2), "cp4": small_config(cp=4), "cp2 dp2": small_config(cp=2, dp=2)},
+                   in_one_process)
+
+
+def test_gpt2_with_model_parallel_matches_eager():
+    check_dp_cases({"cp2 tp2": small_config(cp=2, tp=2), "cp2 pp2": small_config(cp=2, pp=2)}, in_one_process)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_llama_matches_eager(cp):
+    batches, reference = test_llama.expected(False, 2, 1)
+    (result,) = harness.run_layouts([test_llama.config(cp=cp)], batches, LRS, cache=test_llama.BUILD)
+    test_llama.assert_matches(result.losses, result.grad_norms, result.params, reference, f"llama cp{cp}")
+
+
+def test_attention_gathers_keys_and_values_and_gradients_average_over_dp_cp():
+    config = small_config(cp=2, dp=2)
+    assert builtin_passes(config) == ["context_parallel", "data_parallel"]
+    program = build_rank_program(config, Coords.from_rank(1, config.mesh_sizes), log=lambda _: None, cache=BUILD)
+    stage = program.stages[0]
+    forward = [(op, args["group_name"]) for _, op, args in collective_nodes(stage.forward)]
+    backward = [(op, args["group_name"]) for _, op, args in collective_nodes(stage.backward)]
+    assert forward == [("all_gather_into_tensor", "cp")] * 4  # K and V of 2 layers
+    assert backward == [("reduce_scatter_tensor", "cp")] * 4
+    assert {args["group_name"] for _, op, args in collective_nodes(program.optimizer.graph)} == {"dp_cp"}
+    assert stage.rank_constants == {"cp_rank": 1}
