@@ -14,7 +14,11 @@ from gcompile.axes import Coords
 from gcompile.collectives import collective_nodes
 from gcompile.cp_ops import positions
 from gcompile.pipeline import build_rank_program, builtin_passes
+from gcompile.train import train
 from tests import test_llama
+from tests.multirank import assert_succeeded, launch
+from tests.test_checkpoint import N, WORKER, assert_close, assert_resume_is_exact, cut_resumed_straight, losses
+from tests.test_checkpoint import config as checkpoint_config
 from tests.test_data_parallel import BUILD, LRS, check_dp_cases, in_one_process, small_config
 
 
@@ -52,3 +56,21 @@ def test_attention_gathers_keys_and_values_and_gradients_average_over_dp_cp():
     assert backward == [("reduce_scatter_tensor", "cp")] * 4
     assert {args["group_name"] for _, op, args in collective_nodes(program.optimizer.graph)} == {"dp_cp"}
     assert stage.rank_constants == {"cp_rank": 1}
+
+
+@pytest.mark.slow
+def test_checkpoints_cross_cp_sizes(tmp_path):
+    """cp changes nothing a checkpoint holds: a cp2 run cut at N resumes exactly on cp2 and continues on one
+    rank, and a one-rank save continues on cp2, each with the losses of the uninterrupted cp2 run."""
+    one = tmp_path / "one"
+    train(checkpoint_config("--save", one / "save", "--exit-interval", N, "--run-dir", one / "run"),
+          Coords.from_rank(0, {}), log=lambda _: None)
+    dirs, configs = cut_resumed_straight(tmp_path, {"": ["--cp", 2]})
+    configs.append(checkpoint_config("--cp", 2, "--load", one / "save", "--run-dir", tmp_path / "from one" / "run"))
+    assert_succeeded(tmp_path, launch(tmp_path, WORKER, dict(configs=configs), world=2))
+    assert_resume_is_exact(dirs, "")
+    straight = losses(dirs["straight"] / "run")
+    assert_close(losses(tmp_path / "from one" / "run"), straight[N:], "a one-rank save continued on cp2")
+    train(checkpoint_config("--load", dirs["cut"] / "save", "--run-dir", tmp_path / "to one"),
+          Coords.from_rank(0, {}), log=lambda _: None)
+    assert_close(losses(tmp_path / "to one"), straight[N:], "a cp2 save continued on one rank")
