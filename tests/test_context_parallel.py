@@ -16,7 +16,7 @@ from gcompile.cp_ops import positions
 from gcompile.pipeline import build_rank_program, builtin_passes
 from gcompile.train import train
 from tests import test_llama
-from tests.multirank import assert_succeeded, launch
+from tests.multirank import assert_succeeded, launch, run_layouts
 from tests.test_checkpoint import N, WORKER, assert_close, assert_resume_is_exact, cut_resumed_straight, losses
 from tests.test_checkpoint import config as checkpoint_config
 from tests.test_data_parallel import BUILD, LRS, check_dp_cases, in_one_process, small_config
@@ -36,6 +36,12 @@ def test_gpt2_matches_eager():
 
 def test_gpt2_with_model_parallel_matches_eager():
     check_dp_cases({"cp2 tp2": small_config(cp=2, tp=2), "cp2 pp2": small_config(cp=2, pp=2)}, in_one_process)
+
+
+@pytest.mark.slow
+def test_compiled_on_ranks_matches_eager(tmp_path):
+    check_dp_cases({"cp2 dp2 compiled": small_config(cp=2, dp=2, compile=True)},
+                   lambda configs, batches: run_layouts(tmp_path, configs, batches, LRS))
 
 
 @pytest.mark.parametrize("cp", [2, 4])
