@@ -635,9 +635,9 @@ def _context_parallel_errors(config: RunConfig) -> list[str]:
                       f"each sample into 2 * cp chunks); give a multiple of {2 * p.cp}")
     if p.sequence_parallel:
         errors.append("sequence_parallel and cp > 1 do not combine yet; drop one of them")
-    if p.sharding != "no_shard":
-        errors.append(f"data_parallel_sharding_strategy {p.sharding} and cp > 1 do not combine yet (gradients "
-                      f"reduce over dp x cp only without sharding); drop one of them")
+    if p.sharding == "optim_grads_params":
+        errors.append("data_parallel_sharding_strategy optim_grads_params (ZeRO-3) and cp > 1 do not combine yet; "
+                      "use optim or optim_grads, or drop --cp")
     return errors
 
 

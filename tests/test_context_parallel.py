@@ -30,7 +30,9 @@ def test_layout_is_megatrons_load_balanced_one():
 
 
 def test_gpt2_matches_eager():
-    check_dp_cases({"cp2": small_config(cp=2), "cp4": small_config(cp=4), "cp2 dp2": small_config(cp=2, dp=2)},
+    check_dp_cases({"cp2": small_config(cp=2), "cp4": small_config(cp=4), "cp2 dp2": small_config(cp=2, dp=2),
+                    "cp2 dp2 distributed optimizer": small_config(cp=2, dp=2, use_distributed_optimizer=True),
+                    "cp2 dp2 optim_grads": small_config(cp=2, dp=2, data_parallel_sharding_strategy="optim_grads")},
                    in_one_process)
 
 
