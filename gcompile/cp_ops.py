@@ -6,8 +6,9 @@ mask an early chunk attends to few keys and a late one to many, so every rank
 gets the same attention work.
 
     local_tokens(x, dim, n, cp_rank)   the rank's tokens of a whole (.., T, ..) value / gradient scattered back
-    causal_attention(q, k, v, ...)     K and V all-gathered over "cp" (backward: reduce-scatter, tp_ops.gather),
-                                       the rank's queries against every key, masked by global positions
+    causal_mask(seq, n, cp_rank, dtype)  which gathered keys each of the rank's queries sees, by global position
+    attention(q, k, v, n, mask, ...)   K and V all-gathered over "cp" (backward: reduce-scatter, tp_ops.gather),
+                                       the rank's queries against every key under the mask
 
 The rank's index comes in as a 0-d int64 tensor, `cp_rank`, so every cp rank
 runs the same graph text.
@@ -34,15 +35,19 @@ def local_tokens(x: torch.Tensor, dim: int, n: int, cp_rank: torch.Tensor) -> to
     return x.index_select(dim, positions(x.shape[dim], n, cp_rank))
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int, cp_rank: torch.Tensor,
-                     is_causal: bool, dropout_p: float, scale: float | None, enable_gqa: bool) -> torch.Tensor:
-    """Exact attention of the rank's queries (B, nh, T/n, hs): K and V gathered whole, the causal mask
-    built from each query's and each key's global position (the gathered keys are not in sequence order)."""
+def causal_mask(seq: int, n: int, cp_rank: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The additive causal mask of the rank's queries against the gathered keys (0 or -inf), (T/n, T): the
+    gathered keys are not in sequence order, so it is built from each query's and key's global position.
+    Made once and shared by every attention of a stage, so backward keeps one, not one per layer."""
+    keys = torch.cat([positions(seq, n, r) for r in range(n)]).to(cp_rank.device)  # (T,)
+    allowed = positions(seq, n, cp_rank)[:, None] >= keys[None, :]  # (T/n, T)
+    return torch.zeros(allowed.shape, dtype=dtype, device=cp_rank.device).masked_fill(~allowed, float("-inf"))
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int, mask: torch.Tensor | None,
+              dropout_p: float, scale: float | None, enable_gqa: bool) -> torch.Tensor:
+    """Exact attention of the rank's queries (B, nh, T/n, hs) against every rank's keys and values; `mask`
+    from `causal_mask`, or None for attention that is not causal."""
     k, v = tp_ops.gather(k, 2, n, GROUP), tp_ops.gather(v, 2, n, GROUP)  # (B, nkv, T, hs), rank r's chunks r-th
-    mask = None
-    if is_causal:
-        seq = k.shape[2]
-        key_positions = torch.cat([positions(seq, n, r) for r in range(n)]).to(q.device)  # (T,)
-        mask = positions(seq, n, cp_rank)[:, None] >= key_positions[None, :]  # (T/n, T)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale,
                                           enable_gqa=enable_gqa)

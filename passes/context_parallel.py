@@ -27,8 +27,8 @@ Rewrite (n = cp, P = the rank's global positions, T/n of them):
     add(tok, wpe(arange(T)))     # (T,C)       add(tok, local_tokens(wpe(arange(T)), 0, n, cp_rank))
     mul(q, cos)                  # cos (T,hs)  mul(q, local_tokens(cos, 0, n, cp_rank))
     view(x, [B, T, nh, hs])                    view(x, [B, T/n, nh, hs])
-    sdpa(q, k, v, is_causal)     # (B,nh,T,hs) causal_attention(q, k, v, n, cp_rank, ...)  # all-gather K, V;
-                                                                                            # mask P >= key positions
+    sdpa(q, k, v, is_causal)     # (B,nh,T,hs) attention(q, k, v, n, mask, ...)   # all-gather K, V; mask:
+                                               mask = causal_mask(T, n, cp_rank)  # P >= key positions, one per stage
     cross_entropy_loss(z, t)                   cross_entropy_loss(z, t)   # the mean over the rank's tokens
 """
 
@@ -74,6 +74,7 @@ class _Splitter:
         """The sequence dim of every value that holds the rank's tokens."""
         self.locals: dict[tuple[fx.Node, int], fx.Node] = {}
         """local_tokens(x, dim) by (x, dim), shared by the ops that read it."""
+        self.masks: dict[torch.dtype, fx.Node] = {}
 
     def run(self) -> None:
         graph = self.stage.graph.graph
@@ -211,13 +212,20 @@ class _Splitter:
             raise GraphMismatch(NAME, node, "is an attention context parallel cannot rewrite: it needs q, k and "
                                             "v as (B, heads, T, head_dim), each from the batch, and no explicit "
                                             "mask (is_causal=True instead)")
-        out = insert_call(node, cp_ops.causal_attention,
-                          (q, k, v, self.n, self.cp_rank, bound.get("is_causal", False), bound.get("dropout_p", 0.0),
-                           bound.get("scale"), bound.get("enable_gqa", False)), NAME)
+        mask = self.causal_mask(node, full_shape(k)[2], q.meta["val"].dtype) if bound.get("is_causal") else None
+        out = insert_call(node, cp_ops.attention, (q, k, v, self.n, mask, bound.get("dropout_p", 0.0),
+                                                   bound.get("scale"), bound.get("enable_gqa", False)), NAME)
         out.meta["val"] = node.meta["val"]
         node.replace_all_uses_with(out)
         node.graph.erase_node(node)
         self.dims[out] = 2
+
+    def causal_mask(self, attention: fx.Node, seq: int, dtype: torch.dtype) -> fx.Node:
+        """One mask per stage and dtype, made before the first attention that needs it."""
+        if dtype not in self.masks:
+            self.masks[dtype] = insert_call(attention, cp_ops.causal_mask, (seq, self.n, self.cp_rank, dtype), NAME,
+                                            before=True)
+        return self.masks[dtype]
 
     def loss(self, node: fx.Node) -> None:
         logits, targets = node.args[0], node.args[LOSSES[node.target]]
