@@ -633,8 +633,9 @@ def _context_parallel_errors(config: RunConfig) -> list[str]:
     if seq % (2 * p.cp):
         errors.append(f"seq_length={seq} is not divisible by 2 * cp={p.cp} = {2 * p.cp} (context parallel cuts "
                       f"each sample into 2 * cp chunks); give a multiple of {2 * p.cp}")
-    if p.sequence_parallel:
-        errors.append("sequence_parallel and cp > 1 do not combine yet; drop one of them")
+    elif p.sequence_parallel and seq // p.cp % p.tp:
+        errors.append(f"seq_length={seq} / cp={p.cp} is not divisible by tp={p.tp} (sequence_parallel cuts each cp "
+                      f"rank's tokens over tp)")
     if p.sharding == "optim_grads_params":
         errors.append("data_parallel_sharding_strategy optim_grads_params (ZeRO-3) and cp > 1 do not combine yet; "
                       "use optim or optim_grads, or drop --cp")

@@ -8,12 +8,14 @@ single-device result. Each rank's loss is the mean over its tokens; with equal
 token counts per rank, averaging parameter gradients over dp_cp (data_parallel)
 gives the single-device gradient.
 
-Requires: the whole model in one stage (runs before pipeline_split); "idx" and
+Requires: the whole model in one stage (runs after tensor_parallel and sequence_parallel,
+  before pipeline_split); "idx" and
   "targets" are (B, T) inputs; every op that reads the rank's tokens is one this
   pass knows to be token-wise, a view or transpose that keeps the sequence dim
   whole, attention without an explicit mask, or the mean cross-entropy (tensor
   parallel's vocab-parallel ops included); anything else is refused with the node,
-  its op and its source line. seq_length is divisible by 2 * cp (config.validate).
+  its op and its source line. seq_length is divisible by 2 * cp, and by 2 * cp * tp under
+  sequence parallel (config.validate), whose cuts then split the rank's tokens over tp.
 Ensures: every value derived from the batch holds the rank's T/cp tokens; a value
   every rank computes whole (positions, a position embedding, RoPE's cos/sin) is
   cut to the rank's tokens where it meets them, so each token keeps its global
@@ -51,6 +53,8 @@ aten = torch.ops.aten
 SAME_CUT = (*SHAPE_PRESERVING, *TOKEN_WISE, aten.alias.default, aten.detach.default, operator.getitem,
             tp_ops.copy_to_tp, tp_ops.reduce_from_tp)
 """Ops whose output holds the tokens of their input on the same dim (checked by `_same_cut`)."""
+SEQUENCE_PARALLEL = (tp_ops.reduce_scatter_to_sequence, tp_ops.gather_from_sequence, tp_ops.scatter_to_sequence)
+"""Sequence parallel's cuts of the sequence over tp: on the rank's tokens they cut or gather those further."""
 LOSSES = {aten.cross_entropy_loss.default: 1, tp_ops.vocab_parallel_cross_entropy: 1}
 """Mean losses over (N, V) logits and (N,) targets, by the argument index of the targets."""
 
@@ -83,6 +87,8 @@ class _Splitter:
                 first_use = next(n for n in graph.nodes if n in node.users)  # keeps it in that use's pipeline stage
                 local = self.local(node, 1, first_use)
                 node.replace_all_uses_with(local, delete_user_cb=lambda user: user is not local)
+        for node in graph.find_nodes(op="call_function", target=tp_ops.scatter_to_sequence):
+            node.update_arg(0, self.local(node.args[0], node.args[1], node))  # the cp cut first, then sp's
         for node in list(graph.nodes):
             if node not in self.dims and any(a in self.dims for a in node.all_input_nodes):
                 self.propagate(node)
@@ -120,6 +126,11 @@ class _Splitter:
         elif dim is None:
             raise GraphMismatch(NAME, node, "reads the rank's tokens in an argument other than the first; only "
                                             "element-wise ops, embeddings, attention and the loss may")
+        elif target in SEQUENCE_PARALLEL:
+            if node.args[1] != dim:
+                raise GraphMismatch(NAME, node, f"cuts or gathers dim {node.args[1]} over tp, but the sequence is "
+                                                f"on dim {dim}")
+            self.dims[node] = dim
         elif target in VIEWS:
             self.view(node, dim)
         elif target is aten.transpose.int:

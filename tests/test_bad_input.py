@@ -209,6 +209,8 @@ CASES = [
      a_pass("def my_pass(program, ctx):\n    return None\n"), "pass 'my_pass' returned NoneType"),
     ("seq length not divisible by 2 * cp", "run_gpt", ["--cp", "2", "--seq-length", "14"], None,
      "seq_length=14 is not divisible by 2 * cp=2 = 4"),
+    ("cp-comm-type p2p", "run_gpt", ["--cp", "2", "--cp-comm-type", "p2p"], None,
+     "cp_comm_type='p2p' must be all_gather (the p2p ring is not built yet)"),
     ("cp with an attention it cannot rewrite", "run_gpt", ["--arch", "{tmp}/masked.py:SPEC", "--cp", "2",
                                                            "--check-plan"],
      lambda tmp, saved: (tmp / "masked.py").write_text(MASKED_ATTENTION),

@@ -37,7 +37,8 @@ def test_gpt2_matches_eager():
 
 
 def test_gpt2_with_model_parallel_matches_eager():
-    check_dp_cases({"cp2 tp2": small_config(cp=2, tp=2), "cp2 pp2": small_config(cp=2, pp=2)}, in_one_process)
+    check_dp_cases({"cp2 tp2": small_config(cp=2, tp=2), "cp2 pp2": small_config(cp=2, pp=2),
+                    "cp2 tp2 sequence parallel": small_config(cp=2, tp=2, sequence_parallel=True)}, in_one_process)
 
 
 @pytest.mark.slow
@@ -46,11 +47,12 @@ def test_compiled_on_ranks_matches_eager(tmp_path):
                    lambda configs, batches: run_layouts(tmp_path, configs, batches, LRS))
 
 
-@pytest.mark.parametrize("cp", [2, 4])
-def test_llama_matches_eager(cp):
+@pytest.mark.parametrize("layout", [dict(cp=2), dict(cp=4), dict(cp=2, tp=2, sequence_parallel=True)],
+                         ids=["cp2", "cp4", "cp2-tp2-sp"])
+def test_llama_matches_eager(layout):
     batches, reference = test_llama.expected(False, 2, 1)
-    (result,) = harness.run_layouts([test_llama.config(cp=cp)], batches, LRS, cache=test_llama.BUILD)
-    test_llama.assert_matches(result.losses, result.grad_norms, result.params, reference, f"llama cp{cp}")
+    (result,) = harness.run_layouts([test_llama.config(**layout)], batches, LRS, cache=test_llama.BUILD)
+    test_llama.assert_matches(result.losses, result.grad_norms, result.params, reference, f"llama {layout}")
 
 
 def test_attention_gathers_keys_and_values_and_gradients_average_over_dp_cp():
