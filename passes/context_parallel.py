@@ -45,14 +45,14 @@ from gcompile.pass_manager import PassContext, register_pass
 from gcompile.program import Program, Stage
 from passes.rewrite import GraphMismatch, insert_call, rank_constant
 from passes.sequence_parallel import TOKEN_WISE
-from passes.tensor_parallel import SHAPE_PRESERVING, VIEWS, full_shape
+from passes.tensor_parallel import BROADCASTING, SHAPE_PRESERVING, VIEWS, full_shape
 
 NAME = "context_parallel"
 aten = torch.ops.aten
 
 SAME_CUT = (*SHAPE_PRESERVING, *TOKEN_WISE, aten.alias.default, aten.detach.default, operator.getitem,
             tp_ops.copy_to_tp, tp_ops.reduce_from_tp)
-"""Ops whose output holds the tokens of their input on the same dim (checked by `_same_cut`)."""
+"""Ops whose output holds the tokens of their input on the same dim (checked by `same_cut`)."""
 SEQUENCE_PARALLEL = (tp_ops.reduce_scatter_to_sequence, tp_ops.gather_from_sequence, tp_ops.scatter_to_sequence)
 """Sequence parallel's cuts of the sequence over tp: on the rank's tokens they cut or gather those further."""
 LOSSES = {aten.cross_entropy_loss.default: 1, tp_ops.vocab_parallel_cross_entropy: 1}
@@ -79,6 +79,7 @@ class _Splitter:
         self.locals: dict[tuple[fx.Node, int], fx.Node] = {}
         """local_tokens(x, dim) by (x, dim), shared by the ops that read it."""
         self.masks: dict[torch.dtype, fx.Node] = {}
+        """The causal mask by dtype, shared by the stage's attentions."""
 
     def run(self) -> None:
         graph = self.stage.graph.graph
@@ -121,7 +122,7 @@ class _Splitter:
             if node.args[0] in self.dims or node.args[1] not in self.dims:
                 raise GraphMismatch(NAME, node, "looks up a table that holds the rank's tokens")
             self.dims[node] = self.dims[node.args[1]]
-        elif target in (aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor):
+        elif target in BROADCASTING:
             self.broadcast(node)
         elif dim is None:
             raise GraphMismatch(NAME, node, "reads the rank's tokens in an argument other than the first; only "
