@@ -42,10 +42,12 @@ class ModelChoice:
 
 TP_COMM_BACKENDS = ("auto", "shm", "gloo")
 """Values of parallel.tp_comm_backend (gcompile.mesh.tp_group_backend)."""
+CP_COMM_TYPES = ("all_gather",)
+"""Values of parallel.cp_comm_type."""
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 """Megatron-FSDP's --data-parallel-sharding-strategy values."""
 
-POINTS = ("capture", "tensor_parallel", "sequence_parallel", "pipeline_split", "fully_sharded", "lower",
+POINTS = ("capture", "tensor_parallel", "sequence_parallel", "context_parallel", "pipeline_split", "fully_sharded", "lower",
           "tp_comm_overlap",
           "data_parallel", "sharded_optimizer")
 """The named points of the compiler, in order; a user pass goes `before:` or `after:` one of them
@@ -65,8 +67,11 @@ class ParallelConfig:
     dp: int = 1
     """Data-parallel size: replicas that each see 1/dp of the global batch."""
     cp: int = 1
-    """Context-parallel size (mesh axis cp, between tp and dp). No built-in pass uses it yet: cp ranks
-    hold whole sequences, compute alike and average their gradients; a user pass may give them work."""
+    """Context-parallel size (mesh axis cp, between tp and dp): each cp rank holds seq_length/cp tokens of every
+    sample (chunks i and 2cp-1-i of 2cp) and attention gathers keys and values from the others."""
+    cp_comm_type: str = "all_gather"
+    """How context-parallel attention gets the other ranks' keys and values: all_gather (Megatron's flag; its
+    p2p ring is not built yet)."""
     sequence_parallel: bool = False
     """Shard LayerNorm/residual regions along the sequence across the tp ranks."""
     tp_plan: tuple[str, ...] = ()
@@ -610,13 +615,31 @@ def validate(config: RunConfig) -> None:
             errors.append(str(e))
     for entry in p.passes:
         errors += _user_pass_errors(entry)
-    if p.cp > 1 and not p.passes:
-        errors.append(f"cp={p.cp}: no built-in pass uses the cp axis yet (context parallel is to come); "
-                      f"give a pass that does with --passes, or drop --cp")
+    errors += _context_parallel_errors(config)
     if p.memory_budget_gb is not None and p.memory_budget_gb <= 0:
         errors.append(f"memory_budget_gb={p.memory_budget_gb} must be positive")
     if errors:
         raise ConfigError("; ".join(errors))
+
+
+def _context_parallel_errors(config: RunConfig) -> list[str]:
+    p, seq = config.parallel, config.train.seq_length
+    errors = []
+    if p.cp_comm_type not in CP_COMM_TYPES:
+        errors.append(f"cp_comm_type={p.cp_comm_type!r} must be {' or '.join(CP_COMM_TYPES)} (the p2p ring is not "
+                      f"built yet)")
+    if p.cp == 1:
+        return errors
+    if seq % (2 * p.cp):
+        errors.append(f"seq_length={seq} is not divisible by 2 * cp={p.cp} = {2 * p.cp} (context parallel cuts "
+                      f"each sample into 2 * cp chunks); give a multiple of {2 * p.cp}")
+    elif p.sequence_parallel and seq // p.cp % p.tp:
+        errors.append(f"seq_length={seq} / cp={p.cp} is not divisible by tp={p.tp} (sequence_parallel cuts each cp "
+                      f"rank's tokens over tp)")
+    if p.sharding == "optim_grads_params":
+        errors.append("data_parallel_sharding_strategy optim_grads_params (ZeRO-3) and cp > 1 do not combine yet; "
+                      "use optim or optim_grads, or drop --cp")
+    return errors
 
 
 def _number_errors(config: RunConfig) -> list[str]:

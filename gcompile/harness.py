@@ -355,8 +355,8 @@ def run_layout(config: RunConfig, batches, lrs, inject_inf: dict[int, int], cach
         out = step(i, tokens, lr)
         for rank, (loss, grad_norm, skipped) in out.items():
             c, state, report = world.programs[rank].coords, world.states[rank], reports[rank]
-            if loss is not None:  # the mean over dp, summed in dp rank order as the hub would
-                dp_group = group_members(c, "dp")
+            if loss is not None:  # the mean over dp x cp, summed in rank order as the hub would
+                dp_group = group_members(c, "dp_cp")
                 loss = _fold("avg", [out[r][0] for r in dp_group])
             report["losses"].append(None if loss is None else loss.item())
             report["grad_norms"].append(grad_norm.item())

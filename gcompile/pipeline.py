@@ -1,13 +1,14 @@
 """The compiler, top to bottom: from a run config to the program one rank runs.
 
     capture          torch.export of the model's factory (its ModelSpec) on an example batch
-    passes           tensor_parallel, sequence_parallel, pipeline_split, user passes (forward Program)
+    passes           tensor_parallel, sequence_parallel, context_parallel, pipeline_split, user passes
+                     (forward Program)
     schedule         the pipeline schedule, as data
     lower            per stage: autograd -> forward graph + backward graph (+ W for zero bubble)
     layout           the rank's parameters in flat buffers and reduction buckets
     lower_rank       the dp = 1 optimizer step as a graph, and the rank's instruction list
     rank passes      tp_comm_overlap: tp collectives started early, waited late;
-                     data_parallel or sharded_optimizer (optim, optim_grads): gradients across dp,
+                     data_parallel or sharded_optimizer (optim, optim_grads): gradients across dp (x cp),
                      rewritten into the step;
                      user passes (RankProgram)
 
@@ -53,11 +54,13 @@ def builtin_passes(config: RunConfig) -> list[str]:
         names.append("tensor_parallel")
     if p.sequence_parallel:
         names.append("sequence_parallel")
+    if p.cp > 1:
+        names.append("context_parallel")
     if p.pp * p.virtual_pipeline_size > 1:
         names.append("pipeline_split")
     if p.tp > 1 and p.overlap_tp_comm:
         names.append("tp_comm_overlap")
-    if p.sharding != "no_shard" or p.dp > 1:
+    if p.sharding != "no_shard" or p.dp * p.cp > 1:
         names.append(GRAD_SYNC[p.sharding])
     return names
 

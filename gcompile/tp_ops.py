@@ -10,11 +10,12 @@ because FX code generation cannot name `Fn.apply`; a graph node calls them.
                                                                  used on local tokens only)
     reduce_from_tp              all-reduce    / identity        (Megatron g)
     gather_from_sequence        all-gather    / reduce-scatter  (into a column-parallel block, SP)
+    gather                      the same over any group         (context parallel's K and V over "cp")
     reduce_scatter_to_sequence  reduce-scatter / all-gather     (out of a row-parallel block, SP)
     scatter_to_sequence         local chunk   / all-gather      (a replicated (.., T, ..) value meets
                                                                  a sequence-sharded one, SP)
 
-All act over the process group registered as "tp". Per-rank numbers (the
+All but `gather` act over the process group registered as "tp". Per-rank numbers (the
 rank's index, hence its vocab rows) come in as a 0-d int64 tensor, `tp_rank`, so
 that every tp rank runs the same graph text.
 """
@@ -47,15 +48,17 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad
 
 
-class _GatherFromSequence(torch.autograd.Function):
+class _Gather(torch.autograd.Function):
+    """All-gather along `dim` over `group` / reduce-scatter (sequence parallel's, and context parallel's K, V)."""
+
     @staticmethod
-    def forward(ctx, x, dim, tp):
-        ctx.dim, ctx.tp = dim, tp
-        return collectives.all_gather(x, GROUP, tp, dim)
+    def forward(ctx, x, dim, n, group):
+        ctx.dim, ctx.n, ctx.group = dim, n, group
+        return collectives.all_gather(x, group, n, dim)
 
     @staticmethod
     def backward(ctx, grad):
-        return collectives.reduce_scatter(grad, GROUP, ctx.tp, ctx.dim), None, None
+        return collectives.reduce_scatter(grad, ctx.group, ctx.n, ctx.dim), None, None, None
 
 
 class _ReduceScatterToSequence(torch.autograd.Function):
@@ -90,7 +93,12 @@ def reduce_from_tp(x: torch.Tensor) -> torch.Tensor:
 
 
 def gather_from_sequence(x: torch.Tensor, dim: int, tp: int) -> torch.Tensor:
-    return _GatherFromSequence.apply(x, dim, tp)
+    return _Gather.apply(x, dim, tp, GROUP)
+
+
+def gather(x: torch.Tensor, dim: int, n: int, group: str) -> torch.Tensor:
+    """Every rank's `x` of `group` (n ranks), joined along `dim` in rank order; gradients reduce-scattered back."""
+    return _Gather.apply(x, dim, n, group)
 
 
 def reduce_scatter_to_sequence(x: torch.Tensor, dim: int, tp: int) -> torch.Tensor:

@@ -27,7 +27,7 @@ from gcompile.data import GPTDataset, build_datasets, check_token_ids
 from gcompile.flight import FlightRecorder, flight_dir, rank_file
 from gcompile.log import MetricsLog
 from gcompile.memory import MIB
-from gcompile.axes import Coords
+from gcompile.axes import Coords, role_size
 from gcompile.mesh import group
 from gcompile.pass_manager import rank_dump_dir
 from gcompile.pipeline import build_rank_program
@@ -261,10 +261,13 @@ def _every_rank(obj, coords: Coords) -> dict:
 
 
 def _mean_over_dp(loss: torch.Tensor | None, coords: Coords, recorder: FlightRecorder) -> torch.Tensor | None:
-    if loss is None or coords.size("dp") == 1:
+    """The mean loss of the global batch: over dp ranks, and over cp ranks, each of which holds the mean of
+    its share of every sample's tokens."""
+    ranks = role_size(coords, "dp_cp")
+    if loss is None or ranks == 1:
         return loss
     loss = loss.clone()
-    recorder.start("collective", "all_reduce of the loss over dp")
-    dist.all_reduce(loss, group=group("dp"))
+    recorder.start("collective", "all_reduce of the loss over dp x cp")
+    dist.all_reduce(loss, group=group("dp_cp"))
     recorder.finish("collective")
-    return loss / coords.size("dp")
+    return loss / ranks

@@ -1,8 +1,8 @@
-"""Data parallelism: gradients averaged over the dp group in flat buckets.
+"""Data parallelism: gradients averaged over the dp group (dp x cp under context parallel) in flat buckets.
 
 Requires: a lowered RankProgram whose flat layout is bucketed (gcompile.flat) and whose
           optimizer step is the dp = 1 step, its gradient marked GRAD (gcompile.optimizer).
-Ensures:  every bucket is all-reduced over "dp" and divided by dp before the norm and
+Ensures:  every bucket is all-reduced over "dp_cp" and divided by dp * cp before the norm and
           the update, so every dp rank updates identical full weights. By default the
           optimizer step starts with the reductions, all issued before any is waited
           for; with `--overlap-grad-reduce` each bucket's all-reduce starts inside the
@@ -12,13 +12,15 @@ Ensures:  every bucket is all-reduced over "dp" and divided by dp before the nor
 Rewrite (optimizer graph):
     before: grad = alias(accumulated local gradient)                    # marked GRAD
             norm(grad); AdamW(grad)
-    after:  started_b = all_reduce(grad[bucket b], "sum", "dp")          # every b, in order
-            grad' = cat(wait(started_b) / dp ...)                       # overlapped b: grad[b] as is
+    after:  started_b = all_reduce(grad[bucket b], "sum", "dp_cp")       # every b, in order
+            grad' = cat(wait(started_b) / (dp * cp) ...)                # overlapped b: grad[b] as is
             norm(grad'); AdamW(grad')
 
 Each dp rank sees the same number of tokens, so the mean of the dp ranks' mean
 gradients is the gradient of the mean loss over the global batch, as one device
-computes it.
+computes it. Context-parallel ranks see the same number of tokens too (each its
+share of every sample), so they join the average alike: the group is "dp_cp",
+which is "dp" when cp = 1.
 """
 
 from dataclasses import replace
@@ -26,24 +28,26 @@ from dataclasses import replace
 import torch
 import torch.fx as fx
 
+from gcompile.axes import role_size
 from gcompile.pass_manager import PassContext, register_pass
 from gcompile.rank_program import OptimizerGraph, RankProgram
 from passes.bucket_overlap import overlap_buckets, overlappable_buckets, slice_of
 from passes.optimizer_rewrite import editable, finished, reduce_gradient
 
 NAME = "data_parallel"
+GROUP = "dp_cp"
 _ops = torch.ops._c10d_functional
 
 
 @register_pass(NAME)
 def data_parallel_pass(program: RankProgram, ctx: PassContext) -> RankProgram:
-    dp = ctx.coords.size("dp")
+    ranks = role_size(ctx.coords, GROUP)
 
     def start(graph: fx.Graph, total: fx.Node, bucket: int) -> fx.Node:
-        return graph.call_function(_ops.all_reduce.default, (total, "sum", "dp"))
+        return graph.call_function(_ops.all_reduce.default, (total, "sum", GROUP))
 
     def finish(graph: fx.Graph, reduced: fx.Node) -> fx.Node:
-        return graph.call_function(torch.ops.aten.div.Tensor, (reduced, dp))
+        return graph.call_function(torch.ops.aten.div.Tensor, (reduced, ranks))
 
     overlapped = frozenset()
     if ctx.config.parallel.overlap_grad_reduce:

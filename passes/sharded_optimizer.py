@@ -11,7 +11,10 @@ Ensures:  dp rank i owns the i-th 1/dp of every bucket; the step's main weights,
           is reduced over the whole world (each piece counted once). With
           `--overlap-grad-reduce` a bucket's reduce-scatter starts inside the last
           microbatch's backward (passes/bucket_overlap.py) and lands in `reduced_grads`,
-          a new input of the step.
+          a new input of the step. Under context parallel the cp ranks hold the same shard:
+          each reduced shard is all-reduced over "cp" too and divided by dp * cp (as
+          passes/data_parallel.py averages over dp_cp), and the norm counts the cp copies
+          once through the flags (gcompile.state.norm_copies).
           optim_grads: every bucket that can (all but those holding a pipeline-tied weight)
           is reduce-scattered by every microbatch's backward, each microbatch's own gradients,
           and the runtime adds the shards up in `reduced_grads`; when that is every bucket
@@ -52,7 +55,7 @@ _ops = torch.ops._c10d_functional
 
 @register_pass(NAME)
 def sharded_optimizer_pass(program: RankProgram, ctx: PassContext) -> RankProgram:
-    dp, layout = ctx.coords.size("dp"), program.layout
+    dp, cp, layout = ctx.coords.size("dp"), ctx.coords.size("cp"), program.layout
     if not program.step_settings.separate_main:
         raise ValueError("sharded_optimizer needs fp32 main weights apart from the model's "
                          "(StepSettings.separate_main, set by --use-distributed-optimizer)")
@@ -62,7 +65,10 @@ def sharded_optimizer_pass(program: RankProgram, ctx: PassContext) -> RankProgra
         return graph.call_function(_ops.reduce_scatter_tensor.default, (total, "sum", dp, "dp"))
 
     def finish(graph: fx.Graph, reduced: fx.Node) -> fx.Node:
-        return graph.call_function(torch.ops.aten.div.Tensor, (reduced, dp))
+        if cp > 1:  # context parallel: the cp ranks hold the same shard, each summed over its dp ranks only
+            reduced = graph.call_function(_ops.wait_tensor.default,
+                                          (graph.call_function(_ops.all_reduce.default, (reduced, "sum", "cp")),))
+        return graph.call_function(torch.ops.aten.div.Tensor, (reduced, dp * cp))
 
     overlapped = frozenset()
     shard_grads = ctx.config.parallel.sharding == "optim_grads"

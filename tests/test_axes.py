@@ -4,7 +4,9 @@ The cp case is the compiler's claim in small: a test-only pass that all-reduces 
 the cp axis, with no file outside this one touched, gets its groups created, its
 collectives seen by the plan checker and named in the dump, and trains the same
 model as one device (real gloo ranks against eager autograd + torch.optim.AdamW,
-1e-5 relative, fp32).
+1e-5 relative, fp32). The built-in context_parallel pass runs before it: each cp
+rank's loss is the mean over its tokens, so the test pass's average over cp is the
+batch's loss, and its identity backward leaves the gradients as the built-in pass needs.
 """
 
 import os

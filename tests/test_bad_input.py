@@ -107,6 +107,47 @@ def non_utf8_rank0(dump):
     (dump / "rank0" / "schedule.txt").write_bytes(b"# rank 0 \xff\xfe\n")
 
 
+MASKED_ATTENTION = '''"""A model whose attention takes an explicit mask, which context parallel cannot rewrite."""
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from gcompile.models.spec import spec_with_defaults
+
+
+@dataclass(frozen=True)
+class MaskedConfig:
+    vocab_size: int = 257
+    """Token ids."""
+    block_size: int = 128
+    """The longest sequence."""
+    n_layer: int = 1
+    """One attention, no blocks."""
+    n_head: int = 1
+    """One head."""
+    n_embd: int = 16
+    """Hidden size."""
+
+
+class Masked(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.embed = nn.Embedding(config.vocab_size, config.n_embd)
+        self.head = nn.Linear(config.n_embd, config.vocab_size)
+
+    def forward(self, idx, targets):
+        x = self.embed(idx).unsqueeze(1)  # (B, 1, T, C)
+        mask = torch.ones(idx.size(1), idx.size(1), dtype=torch.bool, device=idx.device).tril()
+        y = F.scaled_dot_product_attention(x, x, x, attn_mask=mask).squeeze(1)
+        return F.cross_entropy(self.head(y).view(-1, 257), targets.view(-1))
+
+
+SPEC = spec_with_defaults("masked", MaskedConfig, Masked)
+'''
+
+
 # (id, cli, argv with {tmp} and {saved}, setup(tmp, saved) or None, a part of the one line);
 # `saved()` is the `saved_run` fixture's folder, made when a case first asks for it
 CASES = [
@@ -166,6 +207,15 @@ CASES = [
      "RuntimeError at {tmp}/user_pass.py:2: first line"),
     ("pass returning None", "run_gpt", ["--passes", "{tmp}/user_pass.py:my_pass"],
      a_pass("def my_pass(program, ctx):\n    return None\n"), "pass 'my_pass' returned NoneType"),
+    ("seq length not divisible by 2 * cp", "run_gpt", ["--cp", "2", "--seq-length", "14"], None,
+     "seq_length=14 is not divisible by 2 * cp=2 = 4"),
+    ("cp-comm-type p2p", "run_gpt", ["--cp", "2", "--cp-comm-type", "p2p"], None,
+     "cp_comm_type='p2p' must be all_gather (the p2p ring is not built yet)"),
+    ("cp with an attention it cannot rewrite", "run_gpt", ["--arch", "{tmp}/masked.py:SPEC", "--cp", "2",
+                                                           "--check-plan"],
+     lambda tmp, saved: (tmp / "masked.py").write_text(MASKED_ATTENTION),
+     "context_parallel: node scaled_dot_product_attention (aten.scaled_dot_product_attention.default) is an "
+     "attention context parallel cannot rewrite"),
     ("tracker with a non-ASCII digit", "run_gpt", ["--load", "{tmp}/save"],
      copy_checkpoint(lambda save: (save / TRACKER).write_text("\u0661\n")), "expected an iteration number in ASCII"),
     ("gcompile.json missing a key", "run_gpt", ["--load", "{tmp}/save"],

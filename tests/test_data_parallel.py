@@ -49,7 +49,7 @@ fp32 and bf16 eager themselves differ by up to 6% there."""
 
 
 def small_config(**parallel_and_train):
-    parallel_keys = {"dp", "tp", "pp", "use_distributed_optimizer", "data_parallel_sharding_strategy", "ddp_bucket_size",
+    parallel_keys = {"dp", "tp", "pp", "cp", "use_distributed_optimizer", "data_parallel_sharding_strategy", "ddp_bucket_size",
                      "overlap_grad_reduce", "pipeline_schedule", "fsdp_reshard_after_forward", "sequence_parallel",
                      "data_parallel_shard_size"}
     parallel = {k: v for k, v in parallel_and_train.items() if k in parallel_keys}
@@ -166,7 +166,7 @@ def test_dp_strategies_are_rewrites_of_the_optimizer_graph(sharded):
     assert marked(lowered.graph, GRAD) is not None, "a pass edited the shared lowered graph"
     name = "sharded_optimizer" if sharded else "data_parallel"
     expected = {("reduce_scatter_tensor", "dp"): buckets, ("all_gather_into_tensor", "dp"): buckets,
-                ("all_reduce", "world"): 1} if sharded else {("all_reduce", "dp"): buckets}
+                ("all_reduce", "world"): 1} if sharded else {("all_reduce", "dp_cp"): buckets}
     for p in programs.values():
         calls = [(op, args["group_name"]) for node, op, args in collective_nodes(p.optimizer.graph)
                  if node.meta.get("pass") == name]

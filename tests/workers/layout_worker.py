@@ -42,9 +42,9 @@ def run_case(config, batches, lrs, rank: int, inject_inf: dict) -> dict:
         if inject_inf.get(i) == rank:
             state.grads[0] = float("inf")
         grad_norm, skip = runtime.optimizer_step()
-        if loss is not None and p.dp > 1:
-            dist.all_reduce(loss, group=group("dp"))
-            loss /= p.dp
+        if loss is not None and p.dp * p.cp > 1:  # a cp rank's loss is the mean over its tokens
+            dist.all_reduce(loss, group=group("dp_cp"))
+            loss /= p.dp * p.cp
         losses.append(None if loss is None else loss.item())
         norms.append(grad_norm.item())
         skipped.append(int(skip.item()))

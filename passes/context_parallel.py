@@ -1,0 +1,247 @@
+"""Context parallelism (Megatron-Core's, all-gather flavour) as a rewrite of the forward program.
+
+Every cp rank holds T/cp tokens of every sample in the load-balanced layout of
+gcompile/cp_ops.py (chunks i and 2cp-1-i of 2cp). Everything but attention works
+token by token, so it runs unchanged on the rank's tokens; attention gathers K
+and V from the cp ranks and masks by global positions, which gives the exact
+single-device result. Each rank's loss is the mean over its tokens; with equal
+token counts per rank, averaging parameter gradients over dp_cp (data_parallel)
+gives the single-device gradient.
+
+Requires: the whole model in one stage (runs after tensor_parallel and sequence_parallel,
+  before pipeline_split); "idx" and
+  "targets" are (B, T) inputs; every op that reads the rank's tokens is one this
+  pass knows to be token-wise, a view or transpose that keeps the sequence dim
+  whole, attention without an explicit mask, or the mean cross-entropy (tensor
+  parallel's vocab-parallel ops included); anything else is refused with the node,
+  its op and its source line. seq_length is divisible by 2 * cp, and by 2 * cp * tp under
+  sequence parallel (config.validate), whose cuts then split the rank's tokens over tp.
+Ensures: every value derived from the batch holds the rank's T/cp tokens; a value
+  every rank computes whole (positions, a position embedding, RoPE's cos/sin) is
+  cut to the rank's tokens where it meets them, so each token keeps its global
+  position; the graph text is the same on every cp rank (`cp_rank` is a rank
+  constant); nodes it makes carry `meta["pass"] == "context_parallel"`.
+
+Rewrite (n = cp, P = the rank's global positions, T/n of them):
+
+    before                                     after
+    idx, targets                 # (B,T)       local_tokens(idx, 1, n, cp_rank)       # (B,T/n)
+    add(tok, wpe(arange(T)))     # (T,C)       add(tok, local_tokens(wpe(arange(T)), 0, n, cp_rank))
+    mul(q, cos)                  # cos (T,hs)  mul(q, local_tokens(cos, 0, n, cp_rank))
+    view(x, [B, T, nh, hs])                    view(x, [B, T/n, nh, hs])
+    sdpa(q, k, v, is_causal)     # (B,nh,T,hs) attention(q, k, v, n, mask, ...)   # all-gather K, V; mask:
+                                               mask = causal_mask(T, n, cp_rank)  # P >= key positions, one per stage
+    cross_entropy_loss(z, t)                   cross_entropy_loss(z, t)   # the mean over the rank's tokens
+"""
+
+import math
+import operator
+
+import torch
+import torch.fx as fx
+
+from gcompile import cp_ops, tp_ops
+from gcompile.pass_manager import PassContext, register_pass
+from gcompile.program import Program, Stage
+from passes.rewrite import GraphMismatch, insert_call, rank_constant
+from passes.sequence_parallel import TOKEN_WISE
+from passes.tensor_parallel import BROADCASTING, SHAPE_PRESERVING, VIEWS, full_shape
+
+NAME = "context_parallel"
+aten = torch.ops.aten
+
+SAME_CUT = (*SHAPE_PRESERVING, *TOKEN_WISE, aten.alias.default, aten.detach.default, operator.getitem,
+            tp_ops.copy_to_tp, tp_ops.reduce_from_tp)
+"""Ops whose output holds the tokens of their input on the same dim (checked by `same_cut`)."""
+SEQUENCE_PARALLEL = (tp_ops.reduce_scatter_to_sequence, tp_ops.gather_from_sequence, tp_ops.scatter_to_sequence)
+"""Sequence parallel's cuts of the sequence over tp: on the rank's tokens they cut or gather those further."""
+LOSSES = {aten.cross_entropy_loss.default: 1, tp_ops.vocab_parallel_cross_entropy: 1}
+"""Mean losses over (N, V) logits and (N,) targets, by the argument index of the targets."""
+
+
+@register_pass(NAME)
+def context_parallel_pass(program: Program, ctx: PassContext) -> Program:
+    if "pipeline_split" in program.history:
+        raise ValueError(f"{NAME} rewrites the whole model before pipeline_split; run it earlier "
+                         f"(passes so far: {', '.join(program.history)})")
+    program = program.clone()
+    for stage in program.stages:
+        _Splitter(stage, ctx).run()
+    return program
+
+
+class _Splitter:
+    def __init__(self, stage: Stage, ctx: PassContext):
+        self.stage, self.n = stage, ctx.coords.size("cp")
+        self.cp_rank = rank_constant(stage, "cp_rank", ctx.coords.axis_rank("cp"))
+        self.dims: dict[fx.Node, int] = {}
+        """The sequence dim of every value that holds the rank's tokens."""
+        self.locals: dict[tuple[fx.Node, int], fx.Node] = {}
+        """local_tokens(x, dim) by (x, dim), shared by the ops that read it."""
+        self.masks: dict[torch.dtype, fx.Node] = {}
+        """The causal mask by dtype, shared by the stage's attentions."""
+
+    def run(self) -> None:
+        graph = self.stage.graph.graph
+        for role, node in self.stage.input_nodes().items():
+            if role in ("idx", "targets") and node.users:
+                first_use = next(n for n in graph.nodes if n in node.users)  # keeps it in that use's pipeline stage
+                local = self.local(node, 1, first_use)
+                node.replace_all_uses_with(local, delete_user_cb=lambda user: user is not local)
+        for node in graph.find_nodes(op="call_function", target=tp_ops.scatter_to_sequence):
+            node.update_arg(0, self.local(node.args[0], node.args[1], node))  # the cp cut first, then sp's
+        for node in list(graph.nodes):
+            if node not in self.dims and any(a in self.dims for a in node.all_input_nodes):
+                self.propagate(node)
+        graph.lint()
+
+    def local(self, x: fx.Node, dim: int, before: fx.Node) -> fx.Node:
+        """The rank's tokens of `x` (whole on every rank) along `dim`, made once."""
+        if (x, dim) not in self.locals:
+            node = insert_call(before, cp_ops.local_tokens, (x, dim, self.n, self.cp_rank), NAME, before=True)
+            node.meta["val"] = x.meta["val"]  # full shapes until the pass manager re-derives them
+            self.locals[x, dim] = node
+            self.dims[node] = dim
+        return self.locals[x, dim]
+
+    def propagate(self, node: fx.Node) -> None:
+        """Rewrite `node`, which reads the rank's tokens, for T/n of them; record where its sequence dim is."""
+        if node.op == "output":
+            raise GraphMismatch(NAME, node, "returns a value that holds the rank's tokens; only the mean loss "
+                                            "may leave the program")
+        x = node.args[0] if node.args else None
+        if isinstance(x, (list, tuple)):  # cat's tensors
+            x = x[0]
+        dim = self.dims.get(x)
+        target = node.target
+        if target is aten.scaled_dot_product_attention.default:
+            self.attention(node)
+        elif target in LOSSES:
+            self.loss(node)
+        elif target in (aten.embedding.default, tp_ops.vocab_parallel_embedding):
+            if node.args[0] in self.dims or node.args[1] not in self.dims:
+                raise GraphMismatch(NAME, node, "looks up a table that holds the rank's tokens")
+            self.dims[node] = self.dims[node.args[1]]
+        elif target in BROADCASTING:
+            self.broadcast(node)
+        elif dim is None:
+            raise GraphMismatch(NAME, node, "reads the rank's tokens in an argument other than the first; only "
+                                            "element-wise ops, embeddings, attention and the loss may")
+        elif target in SEQUENCE_PARALLEL:
+            if node.args[1] != dim:
+                raise GraphMismatch(NAME, node, f"cuts or gathers dim {node.args[1]} over tp, but the sequence is "
+                                                f"on dim {dim}")
+            self.dims[node] = dim
+        elif target in VIEWS:
+            self.view(node, dim)
+        elif target is aten.transpose.int:
+            ndim = len(full_shape(x))
+            d0, d1 = node.args[1] % ndim, node.args[2] % ndim
+            self.dims[node] = {d0: d1, d1: d0}.get(dim, dim)
+        elif target is aten.permute.default:
+            self.dims[node] = [d % len(full_shape(x)) for d in node.args[1]].index(dim)
+        elif target is aten.unsqueeze.default:
+            self.dims[node] = dim + (node.args[1] % len(full_shape(node)) <= dim)
+        elif target is aten.expand.default:
+            self.expand(node, dim)
+        elif target in (aten.split.Tensor, aten.slice.Tensor, aten.cat.default) or target in SAME_CUT:
+            self.same_cut(node, dim)
+        else:
+            raise GraphMismatch(NAME, node, "reads the rank's tokens but is not known to work token by token; "
+                                            "context parallel knows element-wise ops, norms over the hidden dim, "
+                                            "linears, views that keep the sequence dim, attention and the loss")
+
+    def same_cut(self, node: fx.Node, dim: int) -> None:
+        """An op that leaves the sequence dim where it is and whole (a norm, a split of heads, rotate_half)."""
+        if node.target is operator.getitem:  # a part of a split
+            self.dims[node] = dim
+            return
+        shape_in = full_shape(node.args[0][0] if node.target is aten.cat.default else node.args[0])
+        if node.target is aten.split.Tensor and (*node.args, 0)[2] % len(shape_in) == dim:
+            raise GraphMismatch(NAME, node, "splits the sequence dim, which context parallel cuts")
+        if node.target is aten.cat.default:
+            tensors, at = (*node.args, 0)[:2]
+            if any(self.dims.get(t) != dim for t in tensors) or at % len(shape_in) == dim:
+                raise GraphMismatch(NAME, node, "joins values that do not all hold the rank's tokens on one "
+                                                "dim, or joins along that dim")
+        if node.target is not aten.split.Tensor:
+            shape_out = full_shape(node)
+            if dim >= len(shape_out) or shape_out[dim] != shape_in[dim]:
+                raise GraphMismatch(NAME, node, f"turns {list(shape_in)} into {list(shape_out)}; context parallel "
+                                                f"needs the sequence dim {dim} kept whole")
+        if node.target is aten.layer_norm.default and len(node.args[1]) > len(shape_in) - 1 - dim:
+            raise GraphMismatch(NAME, node, f"normalizes over {node.args[1]}, which includes the sequence dim")
+        if node.target in (aten.mean.dim, aten.sum.dim_IntList) and \
+                any(d % len(shape_in) == dim for d in node.args[1]):
+            raise GraphMismatch(NAME, node, f"reduces over dims {node.args[1]}, which include the sequence dim")
+        if node.target is aten.linear.default and dim == len(shape_in) - 1:
+            raise GraphMismatch(NAME, node, "multiplies along the sequence dim")
+        self.dims[node] = dim
+
+    def broadcast(self, node: fx.Node) -> None:
+        """Inputs with the rank's tokens agree on the dim; a whole value with T there is cut to them."""
+        ndim = len(full_shape(node))
+        tensors = [a for a in node.args if isinstance(a, fx.Node)]
+        dims = {self.dims[a] + ndim - len(full_shape(a)) for a in tensors if a in self.dims}
+        if len(dims) != 1:
+            raise GraphMismatch(NAME, node, f"combines values holding the rank's tokens on different dims {dims}")
+        dim = dims.pop()
+        args = []
+        for a in node.args:
+            at = dim - (ndim - len(full_shape(a))) if isinstance(a, fx.Node) and a not in self.dims else -1
+            if at >= 0 and full_shape(a)[at] > 1:
+                a = self.local(a, at, node)
+            args.append(a)
+        node.args = tuple(args)
+        self.dims[node] = dim
+
+    def view(self, node: fx.Node, dim: int) -> None:
+        """The sequence dim may merge with the dims before it (B*T rows of logits), never be split."""
+        shape_in, shape_out = full_shape(node.args[0]), full_shape(node)
+        before, after = math.prod(shape_in[:dim]), math.prod(shape_in[dim + 1:])
+        at = next((i for i in range(len(shape_out)) if math.prod(shape_out[i + 1:]) == after
+                   and math.prod(shape_out[:i + 1]) == before * shape_in[dim]
+                   and before % math.prod(shape_out[:i]) == 0),
+                  None)
+        if at is None:
+            raise GraphMismatch(NAME, node, f"reshapes {list(shape_in)} to {list(shape_out)}, which does not keep "
+                                            f"the sequence dim {dim} whole")
+        node.args = (node.args[0], [n // self.n if i == at else n for i, n in enumerate(shape_out)])
+        self.dims[node] = at
+
+    def expand(self, node: fx.Node, dim: int) -> None:
+        """GQA's kv heads expanded over the query heads they serve: the sequence dim keeps its local size."""
+        x, sizes = node.args[:2]
+        at = dim + len(sizes) - len(full_shape(x))
+        node.args = (x, [n // self.n if i == at and n != -1 else n for i, n in enumerate(sizes)], *node.args[2:])
+        self.dims[node] = at
+
+    def attention(self, node: fx.Node) -> None:
+        schema = node.target._schema.arguments
+        bound = {**dict(zip((a.name for a in schema), node.args)), **node.kwargs}
+        q, k, v = bound["query"], bound["key"], bound["value"]
+        if bound.get("attn_mask") is not None or any(self.dims.get(t) != 2 for t in (q, k, v)):
+            raise GraphMismatch(NAME, node, "is an attention context parallel cannot rewrite: it needs q, k and "
+                                            "v as (B, heads, T, head_dim), each from the batch, and no explicit "
+                                            "mask (is_causal=True instead)")
+        mask = self.causal_mask(node, full_shape(k)[2], q.meta["val"].dtype) if bound.get("is_causal") else None
+        out = insert_call(node, cp_ops.attention, (q, k, v, self.n, mask, bound.get("dropout_p", 0.0),
+                                                   bound.get("scale"), bound.get("enable_gqa", False)), NAME)
+        out.meta["val"] = node.meta["val"]
+        node.replace_all_uses_with(out)
+        node.graph.erase_node(node)
+        self.dims[out] = 2
+
+    def causal_mask(self, attention: fx.Node, seq: int, dtype: torch.dtype) -> fx.Node:
+        """One mask per stage and dtype, made before the first attention that needs it."""
+        if dtype not in self.masks:
+            self.masks[dtype] = insert_call(attention, cp_ops.causal_mask, (seq, self.n, self.cp_rank, dtype), NAME,
+                                            before=True)
+        return self.masks[dtype]
+
+    def loss(self, node: fx.Node) -> None:
+        logits, targets = node.args[0], node.args[LOSSES[node.target]]
+        reduction = node.args[3] if node.target is aten.cross_entropy_loss.default and len(node.args) > 3 else 1
+        if self.dims.get(logits) != 0 or self.dims.get(targets) != 0 or reduction != 1:
+            raise GraphMismatch(NAME, node, "is a loss context parallel cannot split: it needs (N, V) logits and "
+                                            "(N,) targets, both of the rank's tokens, and the mean reduction")
