@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from gcompile.program import drop_dead_nodes, node_origin, propagate_shapes
+from gcompile.program import ancestors, drop_dead_nodes, node_origin, propagate_shapes
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ def split_backward(backward: fx.GraphModule, num_params: int) -> SplitBackward |
     if not any(isinstance(g, fx.Node) for g in input_grads):
         return None
 
-    needed_by_b = _ancestors([g for g in input_grads if isinstance(g, fx.Node)])
+    needed_by_b = ancestors([g for g in input_grads if isinstance(g, fx.Node)])
     for node in list(needed_by_b):  # a multi-output op's other results come out in B too
         needed_by_b.update(user for user in node.users if user.target is operator.getitem)
     in_w = [n for n in graph.nodes if n.op == "call_function" and n not in needed_by_b]
@@ -78,16 +78,6 @@ def split_backward(backward: fx.GraphModule, num_params: int) -> SplitBackward |
     backward_input.recompile()
     return SplitBackward(backward_input=backward_input, backward_weight=backward_weight,
                          weight_inputs=tuple(placeholders.index(p) for p in kept), num_stash=len(stash))
-
-
-def _ancestors(nodes: list[fx.Node]) -> set[fx.Node]:
-    seen, todo = set(), list(nodes)
-    while todo:
-        node = todo.pop()
-        if node not in seen:
-            seen.add(node)
-            todo += node.all_input_nodes
-    return seen
 
 
 def _copy_with_outputs(graph: fx.Graph, outputs: list) -> fx.Graph:

@@ -34,7 +34,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from gcompile.backward_split import split_backward
 from gcompile.torch_api import activation_memory_budget, aot_export_joint_with_descriptors, min_cut_rematerialization_partition
-from gcompile.program import Stage, drop_dead_nodes
+from gcompile.program import Stage, ancestors, descendants, drop_dead_nodes
 from gcompile.rank_program import LoweredStage
 
 
@@ -91,16 +91,14 @@ def _gather_one_ahead(gm: fx.GraphModule) -> None:
     inputs = set(graph.find_nodes(op="placeholder"))
     gathers = [n for n in graph.nodes if n.target is torch.ops._c10d_functional.all_gather_into_tensor.default]
     for previous, gather in zip(gathers, gathers[1:]):
-        chain = _ancestors(gather) - inputs
+        chain = ancestors([gather]) - inputs
         if any(n.op != "call_function" or not set(n.all_input_nodes) <= chain | inputs for n in chain):
             continue  # reads more than saved shards: it cannot move
         anchor = next(u for u in previous.users if u.target is torch.ops._c10d_functional.wait_tensor.default)
         order = list(graph.nodes)
         if order.index(anchor) > order.index(gather):
             continue  # issued already
-        for node in [n for n in order[order.index(anchor) + 1:] if n in chain]:  # only earlier, in graph order
-            anchor.append(node)
-            anchor = node
+        _move_after(anchor, chain, order[order.index(anchor) + 1:])  # only earlier
     graph.lint()  # still in dependency order
     gm.recompile()
 
@@ -114,7 +112,7 @@ def _wait_one_behind(gm: fx.GraphModule) -> None:
     waits = []
     for node in graph.nodes:
         if node.target is _ops.wait_tensor.default and node.args[0].target is _ops.reduce_scatter_tensor.default:
-            after = _descendants(node)
+            after = descendants(node)
             if all(n.target in _GRADIENT_TAIL for n in after - {node}) and \
                     all(user in after or user is output for n in after for user in n.users):
                 waits.append((node, after))
@@ -123,10 +121,7 @@ def _wait_one_behind(gm: fx.GraphModule) -> None:
         issued = next_wait.args[0]
         if order.index(issued) < order.index(wait):
             continue  # issued before this wait already
-        anchor = issued
-        for node in [n for n in order if n in after]:  # in graph order
-            anchor.append(node)
-            anchor = node
+        _move_after(issued, after, order)
     graph.lint()  # still in dependency order
     gm.recompile()
 
@@ -138,24 +133,11 @@ _GRADIENT_TAIL = {torch.ops.aten.div.Tensor, torch.ops.aten.slice.Tensor, torch.
 """What may follow a gradient reduce-scatter's wait for `_wait_one_behind` to move it: no compute."""
 
 
-def _descendants(node: fx.Node) -> set[fx.Node]:
-    found, todo = {node}, [node]
-    while todo:
-        for user in todo.pop().users:
-            if user not in found and user.op != "output":
-                found.add(user)
-                todo.append(user)
-    return found
-
-
-def _ancestors(node: fx.Node) -> set[fx.Node]:
-    found, todo = {node}, [node]
-    while todo:
-        for source in todo.pop().all_input_nodes:
-            if source not in found:
-                found.add(source)
-                todo.append(source)
-    return found
+def _move_after(anchor: fx.Node, nodes: set[fx.Node], order: list[fx.Node]) -> None:
+    """Place `nodes` right after `anchor`, in their graph order."""
+    for node in [n for n in order if n in nodes]:
+        anchor.append(node)
+        anchor = node
 
 
 def _drop_dead_code(forward: fx.GraphModule, backward: fx.GraphModule, num_outputs: int) -> int:

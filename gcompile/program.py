@@ -99,6 +99,28 @@ def propagate_shapes(gm: fx.GraphModule) -> None:
         FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*vals)
 
 
+def ancestors(nodes: list[fx.Node]) -> set[fx.Node]:
+    """`nodes` and every node they read, transitively."""
+    seen, todo = set(), list(nodes)
+    while todo:
+        node = todo.pop()
+        if node not in seen:
+            seen.add(node)
+            todo += node.all_input_nodes
+    return seen
+
+
+def descendants(node: fx.Node) -> set[fx.Node]:
+    """`node` and every node that reads it, transitively (the output node aside)."""
+    seen, todo = set(), [node]
+    while todo:
+        node = todo.pop()
+        if node not in seen and node.op != "output":
+            seen.add(node)
+            todo += node.users
+    return seen
+
+
 def drop_dead_nodes(graph: fx.Graph) -> None:
     """Remove the nodes nobody reads, collectives included: a collective nobody reads is dead on every rank alike."""
     graph.eliminate_dead_code(is_impure_node=lambda node: node.is_impure()

@@ -15,8 +15,9 @@ isend/irecv into freshly allocated contiguous buffers. A receive is waited for
 right before its tensor is used; sends are waited for at the end of the
 iteration, so a send never blocks a rank (the schedule simulator assumes
 exactly that), and those already delivered are let go before each new
-exchange, so a rank holds only the sent activations still on their way. Messages between two ranks are matched in posting order, which
-the simulator checks is the same on both ends. Stages on one rank hand tensors
+exchange, so a rank holds only the sent activations still on their way.
+Messages between two ranks are matched in posting order, which the simulator
+checks is the same on both ends. Stages on one rank hand tensors
 over directly.
 
 Memory: between `start_measuring` and `stop_measuring` (the first step of a
@@ -103,6 +104,8 @@ class Runtime:
         """Most (stage, microbatch) saved-activation sets alive at once, per stage, over all iterations."""
         self.rank_peak_saved = 0
         """The same over all of this rank's stages together."""
+        self.adds_reduced = any(st.last_outputs_add for st in program.stages.values())
+        """optim_grads: every microbatch adds its reduced shard into `reduced_grads`, zeroed after each step."""
         self.meter: PeakMeter | None = None
         """Samples held bytes at every instruction boundary while set (start_measuring)."""
 
@@ -167,7 +170,7 @@ class Runtime:
                 self.step_result = self.step_fn(*self.optimizer_args)
                 if not self.program.grads_between_steps:  # optim_grads: only the reduced shard persists
                     self.state.release_grads()
-                if any(st.last_outputs_add for st in self.program.stages.values()):
+                if self.adds_reduced:
                     self.state.reduced_grads.zero_()  # the next step's microbatches add into it
             else:
                 if self.program.grad_accumulator:
