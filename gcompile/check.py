@@ -233,10 +233,10 @@ def estimate_memory(program: RankProgram) -> MemoryEstimate:
 
 
 def _gathered_bytes(stage) -> int:
-    """The two largest consecutive parameter all-gathers (over dp) of a forward: one unit's weights in use
-    while the next unit's arrive."""
+    """The two largest consecutive parameter all-gathers (over dp, or dp_shard under HSDP) of a forward: one
+    unit's weights in use while the next unit's arrive."""
     sizes = [n.meta["val"].numel() * n.meta["val"].element_size() for n, op, args in collective_nodes(stage.forward)
-             if op == "all_gather_into_tensor" and args["group_name"] == "dp"]
+             if op == "all_gather_into_tensor" and args["group_name"] in ("dp", "dp_shard")]  # dp_shard: HSDP
     return max((a + b for a, b in zip(sizes, sizes[1:])), default=sum(sizes))
 
 

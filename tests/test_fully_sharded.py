@@ -71,6 +71,7 @@ def test_hybrid_sharding_matches_eager():
     assert groups == {("all_gather_into_tensor", "dp_shard"), ("reduce_scatter_tensor", "dp_shard"),
                       ("all_reduce", "dp_replicate")}
     assert all(p.shards[-1].axis == "dp_shard" for p in program.layout.params)
+    assert estimate_memory(program).gathered > 0, "the estimate counts the gathers over dp_shard too"
 
 
 @pytest.mark.slow
