@@ -7,10 +7,41 @@ a torch upgrade that moves them touches this file only.
 """
 
 import torch
+import torch.distributed as dist
 
-from gcompile.torch_api import is_op_overload
+from gcompile.torch_api import is_op_overload, register_work, resolve_process_group
 
 _ops = torch.ops._c10d_functional
+
+
+@torch.library.custom_op("gcompile::ring_shift", mutates_args=())
+def _ring_shift(input: torch.Tensor, group_name: str, note: str) -> torch.Tensor:
+    """Send `input` to the next rank of the group, receive the previous rank's; `wait` before reading. One
+    op for every rank (the peers come from the group at run time), so the graph text stays the same; torch's
+    functional all_to_all_single would bake each rank's split sizes into its graph. `note` says which
+    transfer it is (shown in dumps); it also keeps the compiler from merging a backward transfer with the
+    forward one of the same tensor, which would hold every block from forward to backward."""
+    group = resolve_process_group(group_name)
+    rank, n = group.rank(), group.size()
+    out = input.new_empty(input.shape)  # contiguous: what arrives is the sender's contiguous copy
+    send, receive = [0] * n, [0] * n
+    send[(rank + 1) % n] = receive[(rank - 1) % n] = input.shape[0]
+    sent = input.clone(memory_format=torch.contiguous_format)  # the compiler may reuse `input`'s memory at once
+    register_work(out, dist.all_to_all_single(out, sent, receive, send, group=group, async_op=True))
+    return out
+
+
+@_ring_shift.register_fake
+def _(input: torch.Tensor, group_name: str, note: str) -> torch.Tensor:
+    return input.new_empty(input.shape)
+
+
+RING_SHIFT = torch.ops.gcompile.ring_shift.default
+
+
+def is_collective(target) -> bool:
+    """Whether a graph node's target talks to other ranks (a functional collective or the ring shift)."""
+    return target is RING_SHIFT or (is_op_overload(target) and target.namespace == "_c10d_functional")
 
 
 def all_reduce(x: torch.Tensor, group: str, op: str = "sum") -> torch.Tensor:
@@ -30,6 +61,11 @@ def start_reduce_scatter(x: torch.Tensor, group: str, group_size: int, op: str =
 def start_all_gather(x: torch.Tensor, group: str, group_size: int) -> torch.Tensor:
     """Every rank's `x` concatenated along dim 0 in rank order; `wait` before reading."""
     return _ops.all_gather_into_tensor(x.contiguous(), group_size, group)
+
+
+def start_ring_shift(x: torch.Tensor, group: str, note: str) -> torch.Tensor:
+    """The previous rank's `x` (rank r sends to r+1, the last to the first); `wait` before reading."""
+    return RING_SHIFT(x, group, note)
 
 
 def wait(x: torch.Tensor) -> torch.Tensor:
@@ -57,8 +93,7 @@ def collective_nodes(gm) -> list[tuple["torch.fx.Node", str, dict]]:
     found = []
     for node in gm.graph.nodes:
         target = node.target
-        if node.op != "call_function" or not is_op_overload(target) or \
-                target.namespace != "_c10d_functional" or target._opname == "wait_tensor":
+        if node.op != "call_function" or not is_collective(target) or target._opname == "wait_tensor":
             continue
         found.append((node, target._opname, dict(zip((a.name for a in target._schema.arguments), node.args))))
     return found

@@ -42,7 +42,7 @@ class ModelChoice:
 
 TP_COMM_BACKENDS = ("auto", "shm", "gloo")
 """Values of parallel.tp_comm_backend (gcompile.mesh.tp_group_backend)."""
-CP_COMM_TYPES = ("all_gather",)
+CP_COMM_TYPES = ("all_gather", "p2p")
 """Values of parallel.cp_comm_type."""
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 """Megatron-FSDP's --data-parallel-sharding-strategy values."""
@@ -68,10 +68,11 @@ class ParallelConfig:
     """Data-parallel size: replicas that each see 1/dp of the global batch."""
     cp: int = 1
     """Context-parallel size (mesh axis cp, between tp and dp): each cp rank holds seq_length/cp tokens of every
-    sample (chunks i and 2cp-1-i of 2cp) and attention gathers keys and values from the others."""
+    sample (chunks i and 2cp-1-i of 2cp) and attention sees every rank's keys and values (cp_comm_type)."""
     cp_comm_type: str = "all_gather"
-    """How context-parallel attention gets the other ranks' keys and values: all_gather (Megatron's flag; its
-    p2p ring is not built yet)."""
+    """How context-parallel attention sees the other ranks' keys and values (Megatron's flag): all_gather (gather
+    K and V, then one attention: fast, but holds them whole) or p2p (a ring of K/V blocks merged by online softmax,
+    transfers overlapped: holds nothing of length seq_length)."""
     sequence_parallel: bool = False
     """Shard LayerNorm/residual regions along the sequence across the tp ranks."""
     tp_plan: tuple[str, ...] = ()
@@ -626,8 +627,7 @@ def _context_parallel_errors(config: RunConfig) -> list[str]:
     p, seq = config.parallel, config.train.seq_length
     errors = []
     if p.cp_comm_type not in CP_COMM_TYPES:
-        errors.append(f"cp_comm_type={p.cp_comm_type!r} must be {' or '.join(CP_COMM_TYPES)} (the p2p ring is not "
-                      f"built yet)")
+        errors.append(f"cp_comm_type={p.cp_comm_type!r} must be {' or '.join(CP_COMM_TYPES)}")
     if p.cp == 1:
         return errors
     if seq % (2 * p.cp):

@@ -36,7 +36,7 @@ from gcompile.rank_program import RankProgram
 from gcompile.runtime import Runtime, StageFunctions
 from gcompile.state import TrainState
 from gcompile.train import split_microbatches
-from gcompile.torch_api import is_op_overload
+from gcompile.collectives import is_collective
 from gcompile.world import build_world
 
 TIMEOUT = 120.0
@@ -74,6 +74,8 @@ def _compute(name: str, calls: list[dict]) -> list[torch.Tensor]:
         return [gathered.clone() for _ in calls]
     if name == "reduce_scatter_tensor":
         return [piece.clone() for piece in _fold(calls[0]["reduce_op"], inputs).chunk(n)]
+    if name == "ring_shift":
+        return [inputs[j - 1].clone() for j in range(n)]
     if name == "all_to_all_single":
         pieces = [x.split(list(c["input_split_sizes"]) or x.shape[0] // n) for x, c in zip(inputs, calls)]
         return [torch.cat([p[j] for p in pieces]) for j in range(n)]
@@ -148,7 +150,7 @@ class _RankInterpreter(fx.Interpreter):
         self.rank, self.hub = rank, hub
 
     def call_function(self, target, args, kwargs):
-        if is_op_overload(target) and target.namespace == "_c10d_functional":
+        if is_collective(target):
             if target._opname == "wait_tensor":
                 return args[0]
             return self.hub.collective(self.rank, target, args, kwargs)

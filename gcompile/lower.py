@@ -33,6 +33,7 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from gcompile.backward_split import split_backward
+from gcompile.collectives import is_collective
 from gcompile.torch_api import activation_memory_budget, aot_export_joint_with_descriptors, min_cut_rematerialization_partition
 from gcompile.program import Stage, ancestors, descendants, drop_dead_nodes
 from gcompile.rank_program import LoweredStage
@@ -51,6 +52,7 @@ def lower_stage(stage: Stage, recompute: bool = False, split: bool = False) -> L
     _check_joint_convention(joint, len(args), len(stage.outputs), stage.index)
     if stage.recompute_from_params:
         _recompute_parameter_derived(joint, len(stage.params))
+    _communicate_in_backward(joint, len(args), len(stage.outputs))
 
     with activation_memory_budget(0.0 if recompute else 1.0):
         forward, backward = min_cut_rematerialization_partition(joint, None, num_fwd_outputs=len(stage.outputs))
@@ -80,6 +82,23 @@ def _recompute_parameter_derived(joint: fx.GraphModule, num_params: int) -> None
     for node in joint.graph.nodes:
         if node.op == "call_function" and node.all_input_nodes and set(node.all_input_nodes) <= derived:
             derived.add(node)
+            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+
+
+def _communicate_in_backward(joint: fx.GraphModule, num_inputs: int, num_outputs: int) -> None:
+    """Keep in backward a transfer only backward reads that needs no output gradient (ring attention sends K
+    and V round again): the partitioner cannot recompute communication, so it would issue it in forward and
+    hold its result until backward. It and what backward derives from it before any gradient are marked to
+    recompute, which places them in backward."""
+    graph = joint.graph
+    tangents = list(graph.find_nodes(op="placeholder"))[num_inputs:]
+    after_gradients = set().union(*(descendants(t) for t in tangents))
+    forward = ancestors([n for n in graph.output_node().args[0][:num_outputs] if isinstance(n, fx.Node)])
+    marked = set()
+    for node in graph.nodes:
+        if node.op == "call_function" and node not in forward and node not in after_gradients and \
+                (is_collective(node.target) or not marked.isdisjoint(node.all_input_nodes)):
+            marked.add(node)
             node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
 
 

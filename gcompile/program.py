@@ -26,6 +26,7 @@ import torch
 import torch.fx as fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
+from gcompile.collectives import is_collective
 from gcompile.layout import Param
 from gcompile.torch_api import FakeTensorMode, is_op_overload
 
@@ -123,8 +124,7 @@ def descendants(node: fx.Node) -> set[fx.Node]:
 
 def drop_dead_nodes(graph: fx.Graph) -> None:
     """Remove the nodes nobody reads, collectives included: a collective nobody reads is dead on every rank alike."""
-    graph.eliminate_dead_code(is_impure_node=lambda node: node.is_impure()
-                              and getattr(node.target, "namespace", None) != "_c10d_functional")
+    graph.eliminate_dead_code(is_impure_node=lambda node: node.is_impure() and not is_collective(node.target))
 
 
 def format_stage(stage: Stage) -> str:

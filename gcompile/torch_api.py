@@ -63,6 +63,12 @@ def resolve_process_group(name: str):
     return torch._C._distributed_c10d._resolve_process_group(name)  # 2.13
 
 
+def register_work(tensor: torch.Tensor, work) -> None:
+    """Make `_c10d_functional.wait_tensor(tensor)` wait for `work` (a c10d Work), as torch's own functional
+    collectives do (2.13)."""
+    torch._C._distributed_c10d._register_work(tensor, work)
+
+
 def fake_store():
     """The store of the `fake` process group, which runs nothing (2.13)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore

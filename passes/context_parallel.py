@@ -40,7 +40,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from gcompile import cp_ops, tp_ops
+from gcompile import cp_ops, ring_attention, tp_ops
 from gcompile.pass_manager import PassContext, register_pass
 from gcompile.program import Program, Stage
 from passes.rewrite import GraphMismatch, insert_call, rank_constant
@@ -72,7 +72,7 @@ def context_parallel_pass(program: Program, ctx: PassContext) -> Program:
 
 class _Splitter:
     def __init__(self, stage: Stage, ctx: PassContext):
-        self.stage, self.n = stage, ctx.coords.size("cp")
+        self.stage, self.n, self.ring = stage, ctx.coords.size("cp"), ctx.config.parallel.cp_comm_type == "p2p"
         self.cp_rank = rank_constant(stage, "cp_rank", ctx.coords.axis_rank("cp"))
         self.dims: dict[fx.Node, int] = {}
         """The sequence dim of every value that holds the rank's tokens."""
@@ -224,9 +224,18 @@ class _Splitter:
             raise GraphMismatch(NAME, node, "is an attention context parallel cannot rewrite: it needs q, k and "
                                             "v as (B, heads, T, head_dim), each from the batch, and no explicit "
                                             "mask (is_causal=True instead)")
-        mask = self.causal_mask(node, full_shape(k)[2], q.meta["val"].dtype) if bound.get("is_causal") else None
-        out = insert_call(node, cp_ops.attention, (q, k, v, self.n, mask, bound.get("dropout_p", 0.0),
-                                                   bound.get("scale"), bound.get("enable_gqa", False)), NAME)
+        if self.ring:
+            if bound.get("dropout_p", 0.0) or bound.get("enable_gqa"):
+                raise GraphMismatch(NAME, node, "has attention dropout or enable_gqa, which the p2p ring does not "
+                                                "support; use cp_comm_type all_gather, or dropout 0 and K/V heads "
+                                                "repeated before attention")
+            out = insert_call(node, ring_attention.attention, (q, k, v, self.n, self.cp_rank,
+                                                               bool(bound.get("is_causal")), bound.get("scale"),
+                                                               cp_ops.GROUP), NAME)
+        else:
+            mask = self.causal_mask(node, full_shape(k)[2], q.meta["val"].dtype) if bound.get("is_causal") else None
+            out = insert_call(node, cp_ops.attention, (q, k, v, self.n, mask, bound.get("dropout_p", 0.0),
+                                                       bound.get("scale"), bound.get("enable_gqa", False)), NAME)
         out.meta["val"] = node.meta["val"]
         node.replace_all_uses_with(out)
         node.graph.erase_node(node)

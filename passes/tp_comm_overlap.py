@@ -25,10 +25,9 @@ from dataclasses import replace
 import torch
 import torch.fx as fx
 
-from gcompile.collectives import collective_nodes
+from gcompile.collectives import collective_nodes, is_collective
 from gcompile.pass_manager import PassContext, register_pass
 from gcompile.rank_program import RankProgram
-from gcompile.torch_api import is_op_overload
 
 NAME = "tp_comm_overlap"
 WAIT = torch.ops._c10d_functional.wait_tensor.default
@@ -95,7 +94,7 @@ def _wait_late(wait: fx.Node) -> None:
 
 
 def _is_comm(node: fx.Node) -> bool:
-    return is_op_overload(node.target) and node.target.namespace == "_c10d_functional"
+    return is_collective(node.target)
 
 
 def _order(graph: fx.Graph) -> dict[fx.Node, int]:

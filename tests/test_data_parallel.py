@@ -49,7 +49,7 @@ fp32 and bf16 eager themselves differ by up to 6% there."""
 
 
 def small_config(**parallel_and_train):
-    parallel_keys = {"dp", "tp", "pp", "cp", "use_distributed_optimizer", "data_parallel_sharding_strategy", "ddp_bucket_size",
+    parallel_keys = {"dp", "tp", "pp", "cp", "cp_comm_type", "use_distributed_optimizer", "data_parallel_sharding_strategy", "ddp_bucket_size",
                      "overlap_grad_reduce", "pipeline_schedule", "fsdp_reshard_after_forward", "sequence_parallel",
                      "data_parallel_shard_size"}
     parallel = {k: v for k, v in parallel_and_train.items() if k in parallel_keys}

@@ -1,0 +1,161 @@
+"""Ring attention: context parallel's p2p flavour (Megatron-Core's cp_comm_type p2p, torchtitan's ring).
+
+Each cp rank keeps its queries; keys and values travel around the ring of cp
+ranks, one rank's block per step, and the transfer of the next block is issued
+before the rank attends to the one it holds, so the two overlap. The partial
+results merge by their log-sum-exp (online softmax), which makes the result
+exact. Backward is a ring too: K and V go around again, each with the gradient
+accumulator of its owner, which one more step delivers home. Nothing of length
+T is ever held (no gathered K/V, no (T/n, T) mask): a rank saves its own q, k,
+v, output and log-sum-exp.
+
+Causal attention in the load-balanced layout of gcompile/cp_ops.py: rank i holds
+chunks i and 2n-1-i (halves a and b of its tokens, c each). At step s it holds
+the keys of rank j = i - s mod n:
+
+    s = 0     its own keys, causal over its 2c tokens (its two chunks are in global order)
+    j < i     every query sees chunk j (k_a) and none sees chunk 2n-1-j (k_b)
+    j > i     q_b sees all of k, q_a nothing
+
+Both off-diagonal cases are q_b x k_a plus one c x c block, q_a x k_a (j < i) or
+q_b x k_b (j > i): rows o..o+c of q and k with o = c * (j > i), and j > i holds
+exactly when i < s. The rank's index is a tensor, so every rank runs the same
+graph text, and every step costs every rank the same (two c x c blocks).
+
+Blocks are computed by their formula in fp32, on any device: a score matrix
+lives for one block only. Dropout inside attention is not supported.
+"""
+
+import math
+
+import torch
+
+from gcompile import collectives
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int, cp_rank: torch.Tensor, causal: bool,
+              scale: float | None, group: str) -> torch.Tensor:
+    """Exact attention of the rank's queries (B, nh, T/n, hs) against every cp rank's keys and values, alike."""
+    return _RingAttention.apply(q, k, v, cp_rank, n, causal, scale or 1 / math.sqrt(q.shape[-1]), group)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cp_rank, n, causal, scale, group):
+        ctx.n, ctx.causal, ctx.scale, ctx.group = n, causal, scale, group
+        qf, out, lse = q.float(), None, None
+        for step, keys, values in _around(k, v, n, group, "forward"):
+            for rows, cols, masked in _blocks(step, cp_rank, q.shape[2] // 2, causal):
+                block = BLOCK(_take(qf, rows), _take(keys, cols), _take(values, cols), scale, masked)
+                out, lse = block if out is None else _merge_into(out, lse, rows, *block)
+        # laid out (B, T, nh, hs) in memory, as SDPA's output is: the captured graph views it that way
+        out = out.to(q.dtype).transpose(1, 2).contiguous().transpose(1, 2)
+        ctx.save_for_backward(q, k, v, out, lse, cp_rank)  # what the layer after saves too: held once
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, cp_rank = ctx.saved_tensors
+        qf, dout = q.float(), dout.float()
+        delta = (dout * out.float()).sum(-1)  # rowsum(dO * O): softmax's backward term, the same for every block
+        dq, arriving = torch.zeros_like(qf), None
+        for step, keys, values in _around(k, v, ctx.n, ctx.group, "backward"):
+            dk, dv = torch.zeros_like(keys), torch.zeros_like(values)
+            for rows, cols, masked in _blocks(step, cp_rank, q.shape[2] // 2, ctx.causal):
+                dq_b, dk_b, dv_b = BLOCK_BACKWARD(_take(dout, rows), _take(qf, rows), _take(keys, cols),
+                                                  _take(values, cols), _take(lse, rows), _take(delta, rows),
+                                                  ctx.scale, masked)
+                dq, dk, dv = _add_at(dq, rows, dq_b), _add_at(dk, cols, dk_b), _add_at(dv, cols, dv_b)
+            grads = torch.stack([dk, dv])  # of the block's owner
+            if arriving is not None:  # what the ranks before added, sent a step ago while this one computed
+                grads = grads + collectives.wait(arriving)
+            arriving = collectives.start_ring_shift(grads, ctx.group, f"backward grads {step}")
+        dk, dv = collectives.wait(arriving)  # one more step brings each rank its own
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+
+
+def _around(k: torch.Tensor, v: torch.Tensor, n: int, group: str, phase: str):
+    """(step, keys, values) in fp32: this rank's, then the previous rank's, and so on round the ring; the
+    next block's transfers are in flight while the caller works on the current one. K and V travel apart,
+    not stacked, so nothing but the views of the layer's own output is held for backward."""
+    for step in range(n):
+        if step < n - 1:
+            arriving = [collectives.start_ring_shift(x, group, f"{phase} {name} {step + 1}")
+                        for x, name in ((k, "k"), (v, "v"))]
+        yield step, k.float(), v.float()
+        if step < n - 1:
+            k, v = (collectives.wait(x) for x in arriving)
+
+
+def _blocks(step: int, cp_rank: torch.Tensor, c: int, causal: bool) -> list:
+    """(query rows, key rows, causal mask?) of what the rank's queries see of the block held at `step`;
+    rows None means all 2c."""
+    if step == 0 or not causal:
+        return [(None, None, causal and step == 0)]
+    first = torch.arange(c, device=cp_rank.device)
+    both = (cp_rank < step) * c + first  # a when the block's owner is earlier, b when later
+    return [(first + c, first, False), (both, both, False)]
+
+
+def _take(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    return x if rows is None else x.index_select(2, rows)
+
+
+def _add_at(x: torch.Tensor, rows: torch.Tensor | None, y: torch.Tensor) -> torch.Tensor:
+    return x + y if rows is None else x.index_add(2, rows, y)
+
+
+def _merge_into(out, lse, rows, block_out, block_lse) -> tuple[torch.Tensor, torch.Tensor]:
+    """Online softmax: fold one block's result into the rows it covers."""
+    old_out, old_lse = _take(out, rows), _take(lse, rows)
+    new_lse = torch.logaddexp(old_lse, block_lse)
+    merged = old_out * torch.exp(old_lse - new_lse)[..., None] + block_out * torch.exp(block_lse - new_lse)[..., None]
+    if rows is None:
+        return merged, new_lse
+    return out.index_copy(2, rows, merged), lse.index_copy(2, rows, new_lse)
+
+
+# One block's attention and its gradients are ops of their own, opaque to the compiler: traced open, the
+# partitioner would find the backward's score matrix equal to the forward's and keep every block's (T/n)^2
+# scores from forward to backward instead of recomputing them, which is most of what the ring saves.
+
+@torch.library.custom_op("gcompile::attention_block", mutates_args=())
+def _attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of one block and its log-sum-exp per query."""
+    scores = _scores(q, k, scale, causal)
+    lse = torch.logsumexp(scores, -1)
+    return torch.matmul(torch.exp(scores - lse[..., None]), v), lse
+
+
+@_attention_block.register_fake
+def _(q, k, v, scale, causal):
+    return q.new_empty(*q.shape[:-1], v.shape[-1]), q.new_empty(q.shape[:-1])
+
+
+@torch.library.custom_op("gcompile::attention_block_backward", mutates_args=())
+def _attention_block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                              lse: torch.Tensor, delta: torch.Tensor, scale: float,
+                              causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of one block, from the whole attention's log-sum-exp and rowsum(dO * O): with those the
+    block's probabilities are its share of the full softmax, so the blocks' gradients add up exactly."""
+    probs = torch.exp(_scores(q, k, scale, causal) - lse[..., None])
+    dscores = probs * (torch.matmul(dout, v.transpose(-2, -1)) - delta[..., None]) * scale
+    dv = torch.matmul(probs.transpose(-2, -1), dout)
+    return torch.matmul(dscores, k), torch.matmul(dscores.transpose(-2, -1), q), dv
+
+
+@_attention_block_backward.register_fake
+def _(dout, q, k, v, lse, delta, scale, causal):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous, as matmul's are
+
+
+BLOCK, BLOCK_BACKWARD = torch.ops.gcompile.attention_block.default, torch.ops.gcompile.attention_block_backward.default
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
+    scores = torch.matmul(q, k.transpose(-2, -1)) * scale
+    if causal:
+        above = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).triu(1)
+        scores = scores.masked_fill(above, float("-inf"))
+    return scores
