@@ -21,18 +21,14 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
-import tempfile
-import time
 
 import torch
 import torch.distributed as dist
 
 from gcompile.config import ConfigError, build_config, load_toml
 from gcompile.axes import Coords
-from gcompile.mesh import init_groups
-from flags import adamw_groups  # bench/, first on sys.path when run as a script
+from flags import (add_worker_flags, gcompile_runtime, join_gloo, median_step, spawn_ranks,  # bench/, first on sys.path
+                   torch_step)
 
 COMPILE = dict(compile=True)
 VARIANTS = {  # name -> the step's kind and the [train] / [parallel] keys it runs with
@@ -64,20 +60,6 @@ def make_config(args, dp: int, variant: dict):
     })
 
 
-def torch_step(wrapped, model, config):
-    """torch's own training step: the wrapped model's loss backward, clip, AdamW with the peers' groups."""
-    t = config.train
-    optimizer = torch.optim.AdamW(adamw_groups(model, config), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2))
-
-    def step(tokens):
-        idx, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-        wrapped(idx, targets).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), t.clip_grad)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    return step
-
-
 def ddp_step_fn(config, rank: int):
     model = config.model_spec.build(config.model, config.train.seed)
     return torch_step(torch.nn.parallel.DistributedDataParallel(model), model, config)
@@ -101,22 +83,9 @@ def fsdp2_step_fn(config, rank: int):
 
 
 def gcompile_step_fn(config, rank: int):
-    from gcompile.compile import Compiler, compile_rank_program
-    from gcompile.pipeline import build_rank_program
-    from gcompile.runtime import Runtime
-    from gcompile.state import TrainState
     from gcompile.train import split_microbatches
 
-    coords = Coords.from_rank(rank, config.mesh_sizes)
-    init_groups(coords)
-    program = build_rank_program(config, coords, log=lambda _: None)
-    for turn in range(coords.world_size):  # one rank compiles at a time; the others hit the cache
-        if turn == rank:
-            functions, opt = compile_rank_program(program, Compiler(enabled=config.train.compile))
-        dist.barrier()
-    state = TrainState.initial(program, config.model, config.train.seed, "cpu")
-    state.lr.fill_(config.train.lr)
-    runtime = Runtime(program, functions, opt, state)
+    runtime = gcompile_runtime(config, rank)
     return lambda tokens: runtime.train_step(split_microbatches(tokens, config.train.micro_batch_size))
 
 
@@ -124,47 +93,22 @@ STEP_FNS = {"ddp": ddp_step_fn, "fsdp2": fsdp2_step_fn, "gcompile": gcompile_ste
 
 
 def worker(args) -> None:
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group("gloo", init_method=f"file://{args.store}", rank=rank, world_size=world)
+    rank, world = join_gloo(args.store)
     variant = VARIANTS[args.variant]
     config = make_config(args, world, variant)
     step = STEP_FNS[variant["kind"]](config, rank)
     tokens = torch.randint(0, config.model.vocab_size, (config.train.micro_batch_size, config.train.seq_length + 1),
                            generator=torch.Generator().manual_seed(rank))
-    for _ in range(args.warmup):
-        step(tokens)
-    times = []
-    for _ in range(args.iters):
-        dist.barrier()
-        start = time.perf_counter()
-        step(tokens)
-        times.append(time.perf_counter() - start)
+    seconds = median_step(step, tokens, args.warmup, args.iters)
     if rank == 0:
         with open(args.out, "w") as f:
-            json.dump(dict(seconds=statistics.median(times)), f)
+            json.dump(dict(seconds=seconds), f)
     dist.destroy_process_group()
 
 
 def run_variant(args, name: str) -> float:
     """Rank 0's median step time; RuntimeError with the failing rank's last line of stderr."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result.json")
-        argv = [sys.executable, os.path.abspath(__file__), "--worker", "--variant", name, "--store",
-                os.path.join(tmp, "store"), "--out", out] + _model_flags(args)
-        logs = [os.path.join(tmp, f"rank{r}.err") for r in range(args.dp)]
-        procs = []
-        for r, log in enumerate(logs):
-            with open(log, "w") as err:
-                procs.append(subprocess.Popen(argv, stderr=err,
-                                              env=dict(os.environ, RANK=str(r), WORLD_SIZE=str(args.dp))))
-        failed = [log for p, log in zip(procs, logs) if p.wait()]
-        if failed:
-            with open(failed[0]) as f:
-                lines = [line.strip() for line in f if line.strip()]
-            raise RuntimeError(f"rank failed: {lines[-1] if lines else 'no message'}")
-        with open(out) as f:
-            return json.load(f)["seconds"]
+    return spawn_ranks(__file__, ["--variant", name] + _model_flags(args), args.dp)["seconds"]
 
 
 def measure(args) -> dict[str, list[float] | str]:
@@ -247,10 +191,7 @@ def main():
                    help="run the baselines and the variants whose name holds one of these words (e.g. ZeRO-3)")
     p.add_argument("--bucket-size", type=int, default=1_000_000, help="--ddp-bucket-size for gcompile")
     p.add_argument("--memory-config", default="configs/gpt2-small.toml")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--variant", help=argparse.SUPPRESS)
-    p.add_argument("--store", help=argparse.SUPPRESS)
-    p.add_argument("--out", help=argparse.SUPPRESS)
+    add_worker_flags(p)
     args = p.parse_args()
     if args.worker:
         return worker(args)
