@@ -69,10 +69,10 @@ class ParallelConfig:
     cp: int = 1
     """Context-parallel size (mesh axis cp, between tp and dp): each cp rank holds seq_length/cp tokens of every
     sample (chunks i and 2cp-1-i of 2cp) and attention sees every rank's keys and values (cp_comm_type)."""
-    cp_comm_type: str = "all_gather"
-    """How context-parallel attention sees the other ranks' keys and values (Megatron's flag): all_gather (gather
-    K and V, then one attention: fast, but holds them whole) or p2p (a ring of K/V blocks merged by online softmax,
-    transfers overlapped: holds nothing of length seq_length)."""
+    cp_comm_type: str = "p2p"
+    """How context-parallel attention sees the other ranks' keys and values (Megatron's flag and default): p2p (a
+    ring of K/V blocks merged by online softmax, transfers overlapped: holds nothing of length seq_length) or
+    all_gather (gather K and V, then one masked attention: holds them, and a (T/cp, T) mask, whole)."""
     sequence_parallel: bool = False
     """Shard LayerNorm/residual regions along the sequence across the tp ranks."""
     tp_plan: tuple[str, ...] = ()
@@ -636,9 +636,9 @@ def _context_parallel_errors(config: RunConfig) -> list[str]:
     elif p.sequence_parallel and seq // p.cp % p.tp:
         errors.append(f"seq_length={seq} / cp={p.cp} is not divisible by tp={p.tp} (sequence_parallel cuts each cp "
                       f"rank's tokens over tp)")
-    if p.sharding == "optim_grads_params":
-        errors.append("data_parallel_sharding_strategy optim_grads_params (ZeRO-3) and cp > 1 do not combine yet; "
-                      "use optim or optim_grads, or drop --cp")
+    if p.sharding == "optim_grads_params" and p.data_parallel_shard_size not in (None, p.dp):
+        errors.append("HSDP (data_parallel_shard_size) and cp > 1 do not combine yet: their gradient shards would "
+                      "need one all-reduce over dp_replicate x cp; drop one of them")
     return errors
 
 

@@ -22,8 +22,8 @@ q_b x k_b (j > i): rows o..o+c of q and k with o = c * (j > i), and j > i holds
 exactly when i < s. The rank's index is a tensor, so every rank runs the same
 graph text, and every step costs every rank the same (two c x c blocks).
 
-Blocks are computed by their formula in fp32, on any device: a score matrix
-lives for one block only. Dropout inside attention is not supported.
+Blocks run in fp32; a score matrix lives inside one block only. Dropout inside
+attention is not supported.
 """
 
 import math
@@ -31,6 +31,7 @@ import math
 import torch
 
 from gcompile import collectives
+from gcompile.torch_api import flash_attention_cpu, flash_attention_cpu_backward
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int, cp_rank: torch.Tensor, causal: bool,
@@ -56,14 +57,13 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, cp_rank = ctx.saved_tensors
-        qf, dout = q.float(), dout.float()
-        delta = (dout * out.float()).sum(-1)  # rowsum(dO * O): softmax's backward term, the same for every block
+        qf, dout, outf = q.float(), dout.float(), out.float()
         dq, arriving = torch.zeros_like(qf), None
         for step, keys, values in _around(k, v, ctx.n, ctx.group, "backward"):
             dk, dv = torch.zeros_like(keys), torch.zeros_like(values)
             for rows, cols, masked in _blocks(step, cp_rank, q.shape[2] // 2, ctx.causal):
                 dq_b, dk_b, dv_b = BLOCK_BACKWARD(_take(dout, rows), _take(qf, rows), _take(keys, cols),
-                                                  _take(values, cols), _take(lse, rows), _take(delta, rows),
+                                                  _take(values, cols), _take(outf, rows), _take(lse, rows),
                                                   ctx.scale, masked)
                 dq, dk, dv = _add_at(dq, rows, dq_b), _add_at(dk, cols, dk_b), _add_at(dv, cols, dv_b)
             grads = torch.stack([dk, dv])  # of the block's owner
@@ -117,15 +117,18 @@ def _merge_into(out, lse, rows, block_out, block_lse) -> tuple[torch.Tensor, tor
 
 # One block's attention and its gradients are ops of their own, opaque to the compiler: traced open, the
 # partitioner would find the backward's score matrix equal to the forward's and keep every block's (T/n)^2
-# scores from forward to backward instead of recomputing them, which is most of what the ring saves.
+# scores from forward to backward instead of recomputing them, which is most of what the ring saves. On CPU
+# they are SDPA's fused kernels (25x the formula's speed here); elsewhere the formula, which
+# tests/test_context_parallel.py checks against them.
 
 @torch.library.custom_op("gcompile::attention_block", mutates_args=())
 def _attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                      causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention of one block and its log-sum-exp per query."""
-    scores = _scores(q, k, scale, causal)
-    lse = torch.logsumexp(scores, -1)
-    return torch.matmul(torch.exp(scores - lse[..., None]), v), lse
+    """Softmax attention of one block and its log-sum-exp per query, (B, heads, L, hs) and (B, heads, L)."""
+    if q.device.type == "cpu":
+        out, lse = flash_attention_cpu(q, k, v, causal, scale)
+        return out.contiguous(), lse.contiguous()
+    return block_by_formula(q, k, v, scale, causal)
 
 
 @_attention_block.register_fake
@@ -135,22 +138,35 @@ def _(q, k, v, scale, causal):
 
 @torch.library.custom_op("gcompile::attention_block_backward", mutates_args=())
 def _attention_block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                              lse: torch.Tensor, delta: torch.Tensor, scale: float,
+                              out: torch.Tensor, lse: torch.Tensor, scale: float,
                               causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of one block, from the whole attention's log-sum-exp and rowsum(dO * O): with those the
-    block's probabilities are its share of the full softmax, so the blocks' gradients add up exactly."""
-    probs = torch.exp(_scores(q, k, scale, causal) - lse[..., None])
-    dscores = probs * (torch.matmul(dout, v.transpose(-2, -1)) - delta[..., None]) * scale
-    dv = torch.matmul(probs.transpose(-2, -1), dout)
-    return torch.matmul(dscores, k), torch.matmul(dscores.transpose(-2, -1), q), dv
+    """(dq, dk, dv) of one block, given the whole attention's output and log-sum-exp for its queries: with those
+    the block's probabilities are its share of the full softmax, so the blocks' gradients add up exactly."""
+    if q.device.type == "cpu":
+        return tuple(g.contiguous() for g in flash_attention_cpu_backward(dout, q, k, v, out, lse, causal, scale))
+    return block_backward_by_formula(dout, q, k, v, out, lse, scale, causal)
 
 
 @_attention_block_backward.register_fake
-def _(dout, q, k, v, lse, delta, scale, causal):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous, as matmul's are
+def _(dout, q, k, v, out, lse, scale, causal):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 BLOCK, BLOCK_BACKWARD = torch.ops.gcompile.attention_block.default, torch.ops.gcompile.attention_block_backward.default
+
+
+def block_by_formula(q, k, v, scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    scores = _scores(q, k, scale, causal)
+    lse = torch.logsumexp(scores, -1)
+    return torch.matmul(torch.exp(scores - lse[..., None]), v), lse
+
+
+def block_backward_by_formula(dout, q, k, v, out, lse, scale: float, causal: bool):
+    probs = torch.exp(_scores(q, k, scale, causal) - lse[..., None])
+    delta = (dout * out).sum(-1, keepdim=True)  # rowsum(dO * O), softmax's backward term
+    dscores = probs * (torch.matmul(dout, v.transpose(-2, -1)) - delta) * scale
+    dv = torch.matmul(probs.transpose(-2, -1), dout)
+    return torch.matmul(dscores, k), torch.matmul(dscores.transpose(-2, -1), q), dv
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:

@@ -69,6 +69,17 @@ def register_work(tensor: torch.Tensor, work) -> None:
     torch._C._distributed_c10d._register_work(tensor, work)
 
 
+def flash_attention_cpu(q, k, v, causal: bool, scale: float):
+    """(out, logsumexp) of SDPA's fused CPU kernel, the log-sum-exp (B, heads, L) in fp32 (2.13)."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+
+
+def flash_attention_cpu_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+    """(dq, dk, dv) of that kernel, given the output and log-sum-exp to differentiate against (2.13)."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal,
+                                                                             scale=scale)
+
+
 def fake_store():
     """The store of the `fake` process group, which runs nothing (2.13)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore

@@ -12,7 +12,8 @@ Ensures:  every parameter placeholder holds this dp rank's 1/dp of the rank's (t
           parameter, cut on dim 0 after zero-padding it to a multiple of dp
           (Param.shards gains Shard("dp", 0), so init, checkpoints and export place it);
           under HSDP (--data-parallel-shard-size n) 1/n, Shard("dp_shard", 0), and the
-          gradient shards are also all-reduced over the dp/n "dp_replicate" ranks;
+          gradient shards are also all-reduced over the dp/n "dp_replicate" ranks (under
+          context parallel, over the "cp" ranks, which hold the same shards);
           per unit, one all-gather over "dp" of the unit's shards, flattened end to end,
           rebuilds its parameters right before the unit's first use, and is issued when
           the previous unit starts (prefetch: it overlaps that unit's compute);
@@ -51,15 +52,16 @@ def fully_sharded_pass(program: Program, ctx: PassContext) -> Program:
     axis = "dp_shard" if ctx.coords.size("dp_shard") > 1 else "dp"  # HSDP: dp_shard groups, replicated across
     if ctx.coords.size("dp") == 1:
         return program
+    replicas = "dp_replicate" if ctx.coords.size("dp_replicate") > 1 else "cp"  # config: not both
     program = program.clone()
     for stage in program.stages:
-        _shard_stage(stage, axis, ctx)
+        _shard_stage(stage, axis, replicas, ctx)
         stage.recompute_from_params = ctx.config.parallel.fsdp_reshard_after_forward
     return program
 
 
-def _shard_stage(stage: Stage, axis: str, ctx: PassContext) -> None:
-    dp, replicas = ctx.coords.size(axis), ctx.coords.size("dp_replicate")
+def _shard_stage(stage: Stage, axis: str, replica_axis: str, ctx: PassContext) -> None:
+    dp, replicas = ctx.coords.size(axis), ctx.coords.size(replica_axis)
     graph = stage.graph.graph
     nodes = stage.placeholders()[:len(stage.params)]
     position = {node: i for i, node in enumerate(graph.nodes)}
@@ -80,7 +82,7 @@ def _shard_stage(stage: Stage, axis: str, ctx: PassContext) -> None:
         with graph.inserting_before(starts[max(j - 1, 0)]):  # one unit ahead
             flat = [graph.call_function(aten.view.default, (nodes[k], [-1])) for k in unit]
             shards = flat[0] if len(flat) == 1 else graph.call_function(aten.cat.default, (flat,))
-            started = graph.call_function(start_gather_params, (shards, dp, axis, replicas))
+            started = graph.call_function(start_gather_params, (shards, dp, axis, replica_axis, replicas))
         numels = [math.prod(local[k][0][1:]) * local[k][1] // dp for k in unit]
         with graph.inserting_before(starts[j]):
             rows = graph.call_function(aten.view.default,

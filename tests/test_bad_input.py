@@ -211,6 +211,9 @@ CASES = [
      "seq_length=14 is not divisible by 2 * cp=2 = 4"),
     ("cp-comm-type a2a", "run_gpt", ["--cp", "2", "--cp-comm-type", "a2a"], None,
      "cp_comm_type='a2a' must be all_gather or p2p"),
+    ("cp with HSDP", "run_gpt", ["--cp", "2", "--dp", "4", "--data-parallel-sharding-strategy", "optim_grads_params",
+                                 "--data-parallel-shard-size", "2"], None,
+     "HSDP (data_parallel_shard_size) and cp > 1 do not combine yet"),
     ("cp p2p with attention dropout", "run_gpt", ["--cp", "2", "--cp-comm-type", "p2p", "--dropout", "0.1",
                                                   "--check-plan"], None,
      "context_parallel: node scaled_dot_product_attention (aten.scaled_dot_product_attention.default) has "

@@ -16,6 +16,7 @@ from gcompile.config import build_config
 from gcompile.collectives import collective_nodes
 from gcompile.cp_ops import positions
 from gcompile.pipeline import build_rank_program, builtin_passes
+from gcompile.ring_attention import BLOCK, BLOCK_BACKWARD, block_backward_by_formula, block_by_formula
 from gcompile.train import train
 from tests import test_llama
 from tests.multirank import assert_succeeded, launch, run_layouts
@@ -23,6 +24,7 @@ from tests.test_checkpoint import N, WORKER, assert_close, assert_resume_is_exac
 from tests.test_checkpoint import config as checkpoint_config
 from tests.test_memory import measured_step
 from tests.test_data_parallel import BUILD, LRS, check_dp_cases, in_one_process, small_config
+from tests.reference import rel_err
 
 
 def test_layout_is_megatrons_load_balanced_one():
@@ -32,28 +34,31 @@ def test_layout_is_megatrons_load_balanced_one():
     assert sorted(torch.cat([positions(16, 4, r) for r in range(4)]).tolist()) == list(range(16))
 
 
-P2P = dict(cp_comm_type="p2p")
+P2P, ALL_GATHER = dict(cp_comm_type="p2p"), dict(cp_comm_type="all_gather")  # p2p is the default
 
 
 def test_gpt2_matches_eager():
     check_dp_cases({"cp2": small_config(cp=2), "cp4": small_config(cp=4), "cp2 dp2": small_config(cp=2, dp=2),
                     "cp2 dp2 distributed optimizer": small_config(cp=2, dp=2, use_distributed_optimizer=True),
-                    "cp2 dp2 optim_grads": small_config(cp=2, dp=2, data_parallel_sharding_strategy="optim_grads")},
+                    "cp2 dp2 optim_grads": small_config(cp=2, dp=2, data_parallel_sharding_strategy="optim_grads"),
+                    "cp2 dp2 ZeRO-3": small_config(cp=2, dp=2, data_parallel_sharding_strategy="optim_grads_params")},
                    in_one_process)
 
 
-def test_gpt2_ring_matches_eager():
-    check_dp_cases({"cp2 p2p": small_config(cp=2, **P2P), "cp4 p2p": small_config(cp=4, **P2P),
-                    "cp2 dp2 p2p distributed optimizer": small_config(cp=2, dp=2, use_distributed_optimizer=True,
-                                                                      **P2P)},
+def test_gpt2_all_gather_matches_eager():
+    check_dp_cases({"cp2 all_gather": small_config(cp=2, **ALL_GATHER),
+                    "cp4 all_gather": small_config(cp=4, **ALL_GATHER),
+                    "cp2 dp2 all_gather distributed optimizer": small_config(cp=2, dp=2, use_distributed_optimizer=True,
+                                                                             **ALL_GATHER)},
                    in_one_process)
 
 
 def test_gpt2_with_model_parallel_matches_eager():
     check_dp_cases({"cp2 tp2": small_config(cp=2, tp=2), "cp2 pp2": small_config(cp=2, pp=2),
                     "cp2 tp2 sequence parallel": small_config(cp=2, tp=2, sequence_parallel=True),
-                    "cp2 pp2 p2p": small_config(cp=2, pp=2, **P2P),
-                    "cp2 tp2 sequence parallel p2p": small_config(cp=2, tp=2, sequence_parallel=True, **P2P)},
+                    "cp2 pp2 all_gather": small_config(cp=2, pp=2, **ALL_GATHER),
+                    "cp2 tp2 sequence parallel all_gather": small_config(cp=2, tp=2, sequence_parallel=True,
+                                                                         **ALL_GATHER)},
                    in_one_process)
 
 
@@ -61,13 +66,13 @@ def test_gpt2_with_model_parallel_matches_eager():
 def test_compiled_on_ranks_matches_eager(tmp_path):
     """On gloo ranks, Inductor-compiled: the ring's transfers are real sends, not the harness's."""
     check_dp_cases({"cp2 dp2 compiled": small_config(cp=2, dp=2, compile=True),
-                    "cp2 dp2 p2p compiled": small_config(cp=2, dp=2, compile=True, **P2P)},
+                    "cp2 dp2 all_gather compiled": small_config(cp=2, dp=2, compile=True, **ALL_GATHER)},
                    lambda configs, batches: run_layouts(tmp_path, configs, batches, LRS))
 
 
 @pytest.mark.parametrize("layout", [dict(cp=2), dict(cp=4), dict(cp=2, tp=2, sequence_parallel=True),
-                                    dict(cp=2, **P2P)],
-                         ids=["cp2", "cp4", "cp2-tp2-sp", "cp2-p2p"])
+                                    dict(cp=2, **ALL_GATHER)],
+                         ids=["cp2", "cp4", "cp2-tp2-sp", "cp2-all_gather"])
 def test_llama_matches_eager(layout):
     batches, reference = test_llama.expected(False, 2, 1)
     (result,) = harness.run_layouts([test_llama.config(**layout)], batches, LRS, cache=test_llama.BUILD)
@@ -94,7 +99,7 @@ def test_activations_per_rank_shrink_with_cp(comm_type, at_cp2, at_cp4):
 
 
 def test_attention_gathers_keys_and_values_and_gradients_average_over_dp_cp():
-    config = small_config(cp=2, dp=2)
+    config = small_config(cp=2, dp=2, **ALL_GATHER)
     assert builtin_passes(config) == ["context_parallel", "data_parallel"]
     program = build_rank_program(config, Coords.from_rank(1, config.mesh_sizes), log=lambda _: None, cache=BUILD)
     stage = program.stages[0]
@@ -135,3 +140,19 @@ def test_checkpoints_cross_cp_sizes(tmp_path):
     train(checkpoint_config("--load", dirs["cut"] / "save", "--run-dir", tmp_path / "to one"),
           Coords.from_rank(0, {}), log=lambda _: None)
     assert_close(losses(tmp_path / "to one"), straight[N:], "a cp2 save continued on one rank")
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_ring_blocks_by_formula_match_the_fused_kernels(causal):
+    """Off CPU a ring block runs by its formula; on CPU by SDPA's fused kernels: the two agree, the backward
+    given another block's output and log-sum-exp too (as every ring step but one gets them)."""
+    torch.manual_seed(0)
+    q, k, v, dout = (torch.randn(2, 3, 8, 16, dtype=torch.float64).float() for _ in range(4))
+    out, lse = BLOCK(q, k, v, 0.3, causal)
+    for fused, formula in zip((out, lse), block_by_formula(q, k, v, 0.3, causal)):
+        assert rel_err(formula, fused) < 1e-5
+    other_out, other_lse = BLOCK(q, k.flip(2), v.flip(2), 0.3, False)
+    both_lse = torch.logaddexp(lse, other_lse)
+    for fused, formula in zip(BLOCK_BACKWARD(dout, q, k, v, other_out, both_lse, 0.3, causal),
+                              block_backward_by_formula(dout, q, k, v, other_out, both_lse, 0.3, causal)):
+        assert rel_err(formula, fused) < 1e-5
