@@ -17,8 +17,7 @@ chunks), same weights, AdamW + clipping. Rank 0 reports:
 
 All variants run once per round, `--repeats` rounds, so launch-to-launch noise
 shows as the spread of a row; ratios are to cp 1 of the same run. A comm type
-the config refuses (`p2p`, until the ring is built) keeps its row, "not built",
-with the reason below the table.
+the config refuses keeps its row, "not built", with the reason below the table.
 
 torch's own `torch.distributed.tensor.experimental.context_parallel` (its
 default rotate method, DDP over the cp ranks for the gradients) runs the same
