@@ -567,7 +567,7 @@ def validate(config: RunConfig) -> None:
         errors.append(f"pipeline_schedule={p.pipeline_schedule!r} must be {', '.join(SCHEDULES[:-1])} "
                       f"or {SCHEDULES[-1]}")
     from gcompile.tp_plan import plan_errors  # builds the model on meta: torch, which --help does without
-    errors += plan_errors(config.model_spec, m, config.tp_plan, p.tp)
+    errors += plan_errors(config.model_spec, m, config.tp_plan, p.tp, written=bool(p.tp_plan))
     if p.sequence_parallel and p.tp == 1:
         errors.append("sequence_parallel shards the sequence over the tp ranks and needs tp > 1 (tp=1)")
     if p.sequence_parallel and t.seq_length % p.tp:

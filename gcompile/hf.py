@@ -42,6 +42,9 @@ def _gpt2_from_hf(hf: dict) -> dict:
 def _gpt2_to_hf(config) -> dict:
     if not config.bias:
         raise CheckpointError("export-hf: GPT2LMHeadModel always has biases; this model was trained with bias=false")
+    if config.num_experts:
+        raise CheckpointError(f"export-hf: GPT2LMHeadModel has no mixture of experts; this model has num_experts="
+                              f"{config.num_experts}; use export for a state dict with the model's names")
     return dict(model_type="gpt2", architectures=["GPT2LMHeadModel"], n_positions=config.block_size,
                 n_ctx=config.block_size, vocab_size=config.vocab_size, n_layer=config.n_layer, n_head=config.n_head,
                 n_embd=config.n_embd, n_inner=None, layer_norm_epsilon=1e-5, resid_pdrop=0.0, embd_pdrop=0.0,

@@ -56,8 +56,10 @@ def module_of(param_name: str) -> str:
     return param_name.rpartition(".")[0]
 
 
-def plan_errors(spec: ModelSpec, config, entries: tuple[str, ...], tp: int) -> list[str]:
-    """Every reason this plan cannot shard the model of `spec` and `config` over tp ranks."""
+def plan_errors(spec: ModelSpec, config, entries: tuple[str, ...], tp: int, written: bool = True) -> list[str]:
+    """Every reason this plan cannot shard the model of `spec` and `config` over tp ranks. An entry that
+    matches no module is one when the user wrote the plan (a typo); a model's default plan may name modules
+    a config lacks (GPT-2's MLP entries under MoE)."""
     try:
         plan = parse_plan(entries)
     except ValueError as e:
@@ -69,7 +71,7 @@ def plan_errors(spec: ModelSpec, config, entries: tuple[str, ...], tp: int) -> l
     every = {module_of(name) for name, _ in model.named_parameters(remove_duplicate=False)}  # tied aliases too
     errors = [f"tp_plan entry '{pattern}={placement}' matches no module; modules with parameters: "
               f"{', '.join(owners[:6])}, ..." for pattern, placement in plan.entries
-              if not any(fnmatch.fnmatchcase(name, pattern) for name in every)]
+              if written and not any(fnmatch.fnmatchcase(name, pattern) for name in every)]
     for name in owners:
         placement, module = plan.placement(name), modules[name]
         if placement in ("column", "row") and not isinstance(module, nn.Linear):

@@ -207,6 +207,8 @@ CASES = [
      "RuntimeError at {tmp}/user_pass.py:2: first line"),
     ("pass returning None", "run_gpt", ["--passes", "{tmp}/user_pass.py:my_pass"],
      a_pass("def my_pass(program, ctx):\n    return None\n"), "pass 'my_pass' returned NoneType"),
+    ("top-k above the experts", "run_gpt", ["--num-experts", "4", "--moe-router-topk", "5"], None,
+     "moe_router_topk=5 must be between 1 and num_experts=4"),
     ("seq length not divisible by 2 * cp", "run_gpt", ["--cp", "2", "--seq-length", "14"], None,
      "seq_length=14 is not divisible by 2 * cp=2 = 4"),
     ("cp-comm-type a2a", "run_gpt", ["--cp", "2", "--cp-comm-type", "a2a"], None,

@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gcompile.models.gpt2_config import GPTConfig
+from gcompile.models.moe import MoE
 from gcompile.models.spec import ModelSpec, head_errors, token_batch
 
 
@@ -56,12 +57,19 @@ class Block(nn.Module):
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.attn = CausalSelfAttention(config)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.mlp = MLP(config)
+        if config.num_experts:
+            self.mlp = MoE(config.n_embd, config.ffn_hidden_size, config.num_experts, config.moe_router_topk,
+                           MLP(config).gelu, config.bias)
+        else:
+            self.mlp = MLP(config)
 
     def forward(self, x):
+        """(x, the MoE layer's load-balancing loss, or None for a dense MLP)."""
         x = x + self.attn(self.ln_1(x))
-        x = x + self.mlp(self.ln_2(x))
-        return x
+        if isinstance(self.mlp, MoE):
+            out, balance = self.mlp(self.ln_2(x))
+            return x + out, balance
+        return x + self.mlp(self.ln_2(x)), None
 
 
 class GPT(nn.Module):
@@ -85,14 +93,18 @@ class GPT(nn.Module):
             raise ValueError(f"sequence of {T} tokens is longer than block_size={self.config.block_size}")
         pos = torch.arange(0, T, dtype=torch.long, device=idx.device)  # (T,)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
+        balance = 0.0
         for block in self.transformer.h:
-            x = block(x)
+            x, layer_balance = block(x)
+            if layer_balance is not None:
+                balance = balance + layer_balance
         x = self.transformer.ln_f(x)
         logits = self.lm_head(x)  # (B, T, V)
         if targets is None:
             return logits
         logits = logits.float()  # the loss in fp32 whatever the weights' dtype, as Megatron does
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        return loss + self.config.moe_aux_loss_coeff * balance if self.config.num_experts else loss
 
 
 def init_value(name: str, shape, config: GPTConfig, seed: int) -> torch.Tensor:
@@ -119,7 +131,8 @@ def module(config: GPTConfig) -> GPT:
 
 MEGATRON_PLAN = ("transformer.h.*.attn.c_attn=column", "transformer.h.*.attn.c_proj=row",
                  "transformer.h.*.mlp.c_fc=column", "transformer.h.*.mlp.c_proj=row", "transformer.wte=vocab")
-"""Megatron-LM's layout: attention and MLP as column-then-row pairs, the (tied) embedding by vocabulary."""
+"""Megatron-LM's layout: attention and MLP as column-then-row pairs, the (tied) embedding by vocabulary.
+Under MoE the MLP entries match no Linear (experts are GroupedLinear) and experts stay whole on every tp rank."""
 
 
 def tp_errors(model: GPT, name: str, placement: str, tp: int) -> list[str]:
@@ -145,12 +158,19 @@ def config_errors(config: GPTConfig) -> list[str]:
         errors.append(f"dropout={config.dropout} must be in [0, 1)")
     if config.activation not in ACTIVATIONS:
         errors.append(f"activation={config.activation!r} must be {' or '.join(ACTIVATIONS)}")
+    if config.num_experts < 0:
+        errors.append(f"num_experts={config.num_experts} must be 0 (a dense MLP) or more")
+    elif config.num_experts and not 1 <= config.moe_router_topk <= config.num_experts:
+        errors.append(f"moe_router_topk={config.moe_router_topk} must be between 1 and num_experts="
+                      f"{config.num_experts}")
     return errors
 
 
 def decays(name: str, full_shape: tuple[int, ...]) -> bool:
-    """Weight decay on matmul weights only: not on biases, LayerNorm, or the embeddings."""
-    return len(full_shape) == 2 and not name.startswith(("transformer.wte.", "transformer.wpe."))
+    """Weight decay on matmul weights only (experts' stacked ones too): not on biases, LayerNorm, or the
+    embeddings."""
+    return name.endswith("weight") and len(full_shape) >= 2 and \
+        not name.startswith(("transformer.wte.", "transformer.wpe."))
 
 
 def num_floating_point_operations(config: GPTConfig, batch_size: int, seq_length: int) -> float:

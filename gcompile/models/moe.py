@@ -1,0 +1,122 @@
+"""A mixture-of-experts MLP (Megatron-Core's MoE layer, dropless), for any model's blocks.
+
+A router scores each token against E experts; the token goes to its top k
+(Megatron's default order: top-k of the logits, then a softmax over those k
+for the gates). Every token reaches all its k experts (no capacity, no drops),
+so the layer is exact whatever the batch. The routed copies are sorted by
+expert and each expert's contiguous rows go through one grouped matmul
+(`gcompile::grouped_mm`, given the experts' end offsets): shapes stay static
+(N*k rows) while the split between experts is data, so the captured graph is
+one graph for every batch. torch's own `_grouped_mm` would do, but its
+shape function takes bf16 only, and the numerics are tested in fp32. Rows are
+picked with index_select, never `x[idx]`: the latter's backward (index_put
+with accumulation) adds in no fixed order on CPU, so tensor-parallel ranks,
+which hold the experts whole, would drift apart by an ulp a step. The outputs come back to their tokens weighted by
+their gates.
+
+The Switch/GShard load-balancing loss, E * sum_e f_e * P_e (f_e: the share of
+routed copies that went to expert e; P_e: its mean router probability), is
+returned beside the output; the model adds coeff times its layers' sum to the
+loss (Megatron's --moe-aux-loss-coeff).
+"""
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@torch.library.custom_op("gcompile::grouped_mm", mutates_args=())
+def grouped_mm(rows: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """rows (R, in) sorted by group, weight (G, in, out), ends (G,): group g's rows end at ends[g] -> (R, out)."""
+    out = rows.new_empty(rows.shape[0], weight.shape[-1])
+    start = 0
+    for group, end in enumerate(ends.tolist()):
+        torch.matmul(rows[start:end], weight[group], out=out[start:end])
+        start = end
+    return out
+
+
+@grouped_mm.register_fake
+def _(rows, weight, ends):
+    return rows.new_empty(rows.shape[0], weight.shape[-1])
+
+
+@torch.library.custom_op("gcompile::grouped_mm_weight_grad", mutates_args=())
+def grouped_mm_weight_grad(rows: torch.Tensor, grad: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """Each group's rows^T @ its gradient rows: (G, in, out), zero for a group without rows."""
+    out = rows.new_zeros(ends.shape[0], rows.shape[1], grad.shape[1])
+    start = 0
+    for group, end in enumerate(ends.tolist()):
+        torch.matmul(rows[start:end].t(), grad[start:end], out=out[group])
+        start = end
+    return out
+
+
+@grouped_mm_weight_grad.register_fake
+def _(rows, grad, ends):
+    return rows.new_empty(ends.shape[0], rows.shape[1], grad.shape[1])
+
+
+def _setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _backward(ctx, grad):
+    rows, weight, ends = ctx.saved_tensors
+    return grouped_mm(grad, weight.transpose(1, 2), ends), grouped_mm_weight_grad(rows, grad, ends), None
+
+
+grouped_mm.register_autograd(_backward, setup_context=_setup)
+
+
+class GroupedLinear(nn.Module):
+    """E Linears of one shape, stacked: `weight` (E, in, out) and `bias` (E, out)."""
+
+    def __init__(self, experts: int, in_features: int, out_features: int, bias: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(experts, in_features, out_features))
+        self.bias = nn.Parameter(torch.empty(experts, out_features)) if bias else None
+
+    def forward(self, rows: torch.Tensor, ends: torch.Tensor, expert_of_row: torch.Tensor) -> torch.Tensor:
+        """rows (R, in), sorted by expert; ends (E,) int32: where each expert's rows end."""
+        out = grouped_mm(rows, self.weight, ends)
+        return out if self.bias is None else out + self.bias.index_select(0, expert_of_row)
+
+
+class Experts(nn.Module):
+    """E two-layer MLPs (c_fc, activation, c_proj), each over its own contiguous rows."""
+
+    def __init__(self, experts: int, n_embd: int, hidden: int, activation: nn.Module, bias: bool):
+        super().__init__()
+        self.c_fc = GroupedLinear(experts, n_embd, hidden, bias)
+        self.activation = activation
+        self.c_proj = GroupedLinear(experts, hidden, n_embd, bias)
+
+    def forward(self, rows: torch.Tensor, ends: torch.Tensor, expert_of_row: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(self.activation(self.c_fc(rows, ends, expert_of_row)), ends, expert_of_row)
+
+
+class MoE(nn.Module):
+    def __init__(self, n_embd: int, hidden: int, experts: int, topk: int, activation: nn.Module, bias: bool):
+        super().__init__()
+        self.num_experts, self.topk = experts, topk
+        self.router = nn.Linear(n_embd, experts, bias=False)
+        self.experts = Experts(experts, n_embd, hidden, activation, bias)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(output like x, load-balancing loss of this layer)."""
+        tokens = x.reshape(-1, x.shape[-1])  # (N, C)
+        logits = self.router(tokens)  # (N, E)
+        top, chosen = logits.topk(self.topk, dim=-1)  # (N, k)
+        gates = top.softmax(dim=-1)
+        routed = chosen.reshape(-1)  # (N*k,): token i's copies at i*k .. i*k+k-1
+        order = routed.argsort(stable=True)  # the copies sorted by expert
+        per_expert = F.one_hot(routed, self.num_experts).sum(0)  # (E,)
+        ends = per_expert.cumsum(0).to(torch.int32)
+        expert_of_row, token_of_row = routed.index_select(0, order), order // self.topk
+        rows = tokens.index_select(0, token_of_row)
+        out = self.experts(rows, ends, expert_of_row) * gates.reshape(-1).index_select(0, order)[:, None]
+        combined = torch.zeros_like(tokens).index_add(0, token_of_row, out)
+        share = per_expert.to(logits.dtype) / routed.numel()
+        balance = self.num_experts * (share * logits.softmax(dim=-1).mean(0)).sum()
+        return combined.view(x.shape), balance
