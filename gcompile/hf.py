@@ -42,9 +42,7 @@ def _gpt2_from_hf(hf: dict) -> dict:
 def _gpt2_to_hf(config) -> dict:
     if not config.bias:
         raise CheckpointError("export-hf: GPT2LMHeadModel always has biases; this model was trained with bias=false")
-    if config.num_experts:
-        raise CheckpointError(f"export-hf: GPT2LMHeadModel has no mixture of experts; this model has num_experts="
-                              f"{config.num_experts}; use export for a state dict with the model's names")
+    _refuse_experts(config, "GPT2LMHeadModel")
     return dict(model_type="gpt2", architectures=["GPT2LMHeadModel"], n_positions=config.block_size,
                 n_ctx=config.block_size, vocab_size=config.vocab_size, n_layer=config.n_layer, n_head=config.n_head,
                 n_embd=config.n_embd, n_inner=None, layer_norm_epsilon=1e-5, resid_pdrop=0.0, embd_pdrop=0.0,
@@ -67,7 +65,14 @@ def _llama_from_hf(hf: dict) -> dict:
                 norm_eps=hf.get("rms_norm_eps", 1e-6), tie_word_embeddings=hf.get("tie_word_embeddings", False))
 
 
+def _refuse_experts(config, architecture: str) -> None:
+    if config.num_experts:
+        raise CheckpointError(f"export-hf: {architecture} has no mixture of experts; this model has num_experts="
+                              f"{config.num_experts}; use export for a state dict with the model's names")
+
+
 def _llama_to_hf(config) -> dict:
+    _refuse_experts(config, "LlamaForCausalLM")
     return dict(model_type="llama", architectures=["LlamaForCausalLM"], max_position_embeddings=config.block_size,
                 vocab_size=config.vocab_size, num_hidden_layers=config.n_layer, num_attention_heads=config.n_head,
                 num_key_value_heads=config.n_kv_head, hidden_size=config.n_embd,

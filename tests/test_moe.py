@@ -19,10 +19,13 @@ from tests.test_llama import assert_matches
 LRS = [1e-3, 6e-4, 3e-4]
 
 
-def config(**parallel):
+LLAMA = dict(arch="llama", n_head=8, n_kv_head=4, ffn_hidden_size=96)
+
+
+def config(model=None, **parallel):
     return build_config({
-        "model": dict(n_layer=2, n_head=4, n_embd=64, block_size=32, num_experts=4, moe_router_topk=2,
-                      moe_aux_loss_coeff=0.01),
+        "model": dict(dict(n_layer=2, n_head=4, n_embd=64, block_size=32, num_experts=4, moe_router_topk=2,
+                           moe_aux_loss_coeff=0.01), **(model or {})),
         "parallel": parallel,
         "train": dict(micro_batch_size=2, global_batch_size=8, seq_length=32, lr=1e-3, clip_grad=0.5,
                       weight_decay=0.1, adam_eps=ADAM_EPS),
@@ -42,20 +45,24 @@ def test_grouped_matmul_and_its_gradients_are_each_groups_matmul():
                                     (rows.double().requires_grad_(), weight.double().requires_grad_()))
 
 
-@pytest.mark.parametrize("parallel", [dict(), dict(dp=2), dict(dp=2, use_distributed_optimizer=True), dict(pp=2),
-                                      dict(tp=2)],
-                         ids=["one-rank", "dp2", "dp2-distributed-optimizer", "pp2", "tp2-experts-replicated"])
-def test_moe_matches_eager(parallel):
-    batches = random_batches(config(), len(LRS))
-    reference = reference_run(config(), batches, LRS)
-    (result,) = harness.run_layouts([config(**parallel)], batches, LRS)
+@pytest.mark.parametrize("model, parallel", [
+    (None, dict()), (None, dict(dp=2)), (None, dict(dp=2, use_distributed_optimizer=True)), (None, dict(pp=2)),
+    (None, dict(tp=2)), (LLAMA, dict()), (LLAMA, dict(tp=2, pp=2)),
+], ids=["one-rank", "dp2", "dp2-distributed-optimizer", "pp2", "tp2-experts-replicated", "llama-one-rank",
+        "llama-tp2-pp2"])
+def test_moe_matches_eager(model, parallel):
+    batches = random_batches(config(model), len(LRS))
+    reference = reference_run(config(model), batches, LRS)
+    (result,) = harness.run_layouts([config(model, **parallel)], batches, LRS)
     assert_matches(result.losses, result.grad_norms, result.params, reference, f"moe {parallel}")
     routers = [name for name in reference[-1].grads if name.endswith("router.weight")]
     assert routers and all(reference[-1].grads[name].norm() > 0 for name in routers)
 
 
 def test_hugging_face_export_refuses_experts():
-    """GPT2LMHeadModel has no experts: export-hf says so (one line, exit 2 from the CLI) instead of writing a
+    """GPT2LMHeadModel and LlamaForCausalLM have no experts: export-hf says so (one line, exit 2 from the CLI) instead of writing a
     dense model without them."""
     with pytest.raises(CheckpointError, match="GPT2LMHeadModel has no mixture of experts"):
         hf.FAMILIES["gpt2"].to_hf(config().model)
+    with pytest.raises(CheckpointError, match="LlamaForCausalLM has no mixture of experts"):
+        hf.FAMILIES["llama"].to_hf(config(LLAMA).model)

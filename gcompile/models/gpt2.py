@@ -14,7 +14,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gcompile.models.gpt2_config import GPTConfig
-from gcompile.models.moe import MoE
+from gcompile.models.moe import Experts, MoE
+from gcompile.models.moe_config import moe_errors
 from gcompile.models.spec import ModelSpec, head_errors, token_batch
 
 
@@ -58,8 +59,8 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(config)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         if config.num_experts:
-            self.mlp = MoE(config.n_embd, config.ffn_hidden_size, config.num_experts, config.moe_router_topk,
-                           MLP(config).gelu, config.bias)
+            experts = Experts(config.num_experts, config.n_embd, config.ffn_hidden_size, MLP(config).gelu, config.bias)
+            self.mlp = MoE(config.n_embd, experts, config.num_experts, config.moe_router_topk)
         else:
             self.mlp = MLP(config)
 
@@ -158,12 +159,7 @@ def config_errors(config: GPTConfig) -> list[str]:
         errors.append(f"dropout={config.dropout} must be in [0, 1)")
     if config.activation not in ACTIVATIONS:
         errors.append(f"activation={config.activation!r} must be {' or '.join(ACTIVATIONS)}")
-    if config.num_experts < 0:
-        errors.append(f"num_experts={config.num_experts} must be 0 (a dense MLP) or more")
-    elif config.num_experts and not 1 <= config.moe_router_topk <= config.num_experts:
-        errors.append(f"moe_router_topk={config.moe_router_topk} must be between 1 and num_experts="
-                      f"{config.num_experts}")
-    return errors
+    return errors + moe_errors(config)
 
 
 def decays(name: str, full_shape: tuple[int, ...]) -> bool:

@@ -6,9 +6,11 @@ gcompile/models/gpt2.py builds the model from them.
 
 from dataclasses import dataclass
 
+from gcompile.models.moe_config import MoEConfig
+
 
 @dataclass(frozen=True)
-class GPTConfig:
+class GPTConfig(MoEConfig):
     block_size: int = 256
     """Learned positions; the longest sequence the model accepts."""
     vocab_size: int = 257
@@ -26,13 +28,6 @@ class GPTConfig:
     activation: str = "gelu"
     """MLP activation: gelu (exact, nanoGPT's) or gelu_tanh (the tanh approximation of the original GPT-2,
     Hugging Face's gelu_new)."""
-    num_experts: int = 0
-    """0: one MLP per block; E > 0: each block's MLP becomes E experts of its shape and a router
-    (mixture of experts, gcompile/models/moe.py; Megatron's --num-experts)."""
-    moe_router_topk: int = 2
-    """Experts each token goes to (Megatron's --moe-router-topk); every token reaches all of them (dropless)."""
-    moe_aux_loss_coeff: float = 0.0
-    """Weight of the Switch load-balancing loss added to the loss (Megatron's --moe-aux-loss-coeff)."""
 
     @property
     def ffn_hidden_size(self) -> int:

@@ -18,6 +18,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gcompile.models.llama_config import LlamaConfig
+from gcompile.models.moe import GatedExperts, MoE
+from gcompile.models.moe_config import moe_errors
 from gcompile.models.spec import ModelSpec, head_errors, token_batch
 
 
@@ -89,11 +91,19 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.n_embd, config.norm_eps)
         self.self_attn = Attention(config)
         self.post_attention_layernorm = RMSNorm(config.n_embd, config.norm_eps)
-        self.mlp = MLP(config)
+        if config.num_experts:
+            experts = GatedExperts(config.num_experts, config.n_embd, config.ffn_hidden_size)
+            self.mlp = MoE(config.n_embd, experts, config.num_experts, config.moe_router_topk)
+        else:
+            self.mlp = MLP(config)
 
     def forward(self, x, cos, sin):
+        """(x, the MoE layer's load-balancing loss, or None for a dense MLP)."""
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        if isinstance(self.mlp, MoE):
+            out, balance = self.mlp(self.post_attention_layernorm(x))
+            return x + out, balance
+        return x + self.mlp(self.post_attention_layernorm(x)), None
 
 
 class LlamaModel(nn.Module):
@@ -120,13 +130,17 @@ class Llama(nn.Module):
             raise ValueError(f"sequence of {T} tokens is longer than block_size={self.config.block_size}")
         x = self.model.embed_tokens(idx)  # (B, T, C)
         cos, sin = (t.to(x.dtype) for t in rope(self.config, T, idx.device))  # (T, hd) each
+        balance = 0.0
         for layer in self.model.layers:
-            x = layer(x, cos, sin)
+            x, layer_balance = layer(x, cos, sin)
+            if layer_balance is not None:
+                balance = balance + layer_balance
         logits = self.lm_head(self.model.norm(x))  # (B, T, V)
         if targets is None:
             return logits
         logits = logits.float()
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        return loss + self.config.moe_aux_loss_coeff * balance if self.config.num_experts else loss
 
 
 def rope(config: LlamaConfig, T: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -158,7 +172,8 @@ TP_PLAN = ("model.layers.*.self_attn.[qkv]_proj=column", "model.layers.*.self_at
            "model.layers.*.mlp.gate_proj=column", "model.layers.*.mlp.up_proj=column",
            "model.layers.*.mlp.down_proj=row", "model.embed_tokens=vocab", "lm_head=vocab")
 """Megatron-LM's layout for Llama: q/k/v by heads, o by its input; gate/up by features, down by its input;
-embedding and head by vocabulary (the head's loss a vocab-parallel cross-entropy)."""
+embedding and head by vocabulary (the head's loss a vocab-parallel cross-entropy). Under MoE the MLP entries
+match no Linear (experts are GroupedLinear) and experts stay whole on every tp rank."""
 
 
 def tp_errors(model: Llama, name: str, placement: str, tp: int) -> list[str]:
@@ -186,12 +201,12 @@ def config_errors(config: LlamaConfig) -> list[str]:
         errors.append(f"ffn_hidden_size={config.ffn_hidden_size} must be at least 1")
     if not config.rope_theta > 0 or not config.norm_eps > 0:
         errors.append(f"rope_theta={config.rope_theta} and norm_eps={config.norm_eps} must be positive")
-    return errors
+    return errors + moe_errors(config)
 
 
 def decays(name: str, full_shape: tuple[int, ...]) -> bool:
-    """Weight decay on matrices, not on RMSNorm weights or the embedding."""
-    return len(full_shape) == 2 and name != "model.embed_tokens.weight"
+    """Weight decay on matrices (experts' stacked ones too), not on RMSNorm weights or the embedding."""
+    return len(full_shape) >= 2 and name != "model.embed_tokens.weight"
 
 
 def num_floating_point_operations(config: LlamaConfig, batch_size: int, seq_length: int) -> float:

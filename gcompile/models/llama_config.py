@@ -3,9 +3,11 @@
 
 from dataclasses import dataclass
 
+from gcompile.models.moe_config import MoEConfig
+
 
 @dataclass(frozen=True)
-class LlamaConfig:
+class LlamaConfig(MoEConfig):
     block_size: int = 256
     """Longest sequence (Hugging Face's max_position_embeddings); RoPE has no learned positions."""
     vocab_size: int = 257

@@ -84,7 +84,7 @@ class GroupedLinear(nn.Module):
 
 
 class Experts(nn.Module):
-    """E two-layer MLPs (c_fc, activation, c_proj), each over its own contiguous rows."""
+    """E two-layer MLPs (GPT-2's: c_fc, activation, c_proj), each over its own contiguous rows."""
 
     def __init__(self, experts: int, n_embd: int, hidden: int, activation: nn.Module, bias: bool):
         super().__init__()
@@ -96,12 +96,28 @@ class Experts(nn.Module):
         return self.c_proj(self.activation(self.c_fc(rows, ends, expert_of_row)), ends, expert_of_row)
 
 
-class MoE(nn.Module):
-    def __init__(self, n_embd: int, hidden: int, experts: int, topk: int, activation: nn.Module, bias: bool):
+class GatedExperts(nn.Module):
+    """E SwiGLU MLPs (Llama's and Mixtral's: down(silu(gate(x)) * up(x)), no biases)."""
+
+    def __init__(self, experts: int, n_embd: int, hidden: int):
         super().__init__()
-        self.num_experts, self.topk = experts, topk
-        self.router = nn.Linear(n_embd, experts, bias=False)
-        self.experts = Experts(experts, n_embd, hidden, activation, bias)
+        self.gate_proj = GroupedLinear(experts, n_embd, hidden, bias=False)
+        self.up_proj = GroupedLinear(experts, n_embd, hidden, bias=False)
+        self.down_proj = GroupedLinear(experts, hidden, n_embd, bias=False)
+
+    def forward(self, rows: torch.Tensor, ends: torch.Tensor, expert_of_row: torch.Tensor) -> torch.Tensor:
+        gated = F.silu(self.gate_proj(rows, ends, expert_of_row)) * self.up_proj(rows, ends, expert_of_row)
+        return self.down_proj(gated, ends, expert_of_row)
+
+
+class MoE(nn.Module):
+    """`experts` (Experts or GatedExperts) behind a top-k router; returns (output, load-balancing loss)."""
+
+    def __init__(self, n_embd: int, experts: nn.Module, num_experts: int, topk: int):
+        super().__init__()
+        self.num_experts, self.topk = num_experts, topk
+        self.router = nn.Linear(n_embd, num_experts, bias=False)
+        self.experts = experts
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(output like x, load-balancing loss of this layer)."""

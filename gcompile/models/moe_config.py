@@ -1,0 +1,23 @@
+"""The `[model]` keys of a mixture of experts, shared by every model family that offers one (no torch here,
+so that reading flags needs none); gcompile/models/moe.py is the layer."""
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    num_experts: int = 0
+    """0: one MLP per block; E > 0: each block's MLP becomes E experts of its shape and a router
+    (mixture of experts, gcompile/models/moe.py; Megatron's --num-experts)."""
+    moe_router_topk: int = 2
+    """Experts each token goes to (Megatron's --moe-router-topk); every token reaches all of them (dropless)."""
+    moe_aux_loss_coeff: float = 0.0
+    """Weight of the Switch load-balancing loss added to the loss (Megatron's --moe-aux-loss-coeff)."""
+
+
+def moe_errors(config: MoEConfig) -> list[str]:
+    if config.num_experts < 0:
+        return [f"num_experts={config.num_experts} must be 0 (a dense MLP) or more"]
+    if config.num_experts and not 1 <= config.moe_router_topk <= config.num_experts:
+        return [f"moe_router_topk={config.moe_router_topk} must be between 1 and num_experts={config.num_experts}"]
+    return []
