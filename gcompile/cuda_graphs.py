@@ -11,7 +11,19 @@ step reads a value back to the host. The host reads the loss after the replay.
 
 import torch
 
+from gcompile.rank_program import RankProgram
 from gcompile.runtime import Runtime, StepResult
+from gcompile.torch_api import is_op_overload
+
+HOST_READS = ("gcompile::grouped_mm", "gcompile::grouped_mm_weight_grad")
+"""Ops that read a device value on the host (a grouped matmul its groups' ends): a capture cannot hold them."""
+
+
+def host_reads(program: RankProgram) -> list[str]:
+    """The ops of HOST_READS the rank's stage graphs call, once each, in order."""
+    found = [node.target.name() for stage in program.stages.values() for gm in stage.graphs().values()
+             for node in gm.graph.nodes if is_op_overload(node.target) and node.target.name() in HOST_READS]
+    return list(dict.fromkeys(found))
 
 
 class GraphedTrainStep:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from gcompile import checkpoint, shutdown
 from gcompile.checkpoint import Progress
 from gcompile.compile import Compiler, compile_rank_program, dump_generated_code, format_rank_stats
-from gcompile.cuda_graphs import GraphedTrainStep
+from gcompile.cuda_graphs import GraphedTrainStep, host_reads
 from gcompile.config import RunConfig, TrainConfig
 from gcompile.blend import BlendedDataset
 from gcompile.check import MeasuredMemory, estimate_memory
@@ -113,6 +113,9 @@ def train(config: RunConfig, coords: Coords, device: str = "cpu", log=print) -> 
             # reallocate the accumulator
             quiet("CUDA graphs: not under optim_grads with a pipeline-tied embedding, whose gradient "
                   "accumulator is freed between steps")
+        elif host_reads(program):
+            quiet(f"CUDA graphs: not with {', '.join(host_reads(program))} (mixture of experts), which reads its "
+                  f"group sizes on the host; the instruction list runs directly")
         else:
             train_step = GraphedTrainStep(runtime)
 

@@ -11,8 +11,11 @@ import torch
 
 from gcompile import harness, hf
 from gcompile.checkpoint_files import CheckpointError
+from gcompile.axes import Coords
 from gcompile.config import build_config
+from gcompile.cuda_graphs import host_reads
 from gcompile.models.moe import grouped_mm, grouped_mm_weight_grad
+from gcompile.pipeline import build_rank_program
 from tests.reference import ADAM_EPS, random_batches, reference_run, rel_err
 from tests.test_llama import assert_matches
 
@@ -66,3 +69,12 @@ def test_hugging_face_export_refuses_experts():
         hf.FAMILIES["gpt2"].to_hf(config().model)
     with pytest.raises(CheckpointError, match="LlamaForCausalLM has no mixture of experts"):
         hf.FAMILIES["llama"].to_hf(config(LLAMA).model)
+
+
+def test_cuda_graphs_are_not_used_with_experts():
+    """A grouped matmul reads its experts' row counts on the host, which a CUDA graph capture cannot hold:
+    train.py runs the instruction list directly for a program that calls one (dense programs call none)."""
+    def ops(cfg):
+        return host_reads(build_rank_program(cfg, Coords.from_rank(0, cfg.mesh_sizes), log=lambda _: None))
+    assert ops(config(tp=2)) == ["gcompile::grouped_mm", "gcompile::grouped_mm_weight_grad"]
+    assert ops(config(dict(num_experts=0), tp=2)) == []
