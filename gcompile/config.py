@@ -361,7 +361,8 @@ def _coerce(value, annotation, key: str):
     except ConfigError:  # an item of a tuple
         raise
     except (TypeError, ValueError):
-        raise ConfigError(f"{key}={value!r} is not a valid {kind.__name__}") from None
+        choices = " (true or false)" if kind is bool else ""
+        raise ConfigError(f"{key}={value!r} is not a valid {kind.__name__}{choices}") from None
 
 
 def load_toml(path: str) -> dict[str, dict]:

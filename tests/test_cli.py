@@ -35,6 +35,7 @@ def run_main(argv, capsys):
      "global_batch_size=10 is not divisible by micro_batch_size=4 * dp=1 = 4"),
     (["--lr-decay-style", "exponential"], "lr_decay_style='exponential' must be cosine, linear or constant"),
     (["--lr", "fast"], "--lr='fast' is not a valid float"),
+    (["--sequence-parallel", "maybe"], "--sequence-parallel='maybe' is not a valid bool (true or false)"),
     (["--data-path", "/nonexistent/corpus"], "/nonexistent/corpus"),
     (["--save-interval", "5"], "save-interval=5 needs --save DIR"),
     (["--exit-interval", "0"], "exit-interval=0 must be at least 1"),
