@@ -72,12 +72,17 @@ def torch_step_fn(config, compiled: bool):
     return step
 
 
-def gcompile_step_fn(config, compiled: bool):
+def one_rank_runtime(config, compiled: bool) -> Runtime:
+    """gcompile's Runtime for `config` on one rank, its weights at their initial values, lr set."""
     program = build_rank_program(config, Coords.from_rank(0, {}), log=lambda _: None)
     functions, opt_step = compile_rank_program(program, Compiler(enabled=compiled))
     state = TrainState.initial(program, config.model, config.train.seed, "cpu")
     state.lr.fill_(config.train.lr)
-    runtime = Runtime(program, functions, opt_step, state)
+    return Runtime(program, functions, opt_step, state)
+
+
+def gcompile_step_fn(config, compiled: bool):
+    runtime = one_rank_runtime(config, compiled)
     return lambda tokens: runtime.train_step(split_microbatches(tokens, config.train.micro_batch_size))
 
 

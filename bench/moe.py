@@ -1,0 +1,129 @@
+"""One rank: tokens/s of a mixture-of-experts GPT-2 trained three ways, same weights, same batch.
+
+    python bench/moe.py                          # moe-tiny's shape: 2 layers, 64 wide, 4 heads, 4 experts, top-2
+    python bench/moe.py --num-experts 8 --moe-router-topk 2 --n-embd 256 --seq-length 256
+
+(a) plain PyTorch, eager: gcompile's GPT module with each block's MoE swapped for
+    LoopedMoE below, the way a user writes one (per expert: its tokens picked with
+    nonzero, its MLP, the gated outputs index_add-ed back), + torch.optim.AdamW
+(b) gcompile, FX graphs run uncompiled (the grouped matmul over rows sorted by expert)
+(c) gcompile --compile
+All start from the same initial weights (LoopedMoE copies gcompile's stacked experts);
+before timing, (a) and (b) must give the same loss on the batch (1e-5 relative), so
+the rows compare one model. One step is forward, backward, clip and AdamW on the
+same batch of random tokens. A round times `--iters` steps of each after
+`--warmup`, the three taking turns step by step (bench/single_rank.py's
+time_round_robin); tokens/s is from the median step, the ratio to (a) from the
+same round. `--repeats` rounds show how much a shared machine moves the figures.
+"""
+
+import argparse
+import statistics
+
+import torch
+import torch.nn as nn
+
+from flags import torch_step  # bench/, first on sys.path when run as a script
+from gcompile.config import build_config
+from gcompile.models.moe import MoE
+from gcompile.train import split_microbatches
+from single_rank import one_rank_runtime, time_round_robin
+
+
+class LoopedMoE(MoE):
+    """`moe`'s router and experts as plain PyTorch: one Linear-activation-Linear per expert, run in a
+    loop over the tokens routed to it. An MoE subclass only so that gcompile's Block takes it for one."""
+
+    def __init__(self, moe: MoE):
+        fc, proj = moe.experts.c_fc, moe.experts.c_proj
+        experts = nn.ModuleList(
+            nn.Sequential(nn.Linear(*fc.weight.shape[1:], bias=fc.bias is not None), moe.experts.activation,
+                          nn.Linear(*proj.weight.shape[1:], bias=proj.bias is not None))
+            for _ in range(moe.num_experts))
+        super().__init__(moe.router.in_features, experts, moe.num_experts, moe.topk)
+        with torch.no_grad():
+            self.router.weight.copy_(moe.router.weight)
+            for e, (first, _, second) in enumerate(experts):
+                first.weight.copy_(fc.weight[e].t())  # stacked (E, in, out) -> Linear's (out, in)
+                second.weight.copy_(proj.weight[e].t())
+                if fc.bias is not None:
+                    first.bias.copy_(fc.bias[e])
+                    second.bias.copy_(proj.bias[e])
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = x.reshape(-1, x.shape[-1])  # (N, C)
+        logits = self.router(tokens)  # (N, E)
+        top, chosen = logits.topk(self.topk, dim=-1)  # (N, k)
+        gates = top.softmax(dim=-1)
+        out = torch.zeros_like(tokens)
+        counts = torch.zeros(self.num_experts)
+        for e, expert in enumerate(self.experts):
+            token, slot = (chosen == e).nonzero(as_tuple=True)
+            out.index_add_(0, token, expert(tokens[token]) * gates[token, slot, None])
+            counts[e] = token.numel()
+        balance = self.num_experts * (counts / chosen.numel() * logits.softmax(dim=-1).mean(0)).sum()
+        return out.view(x.shape), balance
+
+
+def looped_reference(config) -> nn.Module:
+    """gcompile's eager GPT on its initial weights, every MoE layer replaced by a LoopedMoE of it."""
+    model = config.model_spec.build(config.model, config.train.seed)
+    for block in model.transformer.h:
+        block.mlp = LoopedMoE(block.mlp)
+    return model
+
+
+def check_same_loss(reference: nn.Module, runtime, tokens: torch.Tensor) -> None:
+    """Exit unless the looped reference and gcompile's uncompiled program agree on this batch's loss."""
+    (idx, targets), = split_microbatches(tokens, len(tokens))
+    with torch.no_grad():
+        expected = reference(idx, targets).item()
+    got = runtime.eval_step([(idx, targets)]).item()
+    diff = abs(got - expected) / abs(expected)
+    print(f"first-batch loss: (a) {expected:.7f}, (b) {got:.7f}, relative difference {diff:.1e}")
+    if diff > 1e-5:
+        raise SystemExit("moe.py: error: the looped reference and gcompile disagree on the loss; the rows would "
+                         "compare different models")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--n-layer", type=int, default=2)
+    p.add_argument("--n-embd", type=int, default=64)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--seq-length", type=int, default=64)
+    p.add_argument("--num-experts", type=int, default=4)
+    p.add_argument("--moe-router-topk", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=8, help="samples per step, one microbatch")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5)
+    args = p.parse_args()
+    config = build_config({
+        "model": dict(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, block_size=args.seq_length,
+                      num_experts=args.num_experts, moe_router_topk=args.moe_router_topk, moe_aux_loss_coeff=0.01),
+        "train": dict(micro_batch_size=args.batch_size, global_batch_size=args.batch_size,
+                      seq_length=args.seq_length),
+    })
+    tokens = torch.randint(0, config.model.vocab_size, (args.batch_size, args.seq_length + 1),
+                           generator=torch.Generator().manual_seed(0))
+    print(f"config: gpt2, {args.n_layer} layers, {args.n_embd} wide, {args.n_head} heads, {args.num_experts} "
+          f"experts, top-{args.moe_router_topk}, T={args.seq_length}, {args.batch_size} samples/step, "
+          f"{torch.get_num_threads()} threads")
+    reference = looped_reference(config)
+    runtimes = {compiled: one_rank_runtime(config, compiled) for compiled in (False, True)}
+    check_same_loss(reference, runtimes[False], tokens)
+    steps = {"(a) looped experts, eager": torch_step(reference, reference, config)}
+    for name, runtime in (("(b) gcompile (FX graphs)", runtimes[False]), ("(c) gcompile --compile", runtimes[True])):
+        steps[name] = lambda batch, runtime=runtime: runtime.train_step(split_microbatches(batch, len(batch)))
+    rounds = [time_round_robin(steps, tokens, args.warmup, args.iters) for _ in range(args.repeats)]
+    per_step = args.batch_size * args.seq_length
+    print(f"{'':27s} {'tokens/s, round by round':>{8 * args.repeats}s}   {'vs (a), median [min-max]'}")
+    for name in steps:
+        rates = "".join(f"{per_step / r[name]:8.0f}" for r in rounds)
+        ratios = [r["(a) looped experts, eager"] / r[name] for r in rounds]
+        print(f"{name:27s} {rates}   {statistics.median(ratios):5.2f}x [{min(ratios):.2f}-{max(ratios):.2f}]")
+
+
+if __name__ == "__main__":
+    main()
