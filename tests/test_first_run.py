@@ -53,6 +53,7 @@ def test_help_imports_no_torch_and_shows_every_default():
     assert "--seed SEED [train] Seeds initial weights" in text and "(default: 1234)" in text
     assert "--tp-comm-backend TP_COMM_BACKEND" in text and "(default: auto)" in text
     assert "(default: false)" in text and "(default: none)" in text
+    assert "--num-experts NUM_EXPERTS [model] 0: one MLP per block" in text  # a field a model config inherits
     assert text.count("(default: ") == sum(len(section_fields(section)) for section in SECTIONS)
 
 

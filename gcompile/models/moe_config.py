@@ -18,6 +18,12 @@ class MoEConfig:
 def moe_errors(config: MoEConfig) -> list[str]:
     if config.num_experts < 0:
         return [f"num_experts={config.num_experts} must be 0 (a dense MLP) or more"]
+    errors = []
     if config.num_experts and not 1 <= config.moe_router_topk <= config.num_experts:
-        return [f"moe_router_topk={config.moe_router_topk} must be between 1 and num_experts={config.num_experts}"]
-    return []
+        errors.append(f"moe_router_topk={config.moe_router_topk} must be between 1 and num_experts="
+                      f"{config.num_experts} (its default is 2); give --moe-router-topk "
+                      f"{'1' if config.num_experts == 1 else f'1 to {config.num_experts}'}")
+    if not config.moe_aux_loss_coeff >= 0:
+        errors.append(f"moe_aux_loss_coeff={config.moe_aux_loss_coeff} must be 0 or more (a negative weight "
+                      f"rewards imbalance)")
+    return errors
