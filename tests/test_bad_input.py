@@ -209,6 +209,8 @@ CASES = [
      a_pass("def my_pass(program, ctx):\n    return None\n"), "pass 'my_pass' returned NoneType"),
     ("top-k above the experts", "run_gpt", ["--num-experts", "4", "--moe-router-topk", "5"], None,
      "moe_router_topk=5 must be between 1 and num_experts=4 (its default is 2); give --moe-router-topk 1 to 4"),
+    ("unknown router score", "run_gpt", ["--num-experts", "4", "--moe-router-score-function", "tanh"], None,
+     "moe_router_score_function='tanh' must be softmax or sigmoid"),
     ("negative load-balancing weight", "run_gpt", ["--num-experts", "4", "--moe-aux-loss-coeff", "-1"], None,
      "moe_aux_loss_coeff=-1.0 must be 0 or more"),
     ("experts with cp", "run_gpt", ["--num-experts", "4", "--cp", "2"], None,

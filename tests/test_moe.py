@@ -23,6 +23,8 @@ LRS = [1e-3, 6e-4, 3e-4]
 
 
 LLAMA = dict(arch="llama", n_head=8, n_kv_head=4, ffn_hidden_size=96)
+DEEPSEEK = dict(moe_router_score_function="sigmoid", moe_shared_expert_intermediate_size=48)
+"""DeepSeek-V3's router (sigmoid scores, the top k normalized) and a shared expert."""
 
 
 def config(model=None, **parallel):
@@ -50,9 +52,10 @@ def test_grouped_matmul_and_its_gradients_are_each_groups_matmul():
 
 @pytest.mark.parametrize("model, parallel", [
     (None, dict()), (None, dict(dp=2)), (None, dict(dp=2, use_distributed_optimizer=True)), (None, dict(pp=2)),
-    (None, dict(tp=2)), (LLAMA, dict()), (LLAMA, dict(tp=2, pp=2)),
+    (None, dict(tp=2)), (LLAMA, dict()), (LLAMA, dict(tp=2, pp=2)), (DEEPSEEK, dict(tp=2)),
+    (dict(LLAMA, **DEEPSEEK), dict(pp=2)),
 ], ids=["one-rank", "dp2", "dp2-distributed-optimizer", "pp2", "tp2-experts-replicated", "llama-one-rank",
-        "llama-tp2-pp2"])
+        "llama-tp2-pp2", "sigmoid-shared-expert-tp2", "llama-sigmoid-shared-expert-pp2"])
 def test_moe_matches_eager(model, parallel):
     batches = random_batches(config(model), len(LRS))
     reference = reference_run(config(model), batches, LRS)
@@ -60,6 +63,9 @@ def test_moe_matches_eager(model, parallel):
     assert_matches(result.losses, result.grad_norms, result.params, reference, f"moe {parallel}")
     routers = [name for name in reference[-1].grads if name.endswith("router.weight")]
     assert routers and all(reference[-1].grads[name].norm() > 0 for name in routers)
+    shared = [name for name in reference[-1].grads if ".shared_expert." in name]
+    assert bool(shared) == bool(model and model.get("moe_shared_expert_intermediate_size"))
+    assert all(reference[-1].grads[name].norm() > 0 for name in shared if name.endswith("weight"))
 
 
 def test_hugging_face_export_refuses_experts():

@@ -41,11 +41,13 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, hidden: int | None = None):
+        """`hidden`: the inner width, ffn_hidden_size unless given (a shared expert's)."""
         super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, config.ffn_hidden_size, bias=config.bias)
+        hidden = hidden or config.ffn_hidden_size
+        self.c_fc = nn.Linear(config.n_embd, hidden, bias=config.bias)
         self.gelu = nn.GELU(approximate="tanh" if config.activation == "gelu_tanh" else "none")
-        self.c_proj = nn.Linear(config.ffn_hidden_size, config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(hidden, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x):
@@ -60,7 +62,9 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         if config.num_experts:
             experts = Experts(config.num_experts, config.n_embd, config.ffn_hidden_size, MLP(config).gelu, config.bias)
-            self.mlp = MoE(config.n_embd, experts, config.num_experts, config.moe_router_topk)
+            shared = config.moe_shared_expert_intermediate_size
+            self.mlp = MoE(config.n_embd, experts, config.num_experts, config.moe_router_topk,
+                           config.moe_router_score_function, MLP(config, shared) if shared else None)
         else:
             self.mlp = MLP(config)
 

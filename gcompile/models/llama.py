@@ -75,11 +75,13 @@ def repeat_kv(x, n_rep: int):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: LlamaConfig):
+    def __init__(self, config: LlamaConfig, hidden: int | None = None):
+        """`hidden`: the inner width, ffn_hidden_size unless given (a shared expert's)."""
         super().__init__()
-        self.gate_proj = nn.Linear(config.n_embd, config.ffn_hidden_size, bias=False)
-        self.up_proj = nn.Linear(config.n_embd, config.ffn_hidden_size, bias=False)
-        self.down_proj = nn.Linear(config.ffn_hidden_size, config.n_embd, bias=False)
+        hidden = hidden or config.ffn_hidden_size
+        self.gate_proj = nn.Linear(config.n_embd, hidden, bias=False)
+        self.up_proj = nn.Linear(config.n_embd, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, config.n_embd, bias=False)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -93,7 +95,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.n_embd, config.norm_eps)
         if config.num_experts:
             experts = GatedExperts(config.num_experts, config.n_embd, config.ffn_hidden_size)
-            self.mlp = MoE(config.n_embd, experts, config.num_experts, config.moe_router_topk)
+            shared = config.moe_shared_expert_intermediate_size
+            self.mlp = MoE(config.n_embd, experts, config.num_experts, config.moe_router_topk,
+                           config.moe_router_score_function, MLP(config, shared) if shared else None)
         else:
             self.mlp = MLP(config)
 

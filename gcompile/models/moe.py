@@ -111,20 +111,22 @@ class GatedExperts(nn.Module):
 
 
 class MoE(nn.Module):
-    """`experts` (Experts or GatedExperts) behind a top-k router; returns (output, load-balancing loss)."""
+    """`experts` (Experts or GatedExperts) behind a top-k router, plus an optional `shared` MLP every token
+    goes through (DeepSeek's shared expert); returns (output, load-balancing loss)."""
 
-    def __init__(self, n_embd: int, experts: nn.Module, num_experts: int, topk: int):
+    def __init__(self, n_embd: int, experts: nn.Module, num_experts: int, topk: int, score_function: str,
+                 shared: nn.Module | None):
         super().__init__()
-        self.num_experts, self.topk = num_experts, topk
+        self.num_experts, self.topk, self.score_function = num_experts, topk, score_function
         self.router = nn.Linear(n_embd, num_experts, bias=False)
         self.experts = experts
+        self.shared_expert = shared
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(output like x, load-balancing loss of this layer)."""
         tokens = x.reshape(-1, x.shape[-1])  # (N, C)
         logits = self.router(tokens)  # (N, E)
-        top, chosen = logits.topk(self.topk, dim=-1)  # (N, k)
-        gates = top.softmax(dim=-1)
+        gates, chosen, probs = self.route(logits)
         routed = chosen.reshape(-1)  # (N*k,): token i's copies at i*k .. i*k+k-1
         order = routed.argsort(stable=True)  # the copies sorted by expert
         per_expert = F.one_hot(routed, self.num_experts).sum(0)  # (E,)
@@ -133,6 +135,19 @@ class MoE(nn.Module):
         rows = tokens.index_select(0, token_of_row)
         out = self.experts(rows, ends, expert_of_row) * gates.reshape(-1).index_select(0, order)[:, None]
         combined = torch.zeros_like(tokens).index_add(0, token_of_row, out)
+        if self.shared_expert is not None:
+            combined = combined + self.shared_expert(tokens)
         share = per_expert.to(logits.dtype) / routed.numel()
-        balance = self.num_experts * (share * logits.softmax(dim=-1).mean(0)).sum()
+        balance = self.num_experts * (share * probs.mean(0)).sum()
         return combined.view(x.shape), balance
+
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(gates (N, k), chosen experts (N, k), every expert's probability (N, E) for the balance loss), as
+        Megatron's router: softmax over the top-k logits, or (DeepSeek-V3) sigmoid scores, the top k of
+        them normalized to sum to one."""
+        if self.score_function == "softmax":
+            top, chosen = logits.topk(self.topk, dim=-1)
+            return top.softmax(dim=-1), chosen, logits.softmax(dim=-1)
+        scores = logits.sigmoid()
+        top, chosen = scores.topk(self.topk, dim=-1)
+        return top / top.sum(-1, keepdim=True), chosen, scores / scores.sum(-1, keepdim=True)

@@ -4,6 +4,9 @@ so that reading flags needs none); gcompile/models/moe.py is the layer."""
 from dataclasses import dataclass
 
 
+SCORE_FUNCTIONS = ("softmax", "sigmoid")
+
+
 @dataclass(frozen=True)
 class MoEConfig:
     num_experts: int = 0
@@ -13,6 +16,10 @@ class MoEConfig:
     """Experts each token goes to (Megatron's --moe-router-topk); every token reaches all of them (dropless)."""
     moe_aux_loss_coeff: float = 0.0
     """Weight of the Switch load-balancing loss added to the loss (Megatron's --moe-aux-loss-coeff)."""
+    moe_router_score_function: str = "softmax"
+    """softmax (over the top-k logits) or sigmoid (DeepSeek-V3's: the top-k sigmoid scores, normalized)."""
+    moe_shared_expert_intermediate_size: int = 0
+    """Hidden size of a shared expert every token also goes through (DeepSeek's); 0: none."""
 
 
 def moe_errors(config: MoEConfig) -> list[str]:
@@ -23,6 +30,12 @@ def moe_errors(config: MoEConfig) -> list[str]:
         errors.append(f"moe_router_topk={config.moe_router_topk} must be between 1 and num_experts="
                       f"{config.num_experts} (its default is 2); give --moe-router-topk "
                       f"{'1' if config.num_experts == 1 else f'1 to {config.num_experts}'}")
+    if config.moe_router_score_function not in SCORE_FUNCTIONS:
+        errors.append(f"moe_router_score_function={config.moe_router_score_function!r} must be "
+                      f"{' or '.join(SCORE_FUNCTIONS)}")
+    if config.moe_shared_expert_intermediate_size < 0:
+        errors.append(f"moe_shared_expert_intermediate_size={config.moe_shared_expert_intermediate_size} must be "
+                      f"0 (none) or more")
     if not config.moe_aux_loss_coeff >= 0:
         errors.append(f"moe_aux_loss_coeff={config.moe_aux_loss_coeff} must be 0 or more (a negative weight "
                       f"rewards imbalance)")
