@@ -113,8 +113,8 @@ def train(config: RunConfig, coords: Coords, device: str = "cpu", log=print) -> 
             # reallocate the accumulator
             quiet("CUDA graphs: not under optim_grads with a pipeline-tied embedding, whose gradient "
                   "accumulator is freed between steps")
-        elif host_reads(program):
-            quiet(f"CUDA graphs: not with {', '.join(host_reads(program))} (mixture of experts), which reads its "
+        elif reads := host_reads(program):
+            quiet(f"CUDA graphs: not with {', '.join(reads)} (mixture of experts), which reads its "
                   f"group sizes on the host; the instruction list runs directly")
         else:
             train_step = GraphedTrainStep(runtime)

@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gcompile.models.gpt2_config import GPTConfig
-from gcompile.models.moe import Experts, MoE
+from gcompile.models.moe import Experts, MoE, mlp_with_balance
 from gcompile.models.moe_config import moe_errors
 from gcompile.models.spec import ModelSpec, head_errors, token_batch
 
@@ -69,12 +69,10 @@ class Block(nn.Module):
             self.mlp = MLP(config)
 
     def forward(self, x):
-        """(x, the MoE layer's load-balancing loss, or None for a dense MLP)."""
+        """(x, the MoE layer's load-balancing loss, 0.0 for a dense MLP)."""
         x = x + self.attn(self.ln_1(x))
-        if isinstance(self.mlp, MoE):
-            out, balance = self.mlp(self.ln_2(x))
-            return x + out, balance
-        return x + self.mlp(self.ln_2(x)), None
+        out, balance = mlp_with_balance(self.mlp, self.ln_2(x))
+        return x + out, balance
 
 
 class GPT(nn.Module):
@@ -101,8 +99,7 @@ class GPT(nn.Module):
         balance = 0.0
         for block in self.transformer.h:
             x, layer_balance = block(x)
-            if layer_balance is not None:
-                balance = balance + layer_balance
+            balance = balance + layer_balance
         x = self.transformer.ln_f(x)
         logits = self.lm_head(x)  # (B, T, V)
         if targets is None:

@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gcompile.models.llama_config import LlamaConfig
-from gcompile.models.moe import GatedExperts, MoE
+from gcompile.models.moe import GatedExperts, MoE, mlp_with_balance
 from gcompile.models.moe_config import moe_errors
 from gcompile.models.spec import ModelSpec, head_errors, token_batch
 
@@ -102,12 +102,10 @@ class DecoderLayer(nn.Module):
             self.mlp = MLP(config)
 
     def forward(self, x, cos, sin):
-        """(x, the MoE layer's load-balancing loss, or None for a dense MLP)."""
+        """(x, the MoE layer's load-balancing loss, 0.0 for a dense MLP)."""
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        if isinstance(self.mlp, MoE):
-            out, balance = self.mlp(self.post_attention_layernorm(x))
-            return x + out, balance
-        return x + self.mlp(self.post_attention_layernorm(x)), None
+        out, balance = mlp_with_balance(self.mlp, self.post_attention_layernorm(x))
+        return x + out, balance
 
 
 class LlamaModel(nn.Module):
@@ -137,8 +135,7 @@ class Llama(nn.Module):
         balance = 0.0
         for layer in self.model.layers:
             x, layer_balance = layer(x, cos, sin)
-            if layer_balance is not None:
-                balance = balance + layer_balance
+            balance = balance + layer_balance
         logits = self.lm_head(self.model.norm(x))  # (B, T, V)
         if targets is None:
             return logits

@@ -151,3 +151,8 @@ class MoE(nn.Module):
         scores = logits.sigmoid()
         top, chosen = scores.topk(self.topk, dim=-1)
         return top / top.sum(-1, keepdim=True), chosen, scores / scores.sum(-1, keepdim=True)
+
+
+def mlp_with_balance(mlp: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | float]:
+    """A block's MLP output and its load-balancing loss, 0.0 for a dense MLP, so blocks need no branch."""
+    return mlp(x) if isinstance(mlp, MoE) else (mlp(x), 0.0)
