@@ -23,9 +23,13 @@ AXES = ("tp", "cp", "dp", "pp")
 FOLDED = {"ep": ("cp", "dp"), "dp_shard": ("dp",)}
 """Axes that subdivide the ranks of world axes instead of multiplying the world: a group is a run of
 consecutive positions over the parents."""
-ACROSS = {"dp_replicate": "dp_shard"}
+ACROSS = {"dp_replicate": "dp_shard", "edp": "ep"}
 """Folded axes whose group is the ranks at one position of every group of another folded axis
-(HSDP: dp_shard groups shard the weights, the dp_replicate groups across them hold the same shard)."""
+(HSDP: dp_shard groups shard the weights, the dp_replicate groups across them hold the same shard;
+expert parallel: ep groups split the experts, the edp groups across them hold the same experts)."""
+REPLICAS = {"ep": "edp"}
+"""For a parameter cut over a folded axis: the role whose ranks hold the same piece, over which its
+gradient is reduced (and its optimizer state sharded) in place of dp."""
 
 
 @dataclass(frozen=True)
@@ -43,7 +47,8 @@ GROUP_ROLES = {
     "dp_cp": GroupRole(("cp", "dp")),  # gradient reduction under context parallel
     "dp_shard": GroupRole(("dp_shard",)),  # HSDP: the ranks that shard the weights between them
     "dp_replicate": GroupRole(("dp_replicate",)),  # HSDP: the ranks that hold the same shard
-    "ep": GroupRole(("ep",)),
+    "ep": GroupRole(("ep",)),  # expert parallel: the ranks that split the experts between them
+    "edp": GroupRole(("edp",)),  # expert data parallel: the ranks that hold the same experts
     "pp": GroupRole(("pp",)),
     "mp": GroupRole(("tp", "pp")),  # model parallel: every parameter once (gradient norm)
     "world": GroupRole(AXES),
@@ -119,6 +124,8 @@ class Coords:
 
     def __str__(self) -> str:
         shown = [f"{axis}{r}" for axis, r in reversed(self.ranks) if axis in ("tp", "dp", "pp") or self.size(axis) > 1]
+        if self.size("ep") > 1:  # folded into dp x cp: shown after dp
+            shown.insert(shown.index(f"dp{dict(self.ranks)['dp']}") + 1, f"ep{self.axis_rank('ep')}")
         return f"({' '.join(shown)})"
 
 

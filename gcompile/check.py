@@ -7,6 +7,7 @@ From every rank's program, built in one process, it checks that
   silently reduces mismatched tensors);
 - every pipeline send has its receive on the peer, in the same order, with the
   same shapes and dtypes, and every receive its send;
+- (what cannot be checked is said: expert parallel's row counts are data)
 - each rank's estimated peak memory (weights, gradients, optimizer state,
   in-flight saved activations) fits a budget, when one is given.
 
@@ -288,6 +289,12 @@ def check_plan(programs: dict[int, RankProgram], memory_budget_gb: float | None 
     check_collectives(programs)
     check_messages(programs)
     lines = [f"plan checked: {len(programs)} ranks agree on every collective and pipeline message"]
+    data_sized = sum(call.kind == "all_to_all_rows" for program in programs.values()
+                     for _, call in collective_calls(program))
+    if data_sized:
+        lines.append(f"not checkable before the run: the row counts of {data_sized} all_to_all_rows (expert "
+                     f"parallel's routing, over all ranks per iteration) are data; their order, group and row width "
+                     f"agree, and each rank's buffers hold the most rows that can arrive")
     for rank, program in programs.items():
         estimate = estimate_memory(program)
         lines.append(f"rank {rank:4d} {program.coords}: {estimate}; "

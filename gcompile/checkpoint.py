@@ -156,10 +156,10 @@ def save(root: str, progress: Progress, config: RunConfig, program: RankProgram,
 
 def _rank_tensors(program: RankProgram, state: TrainState) -> dict[str, torch.Tensor]:
     """What this rank writes, by key (views of its buffers)."""
-    layout, coords, sharded = program.layout, program.coords, program.shard_rank is not None
+    layout, coords, sharded = program.layout, program.coords, program.shard_positions is not None
     views = layout.views(state.params)
     buffers = {name: getattr(state, name) for name in STATES if getattr(state, name) is not None}
-    spans = layout.spans(program.shard_rank)
+    spans = layout.spans(program.shard_positions)
     tensors = {}
     for param in layout.params:
         if param.tied_copy:
@@ -273,8 +273,8 @@ class Checkpoint:
 
     def describe_layout(self) -> str:
         layout = self.meta["layout"]
-        axes = " ".join(f"{axis}{self.axis_sizes[axis]}" for axis in ("tp", "cp", "pp", "dp")
-                        if axis != "cp" or self.axis_sizes[axis] > 1)
+        axes = " ".join(f"{axis}{self.axis_sizes[axis]}" for axis in ("tp", "cp", "pp", "dp", "ep")
+                        if axis not in ("cp", "ep") or self.axis_sizes[axis] > 1)
         fully_sharded = any(s["axis"] in ("dp", "dp_shard") for d in self.meta["params"].values() for s in d["shards"])
         hybrid = f" in groups of {self.axis_sizes['dp_shard']}" if self.axis_sizes["dp_shard"] > 1 else ""
         sharding = f", fully sharded{hybrid}" if fully_sharded else ", distributed optimizer" \
@@ -380,7 +380,7 @@ def load(folder: str, config: RunConfig, program: RankProgram, state: TrainState
     checkpoint.check_model(config.model)
     layout = program.layout
     views = layout.views(state.params)
-    spans = layout.spans(program.shard_rank)
+    spans = layout.spans(program.shard_positions)
     with torch.no_grad():
         for param in layout.params:  # one full parameter in memory at a time
             weights = checkpoint.local(checkpoint.master, param, coords)

@@ -39,9 +39,46 @@ def _(input: torch.Tensor, group_name: str, note: str) -> torch.Tensor:
 RING_SHIFT = torch.ops.gcompile.ring_shift.default
 
 
+@torch.library.custom_op("gcompile::all_to_all_rows", mutates_args=())
+def _all_to_all_rows(input: torch.Tensor, send_counts: torch.Tensor, receive_counts: torch.Tensor, rows: int,
+                     group_name: str) -> torch.Tensor:
+    """Rank r sends its next send_counts[j] rows (from the top of `input`) to rank j and receives
+    receive_counts[j] rows from each j, in rank order, into the top of a (rows, ...) result whose other rows
+    are zero; `wait` before reading. The counts are data (tensors, read on the host here), so the graph
+    keeps static shapes whatever the split: `rows` is the most that can arrive."""
+    group = resolve_process_group(group_name)
+    send, receive = send_counts.tolist(), receive_counts.tolist()
+    out = input.new_zeros((rows, *input.shape[1:]))
+    sent = input[:sum(send)].contiguous().clone()  # private: the compiler may reuse `input`'s memory at once
+    register_work(out, dist.all_to_all_single(out[:sum(receive)], sent, receive, send, group=group, async_op=True))
+    return out
+
+
+@_all_to_all_rows.register_fake
+def _(input, send_counts, receive_counts, rows, group_name):
+    return input.new_empty((rows, *input.shape[1:]))
+
+
+def _all_to_all_rows_setup(ctx, inputs, output):
+    input, send_counts, receive_counts, rows, group_name = inputs
+    ctx.save_for_backward(send_counts, receive_counts)
+    ctx.input_rows, ctx.group_name = input.shape[0], group_name
+
+
+def _all_to_all_rows_backward(ctx, grad):
+    """The rows go back the way they came: each sender gets the gradient of what it sent."""
+    send_counts, receive_counts = ctx.saved_tensors
+    back = _ops.wait_tensor(ALL_TO_ALL_ROWS(grad, receive_counts, send_counts, ctx.input_rows, ctx.group_name))
+    return back, None, None, None, None
+
+
+_all_to_all_rows.register_autograd(_all_to_all_rows_backward, setup_context=_all_to_all_rows_setup)
+ALL_TO_ALL_ROWS = torch.ops.gcompile.all_to_all_rows.default
+
+
 def is_collective(target) -> bool:
-    """Whether a graph node's target talks to other ranks (a functional collective or the ring shift)."""
-    return target is RING_SHIFT or (is_op_overload(target) and target.namespace == "_c10d_functional")
+    """Whether a graph node's target talks to other ranks (a functional collective or one of ours)."""
+    return target in (RING_SHIFT, ALL_TO_ALL_ROWS) or (is_op_overload(target) and target.namespace == "_c10d_functional")
 
 
 def all_reduce(x: torch.Tensor, group: str, op: str = "sum") -> torch.Tensor:
@@ -66,6 +103,18 @@ def start_all_gather(x: torch.Tensor, group: str, group_size: int) -> torch.Tens
 def start_ring_shift(x: torch.Tensor, group: str, note: str) -> torch.Tensor:
     """The previous rank's `x` (rank r sends to r+1, the last to the first); `wait` before reading."""
     return RING_SHIFT(x, group, note)
+
+
+def all_to_all_rows(x: torch.Tensor, send_counts: torch.Tensor, receive_counts: torch.Tensor, rows: int,
+                    group: str) -> torch.Tensor:
+    """Rows of `x` exchanged by per-rank counts (see `gcompile::all_to_all_rows`), differentiable, waited."""
+    return _ops.wait_tensor(ALL_TO_ALL_ROWS(x, send_counts, receive_counts, rows, group))
+
+
+def all_to_all(x: torch.Tensor, group: str, group_size: int) -> torch.Tensor:
+    """Equal pieces of dim 0 exchanged: rank r's j-th piece becomes rank j's r-th (no gradient)."""
+    split = [x.shape[0] // group_size] * group_size
+    return _ops.wait_tensor(_ops.all_to_all_single(x.contiguous(), split, split, group))
 
 
 def wait(x: torch.Tensor) -> torch.Tensor:

@@ -48,7 +48,8 @@ CP_COMM_TYPES = ("all_gather", "p2p")
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 """Megatron-FSDP's --data-parallel-sharding-strategy values."""
 
-POINTS = ("capture", "tensor_parallel", "sequence_parallel", "context_parallel", "pipeline_split", "fully_sharded", "lower",
+POINTS = ("capture", "tensor_parallel", "sequence_parallel", "context_parallel", "expert_parallel",
+          "pipeline_split", "fully_sharded", "lower",
           "tp_comm_overlap",
           "data_parallel", "sharded_optimizer")
 """The named points of the compiler, in order; a user pass goes `before:` or `after:` one of them
@@ -74,6 +75,9 @@ class ParallelConfig:
     """How context-parallel attention sees the other ranks' keys and values (Megatron's flag and default): p2p (a
     ring of K/V blocks merged by online softmax, transfers overlapped: holds nothing of length seq_length) or
     all_gather (gather K and V, then one masked attention: holds them, and a (T/cp, T) mask, whole)."""
+    ep: int = 1
+    """Expert-parallel size (Megatron's --expert-model-parallel-size): each block's experts split over ep ranks
+    folded into dp x cp, tokens sent to their experts' rank by all-to-all and back (passes/expert_parallel.py)."""
     sequence_parallel: bool = False
     """Shard LayerNorm/residual regions along the sequence across the tp ranks."""
     tp_plan: tuple[str, ...] = ()
@@ -235,6 +239,8 @@ class RunConfig:
         sizes = {"tp": p.tp, "cp": p.cp, "dp": p.dp, "pp": p.pp}
         if p.data_parallel_shard_size not in (None, p.dp):  # HSDP: axes folded into dp (no ranks of their own)
             sizes.update(dp_shard=p.data_parallel_shard_size, dp_replicate=p.dp // p.data_parallel_shard_size)
+        if p.ep > 1:  # expert parallel: folded into dp x cp, the edp groups across the ep groups
+            sizes.update(ep=p.ep, edp=p.dp * p.cp // p.ep)
         return sizes
 
     @property
@@ -278,6 +284,7 @@ MEGATRON_ALIASES = {
     "pipeline-model-parallel-size": "pp",
     "data-parallel-size": "dp",
     "context-parallel-size": "cp",
+    "expert-model-parallel-size": "ep",
     "virtual-pipeline-model-parallel-size": "virtual-pipeline-size",
 }
 
@@ -528,7 +535,7 @@ def validate(config: RunConfig) -> None:
                 errors.append(f"{_flag(name)}={getattr(obj, name)} must be at least 1")
 
     positive("model", m, *COMPILER_READS)
-    positive("parallel", p, "tp", "pp", "dp", "cp", "virtual_pipeline_size", "make_vocab_size_divisible_by")
+    positive("parallel", p, "tp", "pp", "dp", "cp", "ep", "virtual_pipeline_size", "make_vocab_size_divisible_by")
     positive("train", t, "micro_batch_size", "global_batch_size", "seq_length", "train_iters")
     positive("log", config.log, "log_interval")
     if not errors:  # the model's own rules (GPT-2's dropout range) before the plan below builds the model
@@ -650,9 +657,20 @@ def _context_parallel_errors(config: RunConfig) -> list[str]:
 
 def _experts_errors(config: RunConfig) -> list[str]:
     """Layouts a mixture of experts does not run under yet, named before capture rather than at the pass."""
-    if not (isinstance(config.model, MoEConfig) and config.model.num_experts):
-        return []
     p = config.parallel
+    if not (isinstance(config.model, MoEConfig) and config.model.num_experts):
+        return [f"ep={p.ep} splits the experts, but the model has none; give --num-experts (a multiple of "
+                f"{p.ep}) or drop --ep"] if p.ep > 1 else []
+    experts = config.model.num_experts
+    if experts % p.ep:
+        return [f"ep={p.ep} does not divide num_experts={experts} (each ep rank holds num_experts / ep of "
+                f"them); give an ep among {', '.join(str(d) for d in range(1, experts + 1) if experts % d == 0)}"]
+    if p.dp * p.cp % p.ep:
+        return [f"ep={p.ep} does not divide dp x cp = {p.dp * p.cp} (expert parallel folds into the data-parallel "
+                f"ranks, as in Megatron-Core); give a dp that is a multiple of {p.ep}"]
+    if p.ep > 1 and p.sharding == "optim_grads_params":
+        return [f"ep={p.ep} and optim_grads_params (FSDP) do not combine yet: the experts would need their own "
+                f"shard group; use --use-distributed-optimizer (optim) or optim_grads with --ep"]
     not_yet = [name for name, on in (("cp > 1", p.cp > 1), ("sequence_parallel", p.sequence_parallel)) if on]
     return [f"num_experts={config.model.num_experts} (mixture of experts) and {name} do not combine yet: routing "
             f"sorts the tokens, which that layout splits; drop {name.split()[0]} or the experts" for name in not_yet]

@@ -4,20 +4,24 @@ The model's parameters are views of one flat buffer, and so are their fp32
 gradients. Parameters are laid out in the order backward finishes them (later
 stages first, and within a stage the reverse of forward order), so that a
 bucket, a contiguous range, is complete early and its reduction can start
-while backward goes on. Each bucket's size is a multiple of dp: under the
-sharded optimizer, dp rank i owns the i-th 1/dp of every bucket, and its
-optimizer shard is those pieces end to end.
+while backward goes on. A bucket holds parameters that the same ranks hold
+alike: dp ranks, or for parameters cut over a folded axis (expert parallel's
+"ep") the ranks of its replica role ("edp", gcompile.axes.REPLICAS). Each
+bucket's size is a multiple of that role's size: under the sharded optimizer,
+rank i of it owns the i-th 1/n of the bucket, and a rank's optimizer shard is
+its pieces end to end.
 
 Per element, `flags` says how the optimizer treats it (bit 0: weight decay;
 bits 1-7: over how many ranks its squared gradient is summed into the global norm), so the update
 is elementwise with no knowledge of parameter boundaries.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 
+from gcompile.axes import REPLICAS
 from gcompile.layout import Param
 
 ALIGN = 16
@@ -35,6 +39,10 @@ MAX_COPIES = 127
 class Bucket:
     start: int
     end: int
+    replicas: str = "dp"
+    """The axis whose ranks hold this bucket's parameters alike (and, sharded, split it): dp, or edp."""
+    ways: int = 1
+    """That axis's size: the bucket's pieces under the sharded optimizer."""
 
     @property
     def numel(self) -> int:
@@ -59,7 +67,6 @@ class FlatLayout:
     buckets: tuple[Bucket, ...]
     numel: int
     """Buffer length, padding included (the end of the last bucket)."""
-    dp: int
 
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Each parameter as a view of `flat`, by name."""
@@ -67,24 +74,26 @@ class FlatLayout:
 
     @property
     def shard_numel(self) -> int:
-        return self.numel // self.dp
+        return sum(b.numel // b.ways for b in self.buckets)
 
-    def shard_pieces(self, dp_rank: int) -> list[Bucket]:
-        """The ranges of the flat buffer dp rank `dp_rank` owns, one per bucket, in shard order."""
-        return [Bucket(b.start + dp_rank * b.numel // self.dp, b.start + (dp_rank + 1) * b.numel // self.dp)
-                for b in self.buckets]
+    def shard_pieces(self, positions: Mapping[str, int]) -> list[Bucket]:
+        """The ranges of the flat buffer the rank at `positions` (axis -> its rank there) owns, one per bucket,
+        in shard order."""
+        return [Bucket(b.start + positions[b.replicas] * b.numel // b.ways,
+                       b.start + (positions[b.replicas] + 1) * b.numel // b.ways) for b in self.buckets]
 
-    def shard_of(self, flat: torch.Tensor, dp_rank: int) -> torch.Tensor:
-        """This dp rank's pieces of a flat-buffer-sized tensor, end to end (a copy)."""
-        return torch.cat([flat[p.start:p.end] for p in self.shard_pieces(dp_rank)])
+    def shard_of(self, flat: torch.Tensor, positions: Mapping[str, int]) -> torch.Tensor:
+        """The pieces of a flat-buffer-sized tensor that the rank at `positions` owns, end to end (a copy)."""
+        return torch.cat([flat[p.start:p.end] for p in self.shard_pieces(positions)])
 
-    def spans(self, dp_rank: int | None = None) -> dict[str, list[Span]]:
+    def spans(self, positions: Mapping[str, int] | None = None) -> dict[str, list[Span]]:
         """Where each parameter's elements sit in the optimizer's buffers, by name: in the whole flat
-        buffer (`dp_rank` None), or in dp rank `dp_rank`'s shard, where a parameter may have no elements."""
-        if dp_rank is None:
+        buffer (`positions` None), or in the shard of the rank at `positions`, where a parameter may have
+        no elements."""
+        if positions is None:
             return {p.name: [Span(0, _numel(s), o)] for p, s, o in zip(self.params, self.shapes, self.offsets)}
         pieces, at = [], 0
-        for piece in self.shard_pieces(dp_rank):
+        for piece in self.shard_pieces(positions):
             pieces.append((piece, at))
             at += piece.numel
         spans = {}
@@ -107,33 +116,50 @@ class FlatLayout:
         return flags
 
 
-def flat_layout(stage_params: list[list[tuple[Param, tuple[int, ...]]]], dp: int, bucket_size: int) -> FlatLayout:
-    """Lay out the (param, local shape) lists of a rank's stages, given in the order their backwards finish.
+def flat_layout(stage_params: list[list[tuple[Param, tuple[int, ...]]]], sizes: Mapping[str, int],
+                bucket_size: int) -> FlatLayout:
+    """Lay out the (param, local shape) lists of a rank's stages, given in the order their backwards finish;
+    `sizes`: the mesh's axis sizes.
 
     A parameter that appears in several local stages (a tied weight with pp=1 and
-    vpp>1) gets one entry: its gradient contributions add up in one place.
+    vpp>1) gets one entry: its gradient contributions add up in one place. A bucket
+    ends where the next parameter's replicas differ (an expert's after a dense one).
     """
     params, shapes, offsets, buckets = [], [], [], []
-    seen, end, bucket_start = set(), 0, 0
-    quantum = ALIGN * dp  # bucket sizes are multiples of this, so every shard piece stays aligned
+    seen, end, bucket_start, replicas = set(), 0, 0, "dp"
+
+    def close(at: int) -> int:
+        ways = sizes.get(replicas, 1)
+        at = _round_up(max(at, bucket_start + 1), ALIGN * ways)  # so every shard piece stays aligned
+        buckets.append(Bucket(bucket_start, at, replicas, ways))
+        return at
+
     for stage in stage_params:
         for param, shape in reversed(stage):
             if param.name in seen:
                 continue
             seen.add(param.name)
+            mine = replicas_of(param)
+            if mine != replicas:
+                if end > bucket_start:
+                    end = bucket_start = close(end)
+                replicas = mine
             params.append(param)
             shapes.append(tuple(shape))
             offsets.append(end)
             end = _round_up(end + _numel(shape), ALIGN)
             if end - bucket_start >= bucket_size:
-                end = _round_up(end, quantum)
-                buckets.append(Bucket(bucket_start, end))
-                bucket_start = end
+                end = bucket_start = close(end)
     if end > bucket_start or not buckets:
-        end = _round_up(max(end, bucket_start + 1), quantum)
-        buckets.append(Bucket(bucket_start, end))
+        end = close(end)
     return FlatLayout(params=tuple(params), shapes=tuple(shapes), offsets=tuple(offsets), buckets=tuple(buckets),
-                      numel=end, dp=dp)
+                      numel=end)
+
+
+def replicas_of(param: Param) -> str:
+    """The axis whose ranks hold `param` alike among the data-parallel ranks: dp, or the replica role of a
+    folded axis that cuts it (gcompile.axes.REPLICAS)."""
+    return next((REPLICAS[s.axis] for s in param.shards if s.axis in REPLICAS), "dp")
 
 
 def _round_up(n: int, multiple: int) -> int:

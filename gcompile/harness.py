@@ -76,6 +76,11 @@ def _compute(name: str, calls: list[dict]) -> list[torch.Tensor]:
         return [piece.clone() for piece in _fold(calls[0]["reduce_op"], inputs).chunk(n)]
     if name == "ring_shift":
         return [inputs[j - 1].clone() for j in range(n)]
+    if name == "all_to_all_rows":
+        pieces = [x[:int(c["send_counts"].sum())].split(c["send_counts"].tolist()) for x, c in zip(inputs, calls)]
+        outs = [torch.cat([p[j] for p in pieces]) for j in range(n)]
+        return [torch.cat([out, out.new_zeros((c["rows"] - out.shape[0], *out.shape[1:]))])
+                for out, c in zip(outs, calls)]
     if name == "all_to_all_single":
         pieces = [x.split(list(c["input_split_sizes"]) or x.shape[0] // n) for x, c in zip(inputs, calls)]
         return [torch.cat([p[j] for p in pieces]) for j in range(n)]
@@ -85,7 +90,7 @@ def _compute(name: str, calls: list[dict]) -> list[torch.Tensor]:
 def _signature(name: str, call: dict) -> str:
     """What the members of one collective must agree on: `all_reduce sum (4, 2) torch.float32`."""
     x = call["input"]
-    shape = None if name == "all_to_all_single" else tuple(x.shape)  # its pieces may differ in size
+    shape = None if name.startswith("all_to_all") else tuple(x.shape)  # its pieces may differ in size
     return " ".join(str(part) for part in (name, call.get("reduce_op"), shape, x.dtype) if part is not None)
 
 

@@ -85,8 +85,10 @@ def first_holder(param: Param, axis_ranks: Mapping[str, int], apart: tuple[str, 
     """Whether the rank at `axis_ranks` is the one that writes its piece of `param` (to a checkpoint, say):
     position 0 on every axis that neither cuts the parameter (itself or through an axis folded into it)
     nor is in `apart`, the axes whose ranks hold different things (pipeline stages; dp ranks under a
-    sharded optimizer)."""
+    sharded optimizer) or subdivide one that is (ep and edp under a sharded optimizer). The ranks across
+    a cut folded axis's groups (edp for ep) hold the same piece: position 0 there."""
     cut = {axis for s in param.shards for axis in (s.axis, *world_axes_of(s.axis))}
+    apart = {axis for axis in axis_ranks if axis in apart or set(world_axes_of(axis)) & set(apart)}
     return all(r == 0 for axis, r in axis_ranks.items() if axis not in apart and axis not in cut)
 
 

@@ -56,6 +56,8 @@ def builtin_passes(config: RunConfig) -> list[str]:
         names.append("sequence_parallel")
     if p.cp > 1:
         names.append("context_parallel")
+    if p.ep > 1:
+        names.append("expert_parallel")
     if p.pp * p.virtual_pipeline_size > 1:
         names.append("pipeline_split")
     if p.tp > 1 and p.overlap_tp_comm:
@@ -163,7 +165,7 @@ def build_rank_program(config: RunConfig, coords: Coords, device: str = "cpu",
     finishing_order = sorted(program.stages, key=lambda s: -s.index)  # later stages' backwards end first
     layout = flat_layout([[(param, tuple(node.meta["val"].shape)) for param, node in
                            zip(stage.params, stage.placeholders())] for stage in finishing_order],
-                         dp=coords.size("dp"), bucket_size=config.bucket_size)
+                         sizes=coords.axis_sizes, bucket_size=config.bucket_size)
     adamw = AdamWSettings(t.adam_beta1, t.adam_beta2, t.adam_eps, t.weight_decay, t.clip_grad)
     scaling = LossScaling(t.initial_loss_scale, t.min_loss_scale, t.loss_scale_window, t.hysteresis) \
         if t.fp16 else None

@@ -164,12 +164,10 @@ class RankProgram:
         return self.stages[instruction.stage].graphs()[instruction.graph]
 
     @property
-    def shard_rank(self) -> int | None:
-        """Which 1/n of the optimizer state this rank holds: its position in the `optimizer_shard` group
-        (gcompile.axes); None when it holds all of it."""
-        if self.optimizer_shard is None:
-            return None
-        return group_members(self.coords, self.optimizer_shard).index(self.coords.rank)
+    def shard_positions(self) -> dict[str, int] | None:
+        """Which 1/n of each bucket's optimizer state this rank holds: its position on every axis (a bucket
+        is split over its `replicas` axis, gcompile.flat); None when it holds all of it."""
+        return None if self.optimizer_shard is None else self.coords.axis_ranks
 
     def format_instructions(self) -> str:
         return format_instructions(self.instructions, f"rank {self.coords.rank} {self.coords}, schedule "

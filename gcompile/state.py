@@ -52,8 +52,8 @@ class TrainState:
                 full = spec_of(model).init_value(param.name, param.full_shape, model, seed)
                 views[param.name].copy_(local_value(full, param, coords.axis_ranks, coords.axis_sizes))
             flags, main = layout.flags(lambda param: norm_copies(param, program)).to(device), state.params.float()
-            if program.shard_rank is not None:
-                flags, main = layout.shard_of(flags, program.shard_rank), layout.shard_of(main, program.shard_rank)
+            if program.shard_positions is not None:
+                flags, main = layout.shard_of(flags, program.shard_positions), layout.shard_of(main, program.shard_positions)
             state.flags.copy_(flags)
             if state.main is not None:
                 state.main.copy_(main)

@@ -32,6 +32,7 @@ from dataclasses import replace
 import torch
 import torch.fx as fx
 
+from gcompile.collectives import is_collective
 from gcompile.flat import Bucket
 from gcompile.program import propagate_shapes
 from gcompile.rank_program import LoweredStage, RankProgram
@@ -42,7 +43,7 @@ NAME = "bucket_overlap"
 
 StartReduction = Callable[[fx.Graph, fx.Node, int], fx.Node]
 """(graph, node of the bucket's summed gradient, bucket index) -> node whose value is the started collective."""
-Finish = Callable[[fx.Graph, fx.Node], fx.Node]
+Finish = Callable[[fx.Graph, fx.Node, int], fx.Node]
 """(graph, waited collective) -> node of the value to store (e.g. divided by dp)."""
 
 
@@ -134,8 +135,7 @@ def _with_reductions(stage: LoweredStage, program: RankProgram, bucket_ids: list
             total = graph.call_function(aten.cat.default, (pieces,))
             started = start(graph, total, i)
         with graph.inserting_before(output):
-            finals.append(finish(graph, graph.call_function(torch.ops._c10d_functional.wait_tensor.default,
-                                                              (started,))))
+            finals.append(finish(graph, wait(graph, started), i))
     if every_microbatch:  # the reduced shard holds them: nothing of them goes to the accumulator
         outputs = [None if k < len(stage.params) and stage.params[k].name in reduced else g
                    for k, g in enumerate(outputs)]
@@ -146,6 +146,11 @@ def _with_reductions(stage: LoweredStage, program: RankProgram, bucket_ids: list
     propagate_shapes(gm)
     return replace(stage, backward_last=gm, last_inputs=tuple(inputs), last_outputs_add=every_microbatch,
                    last_outputs=tuple(destination(i, layout.buckets[i]) for i in bucket_ids))
+
+
+def wait(graph: fx.Graph, started: fx.Node) -> fx.Node:
+    """The result of a started collective, waited for; a value that needed none (one rank) as it is."""
+    return graph.call_function(torch.ops._c10d_functional.wait_tensor.default, (started,)) if is_collective(started.target) else started
 
 
 def slice_of(graph: fx.Graph, x: fx.Node, start: int, end: int) -> fx.Node:

@@ -43,7 +43,7 @@ import torch.fx as fx
 from gcompile import cp_ops, ring_attention, tp_ops
 from gcompile.pass_manager import PassContext, register_pass
 from gcompile.program import Program, Stage
-from passes.rewrite import GraphMismatch, insert_call, rank_constant
+from passes.rewrite import GraphMismatch, insert_call, rank_constant, whole_model_copy
 from passes.sequence_parallel import TOKEN_WISE
 from passes.tensor_parallel import BROADCASTING, SHAPE_PRESERVING, VIEWS, full_shape
 
@@ -61,10 +61,7 @@ LOSSES = {aten.cross_entropy_loss.default: 1, tp_ops.vocab_parallel_cross_entrop
 
 @register_pass(NAME)
 def context_parallel_pass(program: Program, ctx: PassContext) -> Program:
-    if "pipeline_split" in program.history:
-        raise ValueError(f"{NAME} rewrites the whole model before pipeline_split; run it earlier "
-                         f"(passes so far: {', '.join(program.history)})")
-    program = program.clone()
+    program = whole_model_copy(program, NAME)
     for stage in program.stages:
         _Splitter(stage, ctx).run()
     return program

@@ -1,8 +1,10 @@
-"""Data parallelism: gradients averaged over the dp group (dp x cp under context parallel) in flat buckets.
+"""Data parallelism: gradients averaged over the dp group (dp x cp under context parallel) in flat buckets;
+a bucket of expert-parallel parameters over the ranks that hold the same experts (edp) instead.
 
 Requires: a lowered RankProgram whose flat layout is bucketed (gcompile.flat) and whose
           optimizer step is the dp = 1 step, its gradient marked GRAD (gcompile.optimizer).
-Ensures:  every bucket is all-reduced over "dp_cp" and divided by dp * cp before the norm and
+Ensures:  every bucket is all-reduced over "dp_cp" (a bucket of parameters cut over a folded axis: over
+          the ranks that hold the same piece, its Bucket.replicas role, e.g. "edp") and divided by dp * cp before the norm and
           the update, so every dp rank updates identical full weights. By default the
           optimizer step starts with the reductions, all issued before any is waited
           for; with `--overlap-grad-reduce` each bucket's all-reduce starts inside the
@@ -44,9 +46,13 @@ def data_parallel_pass(program: RankProgram, ctx: PassContext) -> RankProgram:
     ranks = role_size(ctx.coords, GROUP)
 
     def start(graph: fx.Graph, total: fx.Node, bucket: int) -> fx.Node:
-        return graph.call_function(_ops.all_reduce.default, (total, "sum", GROUP))
+        replicas = program.layout.buckets[bucket].replicas
+        group = GROUP if replicas == "dp" else replicas
+        if role_size(ctx.coords, group) == 1:  # experts no other rank holds: nothing to sum
+            return total
+        return graph.call_function(_ops.all_reduce.default, (total, "sum", group))
 
-    def finish(graph: fx.Graph, reduced: fx.Node) -> fx.Node:
+    def finish(graph: fx.Graph, reduced: fx.Node, bucket: int) -> fx.Node:
         return graph.call_function(torch.ops.aten.div.Tensor, (reduced, ranks))
 
     overlapped = frozenset()

@@ -15,7 +15,7 @@ from gcompile.flat import FlatLayout
 from gcompile.optimizer import GRAD, MARK, marked
 from gcompile.program import propagate_shapes
 from gcompile.rank_program import RankProgram
-from passes.bucket_overlap import Finish, StartReduction, slice_of
+from passes.bucket_overlap import Finish, StartReduction, slice_of, wait
 
 aten = torch.ops.aten
 _ops = torch.ops._c10d_functional
@@ -44,7 +44,7 @@ def reduce_gradient(gm: fx.GraphModule, layout: FlatLayout, start: StartReductio
     with graph.inserting_before(grad.next):  # in creation order
         started = [ready(graph, grad, i) if i in overlapped else start(graph, slice_of(graph, grad, b.start, b.end), i)
                    for i, b in enumerate(layout.buckets)]
-        reduced = [s if i in overlapped else finish(graph, graph.call_function(_ops.wait_tensor.default, (s,)))
+        reduced = [s if i in overlapped else finish(graph, wait(graph, s), i)
                    for i, s in enumerate(started)]
         total = graph.call_function(aten.cat.default, (reduced,))
     grad.replace_all_uses_with(total, delete_user_cb=readers.__contains__)

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 import torch.fx as fx
 
-from gcompile.program import Stage
+from gcompile.program import Program, Stage
 
 
 class GraphMismatch(ValueError):
@@ -65,3 +65,11 @@ def rank_constant(stage: Stage, role: str, value: int) -> fx.Node:
     stage.inputs.append(role)
     stage.rank_constants[role] = value
     return node
+
+
+def whole_model_copy(program: Program, pass_name: str) -> Program:
+    """A copy of `program` to rewrite, for a pass that must see the whole model in one stage."""
+    if "pipeline_split" in program.history:
+        raise ValueError(f"{pass_name} rewrites the whole model before pipeline_split; run it earlier "
+                         f"(passes so far: {', '.join(program.history)})")
+    return program.clone()

@@ -5,7 +5,8 @@ Requires: a lowered RankProgram whose flat layout is bucketed with every bucket 
           multiple of dp (gcompile.flat guarantees it), and whose optimizer step is the
           dp = 1 step with fp32 main weights apart from the model's (marks GRAD, NORM_SQ,
           WRITE_BACK; gcompile.optimizer).
-Ensures:  dp rank i owns the i-th 1/dp of every bucket; the step's main weights, AdamW
+Ensures:  dp rank i owns the i-th 1/dp of every bucket (of a bucket of expert-parallel parameters: edp rank
+          i the i-th 1/edp, reduce-scattered and gathered over "edp", Bucket.replicas); the step's main weights, AdamW
           states and flags are those pieces end to end (1/dp of the unsharded memory;
           program.optimizer_shard = "dp"); the gradient norm (and the fp16 overflow flag)
           is reduced over the whole world (each piece counted once). With
@@ -46,7 +47,7 @@ from gcompile.optimizer import FOUND_INF, GRAD, NORM_SQ, WRITE_BACK, marked
 from gcompile.pass_manager import PassContext, register_pass
 from gcompile.rank_program import OptimizerGraph, RankProgram
 from passes.bucket_overlap import overlap_buckets, overlappable_buckets, slice_of
-from passes.optimizer_rewrite import drop_unread, editable, finished, reduce_gradient, reduce_over, required
+from passes.optimizer_rewrite import drop_unread, editable, finished, reduce_gradient, reduce_over, required, wait
 
 NAME = "sharded_optimizer"
 SHARDED_STATE = ("main", "exp_avg", "exp_avg_sq", "flags")
@@ -62,10 +63,14 @@ def sharded_optimizer_pass(program: RankProgram, ctx: PassContext) -> RankProgra
     offsets = _piece_offsets(layout)
 
     def start(graph: fx.Graph, total: fx.Node, bucket: int) -> fx.Node:
-        return graph.call_function(_ops.reduce_scatter_tensor.default, (total, "sum", dp, "dp"))
+        b = layout.buckets[bucket]
+        if b.ways == 1:  # experts no other rank holds: nothing to sum
+            return total
+        return graph.call_function(_ops.reduce_scatter_tensor.default, (total, "sum", b.ways, b.replicas))
 
-    def finish(graph: fx.Graph, reduced: fx.Node) -> fx.Node:
-        if cp > 1:  # context parallel: the cp ranks hold the same shard, each summed over its dp ranks only
+    def finish(graph: fx.Graph, reduced: fx.Node, bucket: int) -> fx.Node:
+        if cp > 1 and layout.buckets[bucket].replicas == "dp":  # context parallel: the cp ranks hold the same
+            # shard, each summed over its dp ranks only (an edp group spans cp already)
             reduced = graph.call_function(_ops.wait_tensor.default,
                                           (graph.call_function(_ops.all_reduce.default, (reduced, "sum", "cp")),))
         return graph.call_function(torch.ops.aten.div.Tensor, (reduced, dp * cp))
@@ -101,20 +106,19 @@ def sharded_optimizer_pass(program: RankProgram, ctx: PassContext) -> RankProgra
         for mark, op in ((NORM_SQ, "sum"), (FOUND_INF, "max")):
             if (node := marked(gm, mark)) is not None:
                 reduce_over(gm, node, op, "world", NAME)
-    _gather_write_back(gm, required(gm, WRITE_BACK), offsets, dp)
+    _gather_write_back(gm, required(gm, WRITE_BACK), offsets, layout)
     return replace(program, optimizer=OptimizerGraph(finished(gm, NAME), inputs), optimizer_shard="dp",
                    norm_group="world" if ctx.coords.world_size > 1 else None, grads_between_steps=not shard_grads)
 
 
-def _gather_write_back(gm: fx.GraphModule, write_back: fx.Node, offsets: list[int], dp: int) -> None:
+def _gather_write_back(gm: fx.GraphModule, write_back: fx.Node, offsets: list[int], layout: FlatLayout) -> None:
     """params.copy_(main) -> params.copy_(every rank's pieces of main, gathered bucket by bucket)."""
     graph, main = gm.graph, write_back.args[1]
     with graph.inserting_before(write_back):
-        started = [graph.call_function(_ops.all_gather_into_tensor.default,
-                                       (slice_of(graph, main, offsets[i], offsets[i + 1]), dp, "dp"))
-                   for i in range(len(offsets) - 1)]
-        gathered = graph.call_function(torch.ops.aten.cat.default,
-                                       ([graph.call_function(_ops.wait_tensor.default, (s,)) for s in started],))
+        started = [slice_of(graph, main, offsets[i], offsets[i + 1]) for i in range(len(layout.buckets))]
+        started = [s if b.ways == 1 else graph.call_function(_ops.all_gather_into_tensor.default, (s, b.ways, b.replicas))
+                   for s, b in zip(started, layout.buckets)]
+        gathered = graph.call_function(torch.ops.aten.cat.default, ([wait(graph, s) for s in started],))
     write_back.update_arg(1, gathered)
 
 
@@ -127,5 +131,5 @@ def _piece_offsets(layout: FlatLayout) -> list[int]:
     """Where each bucket's piece starts in a shard-sized buffer (and where the last ends)."""
     offsets = [0]
     for b in layout.buckets:
-        offsets.append(offsets[-1] + b.numel // layout.dp)
+        offsets.append(offsets[-1] + b.numel // b.ways)
     return offsets

@@ -24,7 +24,7 @@ from gcompile.checkpoint import TMP, TRACKER, iteration_dir
 from gcompile.config import parse_args
 from gcompile.data import build_datasets
 from gcompile.flat import flat_layout
-from gcompile.layout import Param
+from gcompile.layout import Param, Shard
 from gcompile.axes import Coords
 from gcompile.models.gpt2 import GPT, GPT2
 from gcompile.pipeline import build_rank_program
@@ -155,18 +155,26 @@ def test_reshard_between_fp32_and_bf16_main_weights(dp2):
 
 
 def test_spans_place_every_element_once():
-    params = [(Param(f"p{i}", (n,)), (n,)) for i, n in enumerate([37, 5, 300, 64, 1])]
-    for dp in (1, 2, 4):
-        layout = flat_layout([params], dp=dp, bucket_size=100)
+    """Dense parameters are split over dp; expert-parallel ones (cut over ep = 2) over the edp ranks that hold
+    the same experts, in buckets of their own: each element sits in exactly one rank's shard of its group."""
+    sizes = [37, 5, 300, 64, 1, 48]
+    params = [(Param(f"p{i}", (n,), shards=(Shard("ep", 0),) if i in (2, 3) else ()), (n,))
+              for i, n in enumerate(sizes)]
+    for dp in (2, 4):
+        layout = flat_layout([params], sizes={"dp": dp, "ep": 2, "edp": dp // 2}, bucket_size=100)
+        assert [b.replicas for b in layout.buckets] == ["dp", "edp", "dp"]  # laid out last parameter first
         flat = torch.arange(layout.numel, dtype=torch.float32)
         views = layout.views(flat)
         seen = {name: torch.zeros(view.numel()) for name, view in views.items()}
         for dp_rank in range(dp):
-            shard = layout.shard_of(flat, dp_rank)
-            for name, spans in layout.spans(dp_rank).items():
+            positions = {"dp": dp_rank, "edp": dp_rank // 2}  # ep rank dp_rank % 2
+            shard = layout.shard_of(flat, positions)
+            for name, spans in layout.spans(positions).items():
+                expert = name in ("p2", "p3")
                 for s in spans:
                     assert torch.equal(shard[s.at:s.at + s.end - s.start], views[name][s.start:s.end])
-                    seen[name][s.start:s.end] += 1
+                    if not expert or dp_rank % 2 == 0:  # one ep rank's experts: its edp group covers them once
+                        seen[name][s.start:s.end] += 1
         assert all(torch.equal(count, torch.ones_like(count)) for count in seen.values()), dp
 
 

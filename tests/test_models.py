@@ -81,7 +81,7 @@ def test_tiny_captures_with_its_own_decay_rule():
     assert sorted(params) == ["down.bias", "down.weight", "emb.weight", "up.bias", "up.weight"]  # head: emb
     assert {n for n, p in params.items() if p.decays} == {"down.bias", "emb.weight", "up.bias", "up.weight"}
 
-    layout = flat_layout([[(p, p.full_shape) for p in stage.params]], dp=1, bucket_size=1 << 20)
+    layout = flat_layout([[(p, p.full_shape) for p in stage.params]], sizes={}, bucket_size=1 << 20)
     flags = layout.flags(lambda param: 1)
     for param, shape, offset in zip(layout.params, layout.shapes, layout.offsets):
         piece = flags[offset:offset + torch.Size(shape).numel()]

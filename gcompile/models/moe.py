@@ -27,12 +27,14 @@ import torch.nn.functional as F
 
 @torch.library.custom_op("gcompile::grouped_mm", mutates_args=())
 def grouped_mm(rows: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-    """rows (R, in) sorted by group, weight (G, in, out), ends (G,): group g's rows end at ends[g] -> (R, out)."""
+    """rows (R, in) sorted by group, weight (G, in, out), ends (G,): group g's rows end at ends[g] -> (R, out);
+    rows after the last end (an expert-parallel rank's unused room) come out zero."""
     out = rows.new_empty(rows.shape[0], weight.shape[-1])
     start = 0
     for group, end in enumerate(ends.tolist()):
         torch.matmul(rows[start:end], weight[group], out=out[start:end])
         start = end
+    out[start:].zero_()
     return out
 
 

@@ -1,0 +1,95 @@
+"""Expert parallel (passes/expert_parallel.py): the experts split over ep ranks train like one device.
+
+Numerics as in tests/test_moe.py: fp32, relative error at most 1e-5 of losses and grad norms per step and
+of the final parameters, against single-device eager autograd + AdamW on random tokens over 3 steps, the
+load-balancing loss (coefficient 0.01) included, so its gradient reaches the routers. Routing is dropless,
+so the ep exchange moves every routed row and the sums are one device's. In this process unless marked
+slow (gloo ranks, real all-to-alls, Inductor-compiled).
+"""
+
+import pytest
+
+from gcompile import harness
+from gcompile.axes import Coords
+from gcompile.collectives import collective_nodes
+from gcompile.pipeline import build_rank_program, builtin_passes
+from gcompile.train import train
+from tests import multirank
+from tests.reference import random_batches, reference_run
+from tests.test_checkpoint import N, WORKER, assert_close, assert_resume_is_exact, cut_resumed_straight, losses
+from tests.test_checkpoint import config as checkpoint_config
+from tests.test_llama import COMPILED_PARAM_TOL, assert_matches
+from tests.test_moe import DEEPSEEK, LLAMA, LRS, config
+
+DIST_OPT = dict(use_distributed_optimizer=True)
+
+
+def check(cases: dict, run, model=None) -> None:
+    batches = random_batches(config(model), len(LRS))
+    reference = reference_run(config(model), batches, LRS)
+    for label, result in zip(cases, run([config(model, **parallel) for parallel in cases.values()], batches)):
+        assert_matches(result.losses, result.grad_norms, result.params, reference, label,
+                       COMPILED_PARAM_TOL if "compiled" in label else 1e-5)
+
+
+def in_one_process(configs, batches):
+    return harness.run_layouts(configs, batches, LRS)
+
+
+def test_gpt2_experts_split_over_ep_match_eager():
+    """ep2 and ep4 (one expert a rank: no sort after the exchange), with tp, pp, the distributed optimizer
+    sharding the experts' state over the edp ranks that hold the same experts, ZeRO-2, overlapped buckets."""
+    check({"ep2": dict(dp=2, ep=2), "ep4": dict(dp=4, ep=4), "ep2 tp2": dict(dp=2, ep=2, tp=2),
+           "ep2 pp2": dict(dp=2, ep=2, pp=2), "ep2 dp4 distributed optimizer": dict(dp=4, ep=2, **DIST_OPT),
+           "ep2 dp2 distributed optimizer": dict(dp=2, ep=2, **DIST_OPT),
+           "ep2 dp4 optim_grads overlapped": dict(dp=4, ep=2, data_parallel_sharding_strategy="optim_grads",
+                                                  overlap_grad_reduce=True)}, in_one_process)
+
+
+@pytest.mark.parametrize("model", [LLAMA, dict(LLAMA, **DEEPSEEK)], ids=["llama", "llama-sigmoid-shared-expert"])
+def test_llama_experts_split_over_ep_match_eager(model):
+    check({"ep2": dict(dp=2, ep=2), "ep2 tp2 pp2": dict(dp=2, ep=2, tp=2, pp=2)}, in_one_process, model)
+
+
+@pytest.mark.slow
+def test_compiled_on_ranks_matches_eager(tmp_path):
+    """On gloo ranks, Inductor-compiled: the all-to-alls are real, their counts read on the host."""
+    check({"ep2 dp4 distributed optimizer compiled": dict(dp=4, ep=2, compile=True, **DIST_OPT),
+           "ep4 compiled": dict(dp=4, ep=4, compile=True), "ep2 dp4 uncompiled": dict(dp=4, ep=2)},
+          lambda configs, batches: multirank.run_layouts(tmp_path, configs, batches, LRS))
+
+
+def test_experts_exchange_rows_with_all_to_all_and_reduce_over_edp():
+    cfg = config(dp=4, ep=2)
+    assert builtin_passes(cfg) == ["expert_parallel", "data_parallel"]
+    program = build_rank_program(cfg, Coords.from_rank(1, cfg.mesh_sizes), log=lambda _: None)
+    stage = program.stages[0]
+    per_layer = [("all_to_all_single", "ep"), ("all_to_all_rows", "ep"), ("all_to_all_rows", "ep")]
+    assert [(op, a["group_name"]) for _, op, a in collective_nodes(stage.forward)] == per_layer * 2
+    assert [(op, a["group_name"]) for _, op, a in collective_nodes(stage.backward)] == [("all_to_all_rows", "ep")] * 4
+    experts = {p.name for p in program.layout.params if p.sharded_over("ep")}
+    assert experts == {f"transformer.h.{i}.mlp.experts.{m}.{w}" for i in range(2) for m in ("c_fc", "c_proj")
+                       for w in ("weight", "bias")}
+    assert all(p.local_shape(cfg.mesh_sizes)[0] == 2 for p in program.layout.params if p.name in experts)
+    groups = [a["group_name"] for _, _, a in collective_nodes(program.optimizer.graph)]
+    assert set(groups) == {"dp_cp", "edp", "world"} and groups.count("edp") == 2  # a bucket of each layer's
+
+
+@pytest.mark.slow
+def test_checkpoints_cross_ep_sizes(tmp_path):
+    """An ep2 save (dp4, distributed optimizer: expert state sharded over edp) resumes exactly at ep2 and
+    continues at ep4, at ep1 on the same ranks, and on one rank, each with the uninterrupted ep2 run's losses."""
+    moe = ["--num-experts", 4, "--moe-router-topk", 2, "--moe-aux-loss-coeff", 0.01, "--dp", 4,
+           "--use-distributed-optimizer"]
+    dirs, configs = cut_resumed_straight(tmp_path, {"": moe + ["--ep", 2]})
+    saved = dirs["cut"] / "save"
+    for ep in (4, 1):
+        configs.append(checkpoint_config(*moe, "--ep", ep, "--load", saved, "--run-dir", tmp_path / f"ep{ep}"))
+    multirank.assert_succeeded(tmp_path, multirank.launch(tmp_path, WORKER, dict(configs=configs), world=4))
+    assert_resume_is_exact(dirs, "")
+    straight = losses(dirs["straight"] / "run")
+    for ep in (4, 1):
+        assert_close(losses(tmp_path / f"ep{ep}"), straight[N:], f"an ep2 save continued at ep{ep}")
+    train(checkpoint_config(*moe[:6], "--load", saved, "--run-dir", tmp_path / "one"), Coords.from_rank(0, {}),
+          log=lambda _: None)
+    assert_close(losses(tmp_path / "one"), straight[N:], "an ep2 save continued on one rank")
