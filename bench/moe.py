@@ -8,6 +8,10 @@
     nonzero, its MLP, the gated outputs index_add-ed back), + torch.optim.AdamW
 (b) gcompile, FX graphs run uncompiled (the grouped matmul over rows sorted by expert)
 (c) gcompile --compile
+(d) gcompile --compile with --ep N (default 2): the experts split over N gloo ranks (dp N, so each takes
+    1/N of the batch, one process each, the cores split evenly), tokens exchanged by all-to-all; launched
+    after each round of (a)-(c), timed on its own (the median of barrier-lined steps), so its ratio to (a)
+    of that round also carries launch-to-launch noise
 All start from the same initial weights (LoopedMoE copies gcompile's stacked experts);
 before timing, (a) and (b) must give the same loss on the batch (1e-5 relative), so
 the rows compare one model. One step is forward, backward, clip and AdamW on the
@@ -18,12 +22,14 @@ same round. `--repeats` rounds show how much a shared machine moves the figures.
 """
 
 import argparse
+import json
 import statistics
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
-from flags import torch_step  # bench/, first on sys.path when run as a script
+from flags import add_worker_flags, gcompile_runtime, join_gloo, median_step, spawn_ranks, torch_step  # bench/
 from gcompile.config import build_config
 from gcompile.models.moe import MoE
 from gcompile.train import split_microbatches
@@ -40,7 +46,7 @@ class LoopedMoE(MoE):
             nn.Sequential(nn.Linear(*fc.weight.shape[1:], bias=fc.bias is not None), moe.experts.activation,
                           nn.Linear(*proj.weight.shape[1:], bias=proj.bias is not None))
             for _ in range(moe.num_experts))
-        super().__init__(moe.router.in_features, experts, moe.num_experts, moe.topk)
+        super().__init__(moe.router.in_features, experts, moe.num_experts, moe.topk, "softmax", None)
         with torch.no_grad():
             self.router.weight.copy_(moe.router.weight)
             for e, (first, _, second) in enumerate(experts):
@@ -86,6 +92,37 @@ def check_same_loss(reference: nn.Module, runtime, tokens: torch.Tensor) -> None
                          "compare different models")
 
 
+def ep_worker(args) -> None:
+    """One rank of (d): its dp slice of the batch each step; rank 0 writes the median step's seconds."""
+    rank, world = join_gloo(args.store)
+    config = make_config(args, ep=world)
+    runtime = gcompile_runtime(config, rank)
+    per_rank = args.batch_size // world
+    mine = batch(args, config)[rank * per_rank:(rank + 1) * per_rank]
+    seconds = median_step(lambda tokens: runtime.train_step(split_microbatches(tokens, per_rank)), mine,
+                          args.warmup, args.iters)
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump(dict(seconds=seconds), f)
+    dist.destroy_process_group()
+
+
+def make_config(args, ep: int = 1):
+    per_rank = args.batch_size // ep
+    return build_config({
+        "model": dict(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, block_size=args.seq_length,
+                      num_experts=args.num_experts, moe_router_topk=args.moe_router_topk, moe_aux_loss_coeff=0.01),
+        "parallel": dict(dp=ep, ep=ep),
+        "train": dict(micro_batch_size=per_rank, global_batch_size=args.batch_size, seq_length=args.seq_length,
+                      compile=ep > 1),
+    })
+
+
+def batch(args, config) -> torch.Tensor:
+    return torch.randint(0, config.model.vocab_size, (args.batch_size, args.seq_length + 1),
+                         generator=torch.Generator().manual_seed(0))
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--n-layer", type=int, default=2)
@@ -98,15 +135,15 @@ def main():
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--ep", type=int, default=2, help="expert-parallel ranks of row (d); 1: no row (d)")
+    add_worker_flags(p)
     args = p.parse_args()
-    config = build_config({
-        "model": dict(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, block_size=args.seq_length,
-                      num_experts=args.num_experts, moe_router_topk=args.moe_router_topk, moe_aux_loss_coeff=0.01),
-        "train": dict(micro_batch_size=args.batch_size, global_batch_size=args.batch_size,
-                      seq_length=args.seq_length),
-    })
-    tokens = torch.randint(0, config.model.vocab_size, (args.batch_size, args.seq_length + 1),
-                           generator=torch.Generator().manual_seed(0))
+    if args.worker:
+        return ep_worker(args)
+    config = make_config(args)
+    if args.ep > 1:
+        make_config(args, args.ep)  # a layout the config refuses stops here, before any timing
+    tokens = batch(args, config)
     print(f"config: gpt2, {args.n_layer} layers, {args.n_embd} wide, {args.n_head} heads, {args.num_experts} "
           f"experts, top-{args.moe_router_topk}, T={args.seq_length}, {args.batch_size} samples/step, "
           f"{torch.get_num_threads()} threads")
@@ -116,10 +153,17 @@ def main():
     steps = {"(a) looped experts, eager": torch_step(reference, reference, config)}
     for name, runtime in (("(b) gcompile (FX graphs)", runtimes[False]), ("(c) gcompile --compile", runtimes[True])):
         steps[name] = lambda batch, runtime=runtime: runtime.train_step(split_microbatches(batch, len(batch)))
-    rounds = [time_round_robin(steps, tokens, args.warmup, args.iters) for _ in range(args.repeats)]
+    rounds = []
+    for _ in range(args.repeats):
+        rounds.append(time_round_robin(steps, tokens, args.warmup, args.iters))
+        if args.ep > 1:
+            worker = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
+                      ("n_layer", "n_embd", "n_head", "seq_length", "num_experts", "moe_router_topk", "batch_size",
+                       "iters", "warmup")]
+            rounds[-1][f"(d) --compile, ep {args.ep}"] = spawn_ranks(__file__, worker, args.ep)["seconds"]
     per_step = args.batch_size * args.seq_length
     print(f"{'':27s} {'tokens/s, round by round':>{8 * args.repeats}s}   {'vs (a), median [min-max]'}")
-    for name in steps:
+    for name in rounds[0]:
         rates = "".join(f"{per_step / r[name]:8.0f}" for r in rounds)
         ratios = [r["(a) looped experts, eager"] / r[name] for r in rounds]
         print(f"{name:27s} {rates}   {statistics.median(ratios):5.2f}x [{min(ratios):.2f}-{max(ratios):.2f}]")

@@ -19,6 +19,7 @@ from torch.export.graph_signature import InputKind
 
 from gcompile.layout import Param
 from gcompile.models.spec import Input, canonical_names
+from gcompile.report import number_reports
 from gcompile.program import Program, Stage, refresh_meta
 from gcompile.torch_api import FakeTensorMode
 
@@ -62,6 +63,7 @@ def capture(build: Callable[[], nn.Module], batch: tuple[Input, ...], decays: Ca
     for node in list(graph.graph.find_nodes(op="call_function", target=torch.ops.aten._assert_tensor_metadata.default)):
         graph.graph.erase_node(node)  # export's dtype/device checks: nothing for a pass to carry around
     graph.graph.eliminate_dead_code()
+    number_reports(graph)
     graph.recompile()
     stage = Stage(index=0, graph=graph, params=params, inputs=roles, outputs=["loss"])
     refresh_meta(stage)

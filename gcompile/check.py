@@ -29,6 +29,7 @@ import torch.fx as fx
 from gcompile.collectives import collective_nodes
 from gcompile.config import RunConfig
 from gcompile.axes import group_members
+from gcompile.report import is_metric
 from gcompile.rank_program import RankProgram
 from gcompile.state import TrainState
 from gcompile.torch_api import is_op_overload
@@ -126,7 +127,8 @@ def pipeline_messages(program: RankProgram) -> tuple[list[Message], list[Message
 
 def _output_shapes(stage) -> tuple:
     outs = stage.forward.graph.output_node().args[0][:len(stage.outputs)]
-    return tuple((tuple(n.meta["val"].shape), str(n.meta["val"].dtype)) for n in outs)
+    return tuple((tuple(n.meta["val"].shape), str(n.meta["val"].dtype)) for n, role in zip(outs, stage.outputs)
+                 if not is_metric(role))
 
 
 def _activation_input_shapes(stage) -> tuple:

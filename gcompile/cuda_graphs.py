@@ -15,7 +15,7 @@ from gcompile.rank_program import RankProgram
 from gcompile.runtime import Runtime, StepResult
 from gcompile.torch_api import is_op_overload
 
-HOST_READS = ("gcompile::grouped_mm", "gcompile::grouped_mm_weight_grad")
+HOST_READS = ("gcompile::grouped_mm", "gcompile::grouped_mm_weight_grad", "gcompile::all_to_all_rows")
 """Ops that read a device value on the host (a grouped matmul its groups' ends): a capture cannot hold them."""
 
 

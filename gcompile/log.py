@@ -34,14 +34,18 @@ class MetricsLog:
 
     def step(self, *, iteration: int, consumed_samples: int, elapsed_ms: float, tokens: int, flops: float,
              lr: float, loss: float, grad_norm: float, batch_size: int, loss_scale: float | None,
-             skipped_iterations: int, print_line: bool, memory: dict[str, int] | None = None) -> None:
-        """`memory`: the logging rank's measured peak (gcompile.memory.StepPeak.metrics), on a run's first step."""
+             skipped_iterations: int, print_line: bool, memory: dict[str, int] | None = None,
+             reports: dict | None = None) -> None:
+        """`memory`: the logging rank's measured peak (gcompile.memory.StepPeak.metrics), on a run's first step.
+        `reports`: what the model reported this step, totalled over the ranks (gcompile.reported), at log
+        intervals."""
         tokens_per_s = tokens / (elapsed_ms / 1e3)
         tflops = flops / (elapsed_ms / 1e3) / self.world_size / 1e12
         record = dict(iteration=iteration, consumed_samples=consumed_samples, lm_loss=loss, lr=lr,
                       grad_norm=grad_norm, elapsed_ms=elapsed_ms, tokens_per_s=tokens_per_s,
                       tflops_per_rank=tflops, batch_size=batch_size, loss_scale=loss_scale,
                       skipped_iterations=skipped_iterations, **(memory or {}))
+        summary = self._reports(reports or {}, iteration, record)
         self._write(record)
         tb = self.tensorboard
         tb.add_scalar("learning-rate", lr, iteration)
@@ -69,8 +73,31 @@ class MetricsLog:
                   f" lm loss: {loss:.6E} |"
                   + (f" loss scale: {loss_scale:.1f} |" if loss_scale is not None else "")
                   + f" grad norm: {grad_norm:.3f} |"
-                  f" number of skipped iterations: {skipped_iterations:3d} |",
+                  f" number of skipped iterations: {skipped_iterations:3d} |" + summary,
                   flush=True)
+
+    def _reports(self, reports: dict, iteration: int, record: dict) -> str:
+        """Log what the model reported: each value per report (a model reports once per layer) into the record
+        and TensorBoard; counts (tokens per expert) also as their imbalance, max / mean per layer. The part
+        of the console line that shows them."""
+        shown = ""
+        for name, values in reports.items():
+            key = name.replace(" ", "_")
+            record[key] = values.tolist()
+            if values.dim() == 1:  # one number per layer (the load-balancing loss)
+                mean = values.mean().item()
+                self.tensorboard.add_scalar(name, mean, iteration)
+                for layer, value in enumerate(values.tolist()):
+                    self.tensorboard.add_scalar(f"{name}/layer {layer}", value, iteration)
+                shown += f" {name}: {mean:.4f} |"
+                continue
+            imbalance = values.amax(-1) / values.mean(-1).clamp(min=1e-12)  # 1: every expert alike
+            record[f"{key}_max_over_mean"] = imbalance.tolist()
+            for layer, (counts, worst) in enumerate(zip(values, imbalance.tolist())):
+                self.tensorboard.add_histogram(f"{name}/layer {layer}", counts, iteration)
+                self.tensorboard.add_scalar(f"{name} max over mean/layer {layer}", worst, iteration)
+            shown += f" {name} max/mean: {imbalance.max().item():.2f} (layer {imbalance.argmax().item()}) |"
+        return shown
 
     def validation(self, *, iteration: int, consumed_samples: int, loss: float) -> None:
         ppl = math.nan if math.isnan(loss) else math.exp(min(20.0, loss))  # min(20, nan) is 20

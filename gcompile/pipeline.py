@@ -1,8 +1,9 @@
 """The compiler, top to bottom: from a run config to the program one rank runs.
 
     capture          torch.export of the model's factory (its ModelSpec) on an example batch
-    passes           tensor_parallel, sequence_parallel, context_parallel, pipeline_split, user passes
-                     (forward Program)
+    passes           tensor_parallel, sequence_parallel, context_parallel, expert_parallel, pipeline_split,
+                     user passes (forward Program)
+    reports          what the model reports (gcompile.report) becomes extra, detached stage outputs
     schedule         the pipeline schedule, as data
     lower            per stage: autograd -> forward graph + backward graph (+ W for zero bubble)
     layout           the rank's parameters in flat buffers and reduction buckets
@@ -36,7 +37,8 @@ from gcompile.optimizer import tied_reductions
 import passes  # noqa: F401  registers the built-in passes
 from gcompile.pass_manager import (PassContext, PassError, clear_rank_dump, rank_dump_dir, resolve_pass, run_passes,
                                    run_rank_passes)
-from gcompile.program import Stage, dump_text, format_graph
+from gcompile.program import Stage, dump_text, format_graph, refresh_meta
+from gcompile.report import reported, to_outputs
 from gcompile.rank_program import AdamWSettings, LoweredStage, LossScaling, RankProgram, StepSettings
 from gcompile.schedule import build_schedule, simulate
 
@@ -136,7 +138,7 @@ def build_rank_program(config: RunConfig, coords: Coords, device: str = "cpu",
     if stop_after is not None:
         forward_passes, rank_passes = passes_until(forward_passes, rank_passes, stop_after)
 
-    key = (config.model, t.micro_batch_size, t.seq_length, device, config.param_dtype)
+    key = key_captured = (config.model, t.micro_batch_size, t.seq_length, device, config.param_dtype)
     if key not in cache.captured:
         spec, start = config.model_spec, time.perf_counter()
         cache.captured[key] = capture(functools.partial(spec.module, config.model),
@@ -148,6 +150,9 @@ def build_rank_program(config: RunConfig, coords: Coords, device: str = "cpu",
     start = time.perf_counter()
     program = run_passes(cache.captured[key].clone(), forward_passes, ctx, log)
     cache.seconds["passes"] += time.perf_counter() - start
+    for stage in program.stages:  # what the model reports leaves as extra outputs (gcompile.report)
+        stage.outputs = to_outputs(stage.graph, stage.outputs)
+        refresh_meta(stage)
     key = (p.pipeline_schedule, p.pp, p.virtual_pipeline_size, config.num_microbatches)
     if key not in cache.schedules:
         cache.schedules[key] = build_schedule(*key)
@@ -174,6 +179,7 @@ def build_rank_program(config: RunConfig, coords: Coords, device: str = "cpu",
                             param_dtype=config.param_dtype)
     rank_program = lower_rank(coords, stages, layout, schedule, settings, history=(*program.history, "lower"),
                               device=device)
+    rank_program = replace(rank_program, reported=reported(cache.captured[key_captured].stages[0].graph))
     number = len(program.history)
     if dump_dir:
         for s, stage in stages.items():

@@ -143,6 +143,9 @@ class RankProgram:
     """What the rank runs per iteration, in order, the optimizer step last (gcompile.instructions)."""
     history: tuple[str, ...] = ()
     """The passes and lowering steps that made this program, in order."""
+    reported: tuple[tuple[str, tuple[int, ...], bool], ...] = ()
+    """(role, shape, is a count) of every value the whole model reports (gcompile.report), on every rank alike, whichever
+    stage computes it: what the ranks sum between them for the log."""
     norm_group: str | None = None
     """The group role whose ranks together hold every gradient element: the global norm sums over it
     (and counts each element once, gcompile.flat); None: this rank alone."""

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from gcompile.flight import NO_RECORDER, FlightRecorder
 from gcompile.memory import PeakMeter, StepPeak
 from gcompile.rank_program import RankProgram
+from gcompile.report import is_metric
 from gcompile.instructions import OPT_STEP, OPTIMIZER, Instruction
 from gcompile.schedule import Kind, in_flight_bound, rank_in_flight_bound
 from gcompile.state import TrainState
@@ -151,6 +152,8 @@ class Runtime:
     def _run(self, microbatches, instructions: list[Instruction], training: bool):
         self.batch = microbatches
         self.saved, self.acts, self.grads_in, self.losses = {}, {}, {}, []
+        self.metrics: dict[str, list[torch.Tensor]] = {}
+        """What the model reported (gcompile.report) by role, one value per microbatch, this rank's stages."""
         self.weight_args = {}
         """(stage, mb) -> what its W reads, kept by its B."""
         self.pending_recvs, self.sends = {}, []
@@ -201,6 +204,10 @@ class Runtime:
         inputs = [fixed[role] if role in fixed else next(acts) for role in stage.inputs]
         out = self.functions[a.stage].forward(*self.param_args[a.stage], *inputs)
         outputs, saved = out[:len(stage.outputs)], out[len(stage.outputs):]
+        for role, value in zip(stage.outputs, outputs):
+            if is_metric(role):
+                self.metrics.setdefault(role, []).append(value)
+        outputs = [value for role, value in zip(stage.outputs, outputs) if not is_metric(role)]
         if training:
             self.saved[(a.stage, a.mb)] = saved
             self._count_saved(a)
@@ -308,7 +315,7 @@ class Runtime:
     def _empty_like_outputs(self, stage: int) -> list[torch.Tensor]:
         st = self.program.stages[stage]
         outs = st.forward.graph.output_node().args[0][:len(st.outputs)]
-        return [self._empty(n.meta["val"]) for n in outs]
+        return [self._empty(n.meta["val"]) for n, role in zip(outs, st.outputs) if not is_metric(role)]
 
     def _empty(self, val) -> torch.Tensor:
         return torch.empty(val.shape, dtype=val.dtype, device=self.state.params.device)

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from gcompile import checkpoint, shutdown
 from gcompile.checkpoint import Progress
 from gcompile.compile import Compiler, compile_rank_program, dump_generated_code, format_rank_stats
+from gcompile.reported import total_reports
 from gcompile.cuda_graphs import GraphedTrainStep, host_reads
 from gcompile.config import RunConfig, TrainConfig
 from gcompile.blend import BlendedDataset
@@ -143,6 +144,8 @@ def train(config: RunConfig, coords: Coords, device: str = "cpu", log=print) -> 
             quiet(f"rank 0 memory over its first step: {peak}; estimated {estimate.total / MIB:.1f} MiB "
                   f"(activations {estimate.activations / MIB:.1f})")
         consumed += t.global_batch_size
+        reports = total_reports(program, runtime.metrics, config.num_microbatches, device) \
+            if iteration % config.log.log_interval == 0 else None  # every rank: it all-reduces
         if metrics:
             record = dict(iteration=iteration, consumed_samples=consumed,
                           elapsed_ms=elapsed_ms, tokens=t.global_batch_size * t.seq_length, flops=flops, lr=lr,
@@ -150,7 +153,7 @@ def train(config: RunConfig, coords: Coords, device: str = "cpu", log=print) -> 
                           loss_scale=None if state.loss_scale is None else state.loss_scale.item(),
                           skipped_iterations=skipped)
             metrics.step(**record, print_line=iteration % config.log.log_interval == 0,
-                         memory=peak.metrics() if peak else None)
+                         memory=peak.metrics() if peak else None, reports=reports)
             records.append(record)
         signalled = False
         if t.check_for_nan_in_loss_and_grad or c.exit_signal_handler:

@@ -7,7 +7,11 @@ so the ep exchange moves every routed row and the sums are one device's. In this
 slow (gloo ranks, real all-to-alls, Inductor-compiled).
 """
 
+import dataclasses
+import json
+
 import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from gcompile import harness
 from gcompile.axes import Coords
@@ -24,10 +28,15 @@ from tests.test_moe import DEEPSEEK, LLAMA, LRS, config
 DIST_OPT = dict(use_distributed_optimizer=True)
 
 
+def layout(model, compile: bool = False, **parallel):
+    cfg = config(model, **parallel)
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, compile=compile))
+
+
 def check(cases: dict, run, model=None) -> None:
     batches = random_batches(config(model), len(LRS))
     reference = reference_run(config(model), batches, LRS)
-    for label, result in zip(cases, run([config(model, **parallel) for parallel in cases.values()], batches)):
+    for label, result in zip(cases, run([layout(model, **parallel) for parallel in cases.values()], batches)):
         assert_matches(result.losses, result.grad_norms, result.params, reference, label,
                        COMPILED_PARAM_TOL if "compiled" in label else 1e-5)
 
@@ -93,3 +102,29 @@ def test_checkpoints_cross_ep_sizes(tmp_path):
     train(checkpoint_config(*moe[:6], "--load", saved, "--run-dir", tmp_path / "one"), Coords.from_rank(0, {}),
           log=lambda _: None)
     assert_close(losses(tmp_path / "one"), straight[N:], "an ep2 save continued on one rank")
+
+
+@pytest.mark.slow
+def test_routing_statistics_logged_alike_on_ranks(tmp_path):
+    """The logged tokens per expert (summed over the global batch: every token's k copies) and load-balancing
+    loss (the mean over microbatches) of a pp2 dp2 ep2 run, its reports totalled over the ranks
+    (gcompile.reported), are one rank's: counts exactly, the loss at 1e-5; TensorBoard has them too."""
+    moe = ["--num-experts", 4, "--moe-router-topk", 2, "--moe-aux-loss-coeff", 0.01, "--log-interval", 1]
+    train(checkpoint_config(*moe, "--run-dir", tmp_path / "one"), Coords.from_rank(0, {}), log=lambda _: None)
+    ranks = checkpoint_config(*moe, "--pp", 2, "--dp", 2, "--ep", 2, "--run-dir", tmp_path / "ranks")
+    multirank.assert_succeeded(tmp_path, multirank.launch(tmp_path, WORKER, dict(configs=[ranks]), world=4))
+    one, four = (records(tmp_path / name) for name in ("one", "ranks"))
+    assert len(one) == len(four) == 2 * N
+    for a, b in zip(one, four):
+        assert a["tokens_per_expert"] == b["tokens_per_expert"]
+        assert all(sum(layer) == 8 * 32 * 2 for layer in a["tokens_per_expert"])  # global batch x seq x top-k
+        assert all(abs(x - y) < 1e-5 * x for x, y in zip(a["load_balancing_loss"], b["load_balancing_loss"]))
+    events = EventAccumulator(str(tmp_path / "one" / "tensorboard"))
+    events.Reload()
+    assert {"load balancing loss", "load balancing loss/layer 1"} <= set(events.Tags()["scalars"])
+    assert {"tokens per expert/layer 0", "tokens per expert/layer 1"} <= set(events.Tags()["histograms"])
+
+
+def records(run_dir) -> list[dict]:
+    with open(run_dir / "metrics.jsonl") as f:
+        return [r for r in map(json.loads, f) if "tokens_per_expert" in r]

@@ -14,8 +14,11 @@ from gcompile.checkpoint_files import CheckpointError
 from gcompile.axes import Coords
 from gcompile.config import build_config
 from gcompile.cuda_graphs import host_reads
-from gcompile.models.moe import grouped_mm, grouped_mm_weight_grad
+from gcompile.models.moe import MoE, grouped_mm, grouped_mm_weight_grad
 from gcompile.pipeline import build_rank_program
+from gcompile.report import parse
+from gcompile.train import split_microbatches
+from gcompile.world import build_world
 from tests.reference import ADAM_EPS, random_batches, reference_run, rel_err
 from tests.test_llama import assert_matches
 
@@ -84,3 +87,40 @@ def test_cuda_graphs_are_not_used_with_experts():
         return host_reads(build_rank_program(cfg, Coords.from_rank(0, cfg.mesh_sizes), log=lambda _: None))
     assert ops(config(tp=2)) == ["gcompile::grouped_mm", "gcompile::grouped_mm_weight_grad"]
     assert ops(config(dict(num_experts=0), tp=2)) == []
+
+
+def test_routing_reports_match_eager():
+    """What each layer reports (gcompile.report: tokens per expert, load-balancing loss) leaves every rank's
+    stages per microbatch as one device computes it, under pp2 dp2 ep2 (each pipeline stage holds its own
+    layers' reports)."""
+    cfg, mbs = config(dp=2, ep=2, pp=2), 2
+    (tokens,) = random_batches(cfg, 1)
+    world = harness.World(build_world(cfg, log=lambda _: None), cfg.model, cfg.train.seed)
+    per_rank = cfg.train.global_batch_size // 2
+
+    def on_rank(rank, runtime):
+        d = runtime.program.coords.axis_rank("dp")
+        runtime.forward_backward(split_microbatches(tokens[d * per_rank:(d + 1) * per_rank], mbs))
+        return d, dict(runtime.metrics)
+
+    model, expected = cfg.model_spec.build(cfg.model, cfg.train.seed), {}
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    for layer, moe in enumerate(layers):
+        def record(module, inputs, output, layer=layer):
+            _, chosen, _ = module.route(module.router(inputs[0].reshape(-1, inputs[0].shape[-1])))
+            expected[len(expected) // 2 // len(layers), layer, "tokens per expert"] = \
+                torch.bincount(chosen.reshape(-1), minlength=module.num_experts)
+            expected[len(expected) // 2 // len(layers), layer, "load balancing loss"] = output[1].detach()
+        moe.register_forward_hook(record)
+    for mb in tokens.split(mbs):
+        model(mb[:, :-1].contiguous(), mb[:, 1:].contiguous())
+    checked = set()
+    for d, metrics in world.run(on_rank).values():
+        for role, values in metrics.items():
+            name, layer, total = parse(role)
+            assert total == len(layers) and len(values) == per_rank // mbs
+            for m, value in enumerate(values):
+                want = expected[d * per_rank // mbs + m, layer, name]
+                assert torch.equal(value, want) if name == "tokens per expert" else rel_err(value, want) < 1e-5, role
+                checked.add((d, m, layer, name))
+    assert len(checked) == len(expected)  # every microbatch's every report, once per dp rank

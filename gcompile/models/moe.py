@@ -17,12 +17,15 @@ their gates.
 The Switch/GShard load-balancing loss, E * sum_e f_e * P_e (f_e: the share of
 routed copies that went to expert e; P_e: its mean router probability), is
 returned beside the output; the model adds coeff times its layers' sum to the
-loss (Megatron's --moe-aux-loss-coeff).
+loss (Megatron's --moe-aux-loss-coeff). The layer reports its tokens per expert
+and its balance loss (gcompile.report), which the training loop logs.
 """
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from gcompile.report import report
 
 
 @torch.library.custom_op("gcompile::grouped_mm", mutates_args=())
@@ -131,7 +134,7 @@ class MoE(nn.Module):
         gates, chosen, probs = self.route(logits)
         routed = chosen.reshape(-1)  # (N*k,): token i's copies at i*k .. i*k+k-1
         order = routed.argsort(stable=True)  # the copies sorted by expert
-        per_expert = F.one_hot(routed, self.num_experts).sum(0)  # (E,)
+        per_expert = report(F.one_hot(routed, self.num_experts).sum(0), "tokens per expert")  # (E,)
         ends = per_expert.cumsum(0).to(torch.int32)
         expert_of_row, token_of_row = routed.index_select(0, order), order // self.topk
         rows = tokens.index_select(0, token_of_row)
@@ -140,7 +143,7 @@ class MoE(nn.Module):
         if self.shared_expert is not None:
             combined = combined + self.shared_expert(tokens)
         share = per_expert.to(logits.dtype) / routed.numel()
-        balance = self.num_experts * (share * probs.mean(0)).sum()
+        balance = report(self.num_experts * (share * probs.mean(0)).sum(), "load balancing loss")
         return combined.view(x.shape), balance
 
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
