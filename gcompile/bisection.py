@@ -31,8 +31,8 @@ import torch
 from gcompile.config import ConfigError, RunConfig, parse_args
 from gcompile.harness import World
 from gcompile.layout import local_value
-from gcompile.axes import group_members, world_axes_of
-from gcompile.pipeline import BuildCache, pass_lists
+from gcompile.axes import REPLICAS, group_members, world_axes_of
+from gcompile.pipeline import GRAD_SYNC, BuildCache, pass_lists
 from gcompile.reference import EagerStep, eager_step
 from gcompile.train import split_microbatches
 from gcompile.world import build_world
@@ -109,7 +109,9 @@ def bisect(config: RunConfig, tol: float = TOL, log: Callable[[str], None] = pri
         is_rank_pass = number > len(forward_passes)
         split = "pipeline_split" in forward_passes[:number]
         built = config if split or is_rank_pass or "pipeline_split" not in forward_passes else unsplit(config)
-        report = check_pass(built, name, number, is_rank_pass, tokens, eager, cache)
+        synced = config.parallel.dp * config.parallel.cp == 1 or bool(
+            set(GRAD_SYNC.values()) & set(rank_passes[:number - len(forward_passes)]))
+        report = check_pass(built, name, number, is_rank_pass, tokens, eager, cache, weights=is_rank_pass and synced)
         log(report.line(tol))
         err, rank, param = report.worst()
         if err > tol:
@@ -119,7 +121,9 @@ def bisect(config: RunConfig, tol: float = TOL, log: Callable[[str], None] = pri
 
 
 def check_pass(config: RunConfig, name: str, number: int, is_rank_pass: bool, tokens: torch.Tensor,
-               eager: EagerStep, cache: BuildCache) -> PassReport:
+               eager: EagerStep, cache: BuildCache, weights: bool) -> PassReport:
+    """`weights`: also compare the weights after one AdamW step (rank passes once gradients cross the dp
+    ranks: before that each dp rank steps on its own share's gradient)."""
     t = config.train
     world = World(build_world(config, log=lambda _: None, cache=cache, stop_after=name), config.model, t.seed)
     per_rank = t.global_batch_size // config.parallel.dp
@@ -136,16 +140,19 @@ def check_pass(config: RunConfig, name: str, number: int, is_rank_pass: bool, to
     grad = None  # optim_grads keeps no whole gradient: its reduced shards are checked through the weights
     if all(program.grad_accumulator for program in world.programs.values()):
         grads = gradients(world, average_dp=is_rank_pass)
+        coords_of = {r: p.coords for r, p in world.programs.items()}
         grad = Worst()
         for rank, program in world.programs.items():
             c = program.coords
             for param in program.layout.params:
                 whole = is_rank_pass or reduced_over_dp(param)
-                expected = (eager.grads if whole else eager.share_grads[c.axis_rank("dp")])[param.name]
+                reached = group_members(c, folded_over(param)) if folded_over(param) else [c.rank]
+                shares = [coords_of[m].axis_rank("dp") for m in reached]  # the dp shares whose tokens it holds
+                expected = eager.grads[param.name] if whole else sum(eager.share_grads[d][param.name] for d in shares)
                 grad.update(rel_err(grads[rank][param.name], local_value(expected, param, c.axis_ranks, c.axis_sizes)),
                             rank, param.name)
     weight = None
-    if is_rank_pass:
+    if weights:
         world.run(lambda rank, runtime: runtime.optimizer_step())
         weight = Worst()
         for rank, program in world.programs.items():
@@ -169,14 +176,20 @@ def gradients(world: World, average_dp: bool) -> dict[int, dict[str, torch.Tenso
     if not average_dp:
         return tied
     return {r: {param.name: tied[r][param.name] if reduced_over_dp(param) else
-                sum(tied[m][param.name] for m in group_members(coords[r], "dp")) / coords[r].size("dp")
-                for param in p.layout.params} for r, p in world.programs.items()}
+                sum(tied[m][param.name] for m in group_members(coords[r], REPLICAS.get(folded_over(param), "dp")))
+                / coords[r].size("dp") for param in p.layout.params} for r, p in world.programs.items()}
+
+
+def folded_over(param) -> str | None:
+    """The folded axis that cuts `param` over data-parallel ranks (ep), if any: before the reduction the
+    rank's gradient holds the tokens of that axis's group (the all-to-all brought them), not its share."""
+    return next((s.axis for s in param.shards if s.axis in REPLICAS), None)
 
 
 def reduced_over_dp(param) -> bool:
     """Whether a parameter's gradient comes out of backward averaged over dp already: it is cut over dp
     (optim_grads_params), and the backward of its gather reduce-scatters."""
-    return any("dp" in world_axes_of(s.axis) for s in param.shards)
+    return any("dp" in world_axes_of(s.axis) for s in param.shards if s.axis not in REPLICAS)
 
 
 def main(argv: list[str]) -> int:

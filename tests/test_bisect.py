@@ -17,6 +17,10 @@ TINY = ["--config", "configs/tiny.toml"]
     (["--tp", "2", "--pp", "2"], ["capture", "tensor_parallel", "pipeline_split", "tp_comm_overlap"]),
     (["--dp", "2", "--data-parallel-sharding-strategy", "optim_grads"], ["capture", "sharded_optimizer"]),
     (["--dp", "2", "--data-parallel-sharding-strategy", "optim_grads_params"], ["capture", "fully_sharded"]),
+    (["--tp", "2", "--dp", "2", "--micro-batch-size", "2"], ["capture", "tensor_parallel", "tp_comm_overlap",
+                                                             "data_parallel"]),  # no weights before dp sync
+    (["--num-experts", "4", "--moe-aux-loss-coeff", "0.01", "--dp", "4", "--ep", "2", "--micro-batch-size", "1",
+      "--use-distributed-optimizer"], ["capture", "expert_parallel", "sharded_optimizer"]),
 ])
 def test_a_correct_layout_stays_within_tolerance(layout, passes, capsys):
     assert inspect.main(["bisect", *TINY, *layout]) == 0
