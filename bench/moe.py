@@ -12,6 +12,7 @@
     1/N of the batch, one process each, the cores split evenly), tokens exchanged by all-to-all; launched
     after each round of (a)-(c), timed on its own (the median of barrier-lined steps), so its ratio to (a)
     of that round also carries launch-to-launch noise
+(e) as (d) with the experts whole on both ranks (dp N, no ep): what the exchange costs against plain dp
 All start from the same initial weights (LoopedMoE copies gcompile's stacked experts);
 before timing, (a) and (b) must give the same loss on the batch (1e-5 relative), so
 the rows compare one model. One step is forward, backward, clip and AdamW on the
@@ -95,7 +96,7 @@ def check_same_loss(reference: nn.Module, runtime, tokens: torch.Tensor) -> None
 def ep_worker(args) -> None:
     """One rank of (d): its dp slice of the batch each step; rank 0 writes the median step's seconds."""
     rank, world = join_gloo(args.store)
-    config = make_config(args, ep=world)
+    config = make_config(args, dp=world, ep=world if args.variant == "ep" else 1)
     runtime = gcompile_runtime(config, rank)
     per_rank = args.batch_size // world
     mine = batch(args, config)[rank * per_rank:(rank + 1) * per_rank]
@@ -107,14 +108,14 @@ def ep_worker(args) -> None:
     dist.destroy_process_group()
 
 
-def make_config(args, ep: int = 1):
-    per_rank = args.batch_size // ep
+def make_config(args, dp: int = 1, ep: int = 1):
+    per_rank = args.batch_size // dp
     return build_config({
         "model": dict(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, block_size=args.seq_length,
                       num_experts=args.num_experts, moe_router_topk=args.moe_router_topk, moe_aux_loss_coeff=0.01),
-        "parallel": dict(dp=ep, ep=ep),
+        "parallel": dict(dp=dp, ep=ep),
         "train": dict(micro_batch_size=per_rank, global_batch_size=args.batch_size, seq_length=args.seq_length,
-                      compile=ep > 1),
+                      compile=dp > 1),
     })
 
 
@@ -142,7 +143,7 @@ def main():
         return ep_worker(args)
     config = make_config(args)
     if args.ep > 1:
-        make_config(args, args.ep)  # a layout the config refuses stops here, before any timing
+        make_config(args, args.ep, args.ep)  # a layout the config refuses stops here, before any timing
     tokens = batch(args, config)
     print(f"config: gpt2, {args.n_layer} layers, {args.n_embd} wide, {args.n_head} heads, {args.num_experts} "
           f"experts, top-{args.moe_router_topk}, T={args.seq_length}, {args.batch_size} samples/step, "
@@ -160,7 +161,10 @@ def main():
             worker = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
                       ("n_layer", "n_embd", "n_head", "seq_length", "num_experts", "moe_router_topk", "batch_size",
                        "iters", "warmup")]
-            rounds[-1][f"(d) --compile, ep {args.ep}"] = spawn_ranks(__file__, worker, args.ep)["seconds"]
+            rounds[-1][f"(d) --compile, ep {args.ep}"] = spawn_ranks(__file__, worker + ["--variant=ep"],
+                                                                     args.ep)["seconds"]
+            rounds[-1][f"(e) --compile, dp {args.ep}"] = spawn_ranks(__file__, worker + ["--variant=dp"],
+                                                                     args.ep)["seconds"]
     per_step = args.batch_size * args.seq_length
     print(f"{'':27s} {'tokens/s, round by round':>{8 * args.repeats}s}   {'vs (a), median [min-max]'}")
     for name in rounds[0]:
