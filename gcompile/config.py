@@ -78,6 +78,8 @@ class ParallelConfig:
     ep: int = 1
     """Expert-parallel size (Megatron's --expert-model-parallel-size): each block's experts split over ep ranks
     folded into dp x cp, tokens sent to their experts' rank by all-to-all and back (passes/expert_parallel.py)."""
+    expert_tensor_parallel_size: int = 1
+    """Megatron's --expert-tensor-parallel-size; only 1 is built: every tp rank holds its experts whole."""
     sequence_parallel: bool = False
     """Shard LayerNorm/residual regions along the sequence across the tp ranks."""
     tp_plan: tuple[str, ...] = ()
@@ -658,6 +660,9 @@ def _context_parallel_errors(config: RunConfig) -> list[str]:
 def _experts_errors(config: RunConfig) -> list[str]:
     """Layouts a mixture of experts does not run under yet, named before capture rather than at the pass."""
     p = config.parallel
+    if p.expert_tensor_parallel_size != 1:
+        return [f"expert_tensor_parallel_size={p.expert_tensor_parallel_size}: only 1 is built (every tp rank holds "
+                f"its experts whole); drop --expert-tensor-parallel-size, or split the experts with --ep"]
     if not (isinstance(config.model, MoEConfig) and config.model.num_experts):
         return [f"ep={p.ep} splits the experts, but the model has none; give --num-experts (a multiple of "
                 f"{p.ep}) or drop --ep"] if p.ep > 1 else []

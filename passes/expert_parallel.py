@@ -13,9 +13,10 @@ are one device's.
 Requires: the whole model in one stage (before pipeline_split); each MoE layer's experts are
   `gcompile::grouped_mm` calls that share one `ends` (E,), read their weights (E, in, out)
   straight from parameters and their rows through element-wise ops, a bias (E, out) only
-  as index_select(bias, 0, expert_of_row); E divisible by n (config.validate). Anything
-  else that reads the experts' rows is where they go back (refused if it is not
-  row-wise either: a node, its op and its source line).
+  as index_select(bias, 0, expert_of_row); E divisible by n (config.validate). The first
+  op that reads the experts' rows and is not element-wise over them alone (the gates'
+  weighting, the sum over a token's copies) is where they go back; a per-expert weight
+  read any other way is refused with the node, its op and its source line.
 Ensures: expert parameters are cut over "ep" on dim 0 (Shard("ep", 0)); the graph text is the same
   on every ep rank (the exchange finds its peers in the group); nodes it makes carry
   meta["pass"] == "expert_parallel".
@@ -38,9 +39,10 @@ import torch.fx as fx
 
 from gcompile import ep_ops
 from gcompile.layout import Shard
-from gcompile.models.moe import grouped_mm
+from gcompile.models import moe  # noqa: F401  registers gcompile::grouped_mm, the op the pass keys on
 from gcompile.pass_manager import PassContext, register_pass
 from gcompile.program import Program, Stage
+from gcompile.torch_api import is_op_overload
 from passes.rewrite import GraphMismatch, fake_like, insert_call, whole_model_copy
 
 NAME = "expert_parallel"
@@ -107,14 +109,13 @@ class _Layer:
                 user.replace_input_with(node, back)
 
     def reads_rows(self, node: fx.Node) -> bool:
-        """Whether `node` works on the experts' rows (and so joins the region); refuses one that reads them
-        in a way that is not row by row."""
+        """Whether `node` works on the experts' rows alone, element by element (and so joins the region)."""
         inputs = node.all_input_nodes
         if not any(a in self.region for a in inputs):
             return False
         if node.target is GROUPED_MM and node.args[2] is self.ends:
             return True
-        row_wise = isinstance(node.target, torch._ops.OpOverload) and torch.Tag.pointwise in node.target.tags
+        row_wise = is_op_overload(node.target) and torch.Tag.pointwise in node.target.tags
         if not row_wise:
             return False  # where the rows leave the experts (a gate's weighting, the sum over a token's copies)
         for a in inputs:

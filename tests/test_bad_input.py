@@ -224,6 +224,8 @@ CASES = [
      "ep=2 splits the experts, but the model has none; give --num-experts (a multiple of 2) or drop --ep"),
     ("ep with FSDP", "run_gpt", ["--num-experts", "4", "--dp", "2", "--ep", "2", "--data-parallel-sharding-strategy",
                                  "optim_grads_params"], None, "ep=2 and optim_grads_params (FSDP) do not combine yet"),
+    ("expert tensor parallel", "run_gpt", ["--num-experts", "4", "--tp", "2", "--expert-tensor-parallel-size", "2"],
+     None, "expert_tensor_parallel_size=2: only 1 is built (every tp rank holds its experts whole)"),
     ("ep zero", "run_gpt", ["--num-experts", "4", "--ep", "0"], None, "ep=0 must be at least 1"),
     ("seq length not divisible by 2 * cp", "run_gpt", ["--cp", "2", "--seq-length", "14"], None,
      "seq_length=14 is not divisible by 2 * cp=2 = 4"),
