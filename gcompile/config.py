@@ -673,9 +673,9 @@ def _experts_errors(config: RunConfig) -> list[str]:
     if p.dp * p.cp % p.ep:
         return [f"ep={p.ep} does not divide dp x cp = {p.dp * p.cp} (expert parallel folds into the data-parallel "
                 f"ranks, as in Megatron-Core); give a dp that is a multiple of {p.ep}"]
-    if p.ep > 1 and p.sharding == "optim_grads_params":
-        return [f"ep={p.ep} and optim_grads_params (FSDP) do not combine yet: the experts would need their own "
-                f"shard group; use --use-distributed-optimizer (optim) or optim_grads with --ep"]
+    if p.ep > 1 and p.data_parallel_shard_size not in (None, p.dp):
+        return [f"ep={p.ep} and HSDP (data_parallel_shard_size) do not combine yet: the experts would need "
+                f"replica groups of their own; drop --data-parallel-shard-size, or --ep"]
     not_yet = [name for name, on in (("cp > 1", p.cp > 1), ("sequence_parallel", p.sequence_parallel)) if on]
     return [f"num_experts={config.model.num_experts} (mixture of experts) and {name} do not combine yet: routing "
             f"sorts the tokens, which that layout splits; drop {name.split()[0]} or the experts" for name in not_yet]

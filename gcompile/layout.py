@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from gcompile.axes import world_axes_of
+from gcompile.axes import ACROSS, AXES, world_axes_of
 
 
 @dataclass(frozen=True)
@@ -83,13 +83,21 @@ def replicas(param: Param, axis_sizes: Mapping[str, int], axes) -> int:
 
 def first_holder(param: Param, axis_ranks: Mapping[str, int], apart: tuple[str, ...] = ("pp",)) -> bool:
     """Whether the rank at `axis_ranks` is the one that writes its piece of `param` (to a checkpoint, say):
-    position 0 on every axis that neither cuts the parameter (itself or through an axis folded into it)
-    nor is in `apart`, the axes whose ranks hold different things (pipeline stages; dp ranks under a
-    sharded optimizer) or subdivide one that is (ep and edp under a sharded optimizer). The ranks across
-    a cut folded axis's groups (edp for ep) hold the same piece: position 0 there."""
+    position 0 on every world axis that neither cuts the parameter (itself or through an axis folded into
+    it) nor is in `apart`, the axes whose ranks hold different things (pipeline stages; dp ranks under a
+    sharded optimizer). A folded axis's position follows from the world axes', but for the ranks across
+    the groups of a folded axis that cuts it (edp for ep, dp_replicate for dp_shard): they hold the same
+    piece, so position 0 there, unless they hold different things too (a sharded optimizer's dp)."""
     cut = {axis for s in param.shards for axis in (s.axis, *world_axes_of(s.axis))}
-    apart = {axis for axis in axis_ranks if axis in apart or set(world_axes_of(axis)) & set(apart)}
-    return all(r == 0 for axis, r in axis_ranks.items() if axis not in apart and axis not in cut)
+    alike = {across for across, inner in ACROSS.items() if inner in cut}
+
+    def first_only(axis: str) -> bool:
+        if axis in cut:
+            return False
+        if axis in AXES:
+            return axis not in apart
+        return axis in alike and not set(world_axes_of(axis)) & set(apart)
+    return all(r == 0 for axis, r in axis_ranks.items() if first_only(axis))
 
 
 def full_value(pieces: Sequence[torch.Tensor], param: Param, axis_sizes: Mapping[str, int]) -> torch.Tensor:

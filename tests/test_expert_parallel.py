@@ -26,6 +26,7 @@ from tests.test_llama import COMPILED_PARAM_TOL, assert_matches
 from tests.test_moe import DEEPSEEK, LLAMA, LRS, config
 
 DIST_OPT = dict(use_distributed_optimizer=True)
+FSDP = dict(data_parallel_sharding_strategy="optim_grads_params")
 
 
 def layout(model, compile: bool = False, **parallel):
@@ -47,12 +48,15 @@ def in_one_process(configs, batches):
 
 def test_gpt2_experts_split_over_ep_match_eager():
     """ep2 and ep4 (one expert a rank: no sort after the exchange), with tp, pp, the distributed optimizer
-    sharding the experts' state over the edp ranks that hold the same experts, ZeRO-2, overlapped buckets."""
+    sharding the experts' state over the edp ranks that hold the same experts, ZeRO-2, overlapped buckets,
+    and FSDP (the experts' weights sharded over edp, or whole where edp = 1)."""
     check({"ep2": dict(dp=2, ep=2), "ep4": dict(dp=4, ep=4), "ep2 tp2": dict(dp=2, ep=2, tp=2),
            "ep2 pp2": dict(dp=2, ep=2, pp=2), "ep2 dp4 distributed optimizer": dict(dp=4, ep=2, **DIST_OPT),
            "ep2 dp2 distributed optimizer": dict(dp=2, ep=2, **DIST_OPT),
            "ep2 dp4 optim_grads overlapped": dict(dp=4, ep=2, data_parallel_sharding_strategy="optim_grads",
-                                                  overlap_grad_reduce=True)}, in_one_process)
+                                                  overlap_grad_reduce=True),
+           "ep2 dp4 FSDP": dict(dp=4, ep=2, **FSDP), "ep2 dp2 FSDP (experts whole)": dict(dp=2, ep=2, **FSDP),
+           "ep2 dp4 FSDP pp2": dict(dp=4, ep=2, pp=2, **FSDP)}, in_one_process)
 
 
 @pytest.mark.parametrize("model, parallel", [(LLAMA, dict(dp=2, ep=2, tp=2, pp=2)), (dict(LLAMA, **DEEPSEEK), dict(dp=2, ep=2))],
