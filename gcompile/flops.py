@@ -2,13 +2,17 @@
 
 The formulas are torch's (`torch.utils.flop_counter`: matmuls and attention; pointwise
 ops count zero, as in Megatron's formula). CPU flash attention has no formula there; it
-computes what flash attention computes, so it borrows that one.
+computes what flash attention computes, so it borrows that one. The experts' grouped
+matmuls count as one matmul over all their rows (under expert parallel: over the room
+for the most rows that can arrive, n times the average: an upper bound).
 """
 
 import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_map_only
 from torch.utils.flop_counter import flop_registry
+
+from gcompile.models import moe  # noqa: F401  registers the grouped matmul ops counted below
 
 aten = torch.ops.aten
 
@@ -18,12 +22,19 @@ SAME_FLOPS_AS = {
 }
 
 
+OURS = {
+    torch.ops.gcompile.grouped_mm: lambda rows, weight, ends, out_val: 2 * rows.shape[0] * weight.shape[1] * weight.shape[2],
+    torch.ops.gcompile.grouped_mm_weight_grad: lambda rows, grad, ends, out_val: 2 * rows.shape[0] * rows.shape[1] * grad.shape[1],
+}
+"""FLOPs of gcompile's own ops, by op, with flop_registry's calling convention."""
+
+
 def graph_flops(gm: fx.GraphModule) -> int:
     """FLOPs of one run of `gm` (its nodes need meta["val"], as every lowered graph has)."""
     total = 0
     for node in gm.graph.nodes:
         packet = getattr(node.target, "overloadpacket", None)  # None for placeholders, outputs, getitem
-        formula = flop_registry.get(SAME_FLOPS_AS.get(packet, packet))
+        formula = OURS.get(packet) or flop_registry.get(SAME_FLOPS_AS.get(packet, packet))
         if formula is not None:
             args, kwargs = tree_map_only(fx.Node, lambda n: n.meta["val"], (node.args, node.kwargs))
             total += formula(*args, **kwargs, out_val=node.meta["val"])

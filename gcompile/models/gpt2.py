@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from gcompile.models.gpt2_config import GPTConfig
 from gcompile.models.moe import Experts, MoE, mlp_with_balance
-from gcompile.models.moe_config import moe_errors
+from gcompile.models.moe_config import mlp_width, moe_errors
 from gcompile.models.spec import ModelSpec, head_errors, token_batch
 
 
@@ -178,7 +178,7 @@ def num_floating_point_operations(config: GPTConfig, batch_size: int, seq_length
     h, layers, vocab = config.n_embd, config.n_layer, config.vocab_size
     return 12 * batch_size * seq_length * layers * h * h * (
         (1 + 1 + seq_length / h)                # attention: QKV and projection, scores
-        + config.ffn_hidden_size / h            # MLP
+        + mlp_width(config, config.ffn_hidden_size) / h  # MLP (a token's k experts under MoE)
         + vocab / (2 * layers * h)              # logits
     )
 

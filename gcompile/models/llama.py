@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from gcompile.models.llama_config import LlamaConfig
 from gcompile.models.moe import GatedExperts, MoE, mlp_with_balance
-from gcompile.models.moe_config import moe_errors
+from gcompile.models.moe_config import mlp_width, moe_errors
 from gcompile.models.spec import ModelSpec, head_errors, token_batch
 
 
@@ -217,7 +217,7 @@ def num_floating_point_operations(config: LlamaConfig, batch_size: int, seq_leng
     per_token_layer = (2 * h * (config.n_head + 2 * config.n_kv_head) * hd  # q, k, v
                        + 2 * 2 * seq_length * config.n_head * hd          # scores and values
                        + 2 * config.n_head * hd * h                       # o
-                       + 2 * 3 * h * config.ffn_hidden_size)              # gate, up, down
+                       + 2 * 3 * h * mlp_width(config, config.ffn_hidden_size))  # gate, up, down (k experts)
     return 3 * batch_size * seq_length * (config.n_layer * per_token_layer + 2 * h * config.vocab_size)
 
 

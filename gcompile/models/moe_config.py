@@ -22,6 +22,14 @@ class MoEConfig:
     """Hidden size of a shared expert every token also goes through (DeepSeek's); 0: none."""
 
 
+def mlp_width(config: MoEConfig, ffn_hidden_size: int) -> int:
+    """The MLP hidden width one token's matmuls see: its k experts' and the shared expert's (Megatron's
+    FLOPs formula; the router's small matmul left out, as there)."""
+    if not config.num_experts:
+        return ffn_hidden_size
+    return config.moe_router_topk * ffn_hidden_size + config.moe_shared_expert_intermediate_size
+
+
 def moe_errors(config: MoEConfig) -> list[str]:
     if config.num_experts < 0:
         return [f"num_experts={config.num_experts} must be 0 (a dense MLP) or more"]
