@@ -1,4 +1,4 @@
-"""One rank: tokens/s of a mixture-of-experts GPT-2 trained three ways, same weights, same batch.
+"""Tokens/s of a mixture-of-experts GPT-2 trained five ways (3 on one rank, 2 on N ranks), same weights and batch.
 
     python bench/moe.py                          # moe-tiny's shape: 2 layers, 64 wide, 4 heads, 4 experts, top-2
     python bench/moe.py --num-experts 8 --moe-router-topk 2 --n-embd 256 --seq-length 256
@@ -136,7 +136,7 @@ def main():
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--ep", type=int, default=2, help="expert-parallel ranks of row (d); 1: no row (d)")
+    p.add_argument("--ep", type=int, default=2, help="ranks of rows (d) (ep N) and (e) (dp N); 1: neither row")
     add_worker_flags(p)
     args = p.parse_args()
     if args.worker:

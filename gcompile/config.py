@@ -668,8 +668,9 @@ def _experts_errors(config: RunConfig) -> list[str]:
                 f"{p.ep}) or drop --ep"] if p.ep > 1 else []
     experts = config.model.num_experts
     if experts % p.ep:
+        fits = [str(d) for d in range(1, experts + 1) if experts % d == 0 and p.dp * p.cp % d == 0]
         return [f"ep={p.ep} does not divide num_experts={experts} (each ep rank holds num_experts / ep of "
-                f"them); give an ep among {', '.join(str(d) for d in range(1, experts + 1) if experts % d == 0)}"]
+                f"them); give an ep that divides both it and dp x cp = {p.dp * p.cp}: {', '.join(fits)}"]
     if p.dp * p.cp % p.ep:
         return [f"ep={p.ep} does not divide dp x cp = {p.dp * p.cp} (expert parallel folds into the data-parallel "
                 f"ranks, as in Megatron-Core); give a dp that is a multiple of {p.ep}"]

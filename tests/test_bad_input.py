@@ -216,7 +216,8 @@ CASES = [
     ("experts with cp", "run_gpt", ["--num-experts", "4", "--cp", "2"], None,
      "num_experts=4 (mixture of experts) and cp > 1 do not combine yet"),
     ("ep not dividing the experts", "run_gpt", ["--num-experts", "6", "--dp", "4", "--ep", "4"], None,
-     "ep=4 does not divide num_experts=6 (each ep rank holds num_experts / ep of them); give an ep among 1, 2, 3, 6"),
+     "ep=4 does not divide num_experts=6 (each ep rank holds num_experts / ep of them); give an ep that divides both "
+     "it and dp x cp = 4: 1, 2"),
     ("ep not dividing dp", "run_gpt", ["--num-experts", "4", "--dp", "2", "--expert-model-parallel-size", "4"], None,
      "ep=4 does not divide dp x cp = 2 (expert parallel folds into the data-parallel ranks, as in Megatron-Core); "
      "give a dp that is a multiple of 4"),
