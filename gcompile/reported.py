@@ -9,6 +9,9 @@ the same values and are not summed.
 
     totals = total_reports(program, runtime.metrics, num_microbatches)
     {"tokens per expert": tensor (n_layer, E), "load balancing loss": tensor (n_layer,)}
+
+The log shows their mean over the steps since its last line (`Interval`), as Megatron's
+MoE metrics do.
 """
 
 import torch
@@ -44,3 +47,21 @@ def total_reports(program: RankProgram, metrics: dict[str, list[torch.Tensor]], 
         at += values.numel()
         totals[name] = value if name in counts else value / (num_microbatches * role_size(program.coords, "dp_cp"))
     return totals
+
+
+class Interval:
+    """Step totals summed until the log asks for their mean (which starts the next interval)."""
+
+    def __init__(self):
+        self.sums: dict[str, torch.Tensor] = {}
+        self.steps = 0
+
+    def add(self, totals: dict[str, torch.Tensor]) -> None:
+        for name, value in totals.items():
+            self.sums[name] = self.sums[name] + value if name in self.sums else value
+        self.steps += 1
+
+    def mean(self) -> dict[str, torch.Tensor]:
+        means = {name: value / self.steps for name, value in self.sums.items()}
+        self.sums, self.steps = {}, 0
+        return means

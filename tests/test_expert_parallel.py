@@ -111,17 +111,21 @@ def test_checkpoints_cross_ep_sizes(tmp_path):
 def test_routing_statistics_logged_alike_on_ranks(tmp_path):
     """The logged tokens per expert (summed over the global batch: every token's k copies) and load-balancing
     loss (the mean over microbatches) of a pp2 dp2 ep2 run, its reports totalled over the ranks
-    (gcompile.reported), are one rank's: counts exactly, the loss at 1e-5; TensorBoard has them too."""
-    moe = ["--num-experts", 4, "--moe-router-topk", 2, "--moe-aux-loss-coeff", 0.01, "--log-interval", 1]
-    train(checkpoint_config(*moe, "--run-dir", tmp_path / "one"), Coords.from_rank(0, {}), log=lambda _: None)
-    ranks = checkpoint_config(*moe, "--pp", 2, "--dp", 2, "--ep", 2, "--run-dir", tmp_path / "ranks")
+    (gcompile.reported) and averaged over a log interval of 2 steps, are the mean of one rank's two steps
+    logged one by one: counts exactly, the loss at 1e-5; TensorBoard has them too."""
+    moe = ["--num-experts", 4, "--moe-router-topk", 2, "--moe-aux-loss-coeff", 0.01]
+    train(checkpoint_config(*moe, "--log-interval", 1, "--run-dir", tmp_path / "one"), Coords.from_rank(0, {}),
+          log=lambda _: None)
+    ranks = checkpoint_config(*moe, "--log-interval", 2, "--pp", 2, "--dp", 2, "--ep", 2, "--run-dir", tmp_path / "ranks")
     multirank.assert_succeeded(tmp_path, multirank.launch(tmp_path, WORKER, dict(configs=[ranks]), world=4))
     one, four = (records(tmp_path / name) for name in ("one", "ranks"))
-    assert len(one) == len(four) == 2 * N
-    for a, b in zip(one, four):
-        assert a["tokens_per_expert"] == b["tokens_per_expert"]
-        assert all(sum(layer) == 8 * 32 * 2 for layer in a["tokens_per_expert"])  # global batch x seq x top-k
-        assert all(abs(x - y) < 1e-5 * x for x, y in zip(a["load_balancing_loss"], b["load_balancing_loss"]))
+    assert len(one) == 2 * len(four) == 2 * N
+    assert all(sum(layer) == 8 * 32 * 2 for a in one for layer in a["tokens_per_expert"])  # batch x seq x top-k
+    for a, b, mean in zip(one[::2], one[1::2], four):
+        pairs = zip(a["tokens_per_expert"], b["tokens_per_expert"])
+        assert mean["tokens_per_expert"] == [[(x + y) / 2 for x, y in zip(*layers)] for layers in pairs]
+        losses = [(x + y) / 2 for x, y in zip(a["load_balancing_loss"], b["load_balancing_loss"])]
+        assert all(abs(x - y) < 1e-5 * x for x, y in zip(losses, mean["load_balancing_loss"]))
     events = EventAccumulator(str(tmp_path / "one" / "tensorboard"))
     events.Reload()
     assert {"load balancing loss", "load balancing loss/layer 1"} <= set(events.Tags()["scalars"])
