@@ -138,7 +138,7 @@ def build_rank_program(config: RunConfig, coords: Coords, device: str = "cpu",
     if stop_after is not None:
         forward_passes, rank_passes = passes_until(forward_passes, rank_passes, stop_after)
 
-    key = key_captured = (config.model, t.micro_batch_size, t.seq_length, device, config.param_dtype)
+    key = (config.model, t.micro_batch_size, t.seq_length, device, config.param_dtype)
     if key not in cache.captured:
         spec, start = config.model_spec, time.perf_counter()
         cache.captured[key] = capture(functools.partial(spec.module, config.model),
@@ -149,6 +149,7 @@ def build_rank_program(config: RunConfig, coords: Coords, device: str = "cpu",
         log(f"captured {spec.name} with torch.export in {seconds:.1f} s")
     start = time.perf_counter()
     program = run_passes(cache.captured[key].clone(), forward_passes, ctx, log)
+    reports = reported(cache.captured[key].stages[0].graph)  # the whole model's, for every rank alike
     cache.seconds["passes"] += time.perf_counter() - start
     for stage in program.stages:  # what the model reports leaves as extra outputs (gcompile.report)
         stage.outputs = to_outputs(stage.graph, stage.outputs)
@@ -179,7 +180,7 @@ def build_rank_program(config: RunConfig, coords: Coords, device: str = "cpu",
                             param_dtype=config.param_dtype)
     rank_program = lower_rank(coords, stages, layout, schedule, settings, history=(*program.history, "lower"),
                               device=device)
-    rank_program = replace(rank_program, reported=reported(cache.captured[key_captured].stages[0].graph))
+    rank_program = replace(rank_program, reported=reports)
     number = len(program.history)
     if dump_dir:
         for s, stage in stages.items():

@@ -1,4 +1,4 @@
-"""What the model reported over one step (gcompile.report), totalled over the ranks for the log.
+"""What the model reported (gcompile.report), totalled over the steps and ranks for the log.
 
 Every rank holds the reports of its own stages, one value per microbatch. A count
 (an integer value: tokens per expert) is summed over the microbatches and the data
@@ -7,11 +7,13 @@ averaged over them. Pipeline stages hold different reports, so the rank-sums ove
 "dp_cp" and then "pp" leave every report once on the logging rank; tp ranks hold
 the same values and are not summed.
 
-    totals = total_reports(program, runtime.metrics, num_microbatches)
-    {"tokens per expert": tensor (n_layer, E), "load balancing loss": tensor (n_layer,)}
+The log shows their mean over the steps since its last line, as Megatron's MoE metrics do;
+each rank sums its own over those steps and the ranks sum once per log line:
 
-The log shows their mean over the steps since its last line (`Interval`), as Megatron's
-MoE metrics do.
+    reported = Interval(program, num_microbatches, device)
+    reported.add(runtime.metrics)                 # every step
+    reported.mean()                               # every log line, on every rank
+    {"tokens per expert": tensor (n_layer, E), "load balancing loss": tensor (n_layer,)}
 """
 
 import torch
@@ -23,45 +25,43 @@ from gcompile.rank_program import RankProgram
 from gcompile.report import parse
 
 
-def total_reports(program: RankProgram, metrics: dict[str, list[torch.Tensor]], num_microbatches: int,
-                  device) -> dict[str, torch.Tensor]:
-    """Every report name -> its values over the model's reports in forward order, stacked (float64), summed
-    or averaged over the step as the module docstring says. Every rank must call it (it all-reduces)."""
-    rows, counts = {}, set()
-    for role, shape, is_count in program.reported:
-        name, index, total = parse(role)
-        rows.setdefault(name, torch.zeros((total, *shape), dtype=torch.float64, device=device))
-        if is_count:
-            counts.add(name)
-        if role in metrics:
-            rows[name][index] = torch.stack(metrics[role]).to(torch.float64).sum(0)
-    if not rows:
-        return {}
-    flat = torch.cat([values.reshape(-1) for values in rows.values()])
-    for role in ("dp_cp", "pp"):
-        if role_size(program.coords, role) > 1:
-            dist.all_reduce(flat, group=group(role))
-    totals, at = {}, 0
-    for name, values in rows.items():
-        value = flat[at:at + values.numel()].view(values.shape)
-        at += values.numel()
-        totals[name] = value if name in counts else value / (num_microbatches * role_size(program.coords, "dp_cp"))
-    return totals
-
-
 class Interval:
-    """Step totals summed until the log asks for their mean (which starts the next interval)."""
+    """What the model reported, summed on this rank over the steps since the last log line; `mean` sums that
+    over the ranks, once per log line (every rank calls it: it all-reduces), and starts the next interval."""
 
-    def __init__(self):
-        self.sums: dict[str, torch.Tensor] = {}
-        self.steps = 0
+    def __init__(self, program: RankProgram, num_microbatches: int, device):
+        self.program, self.num_microbatches, self.steps = program, num_microbatches, 0
+        self.rows: dict[str, torch.Tensor] = {}
+        """Report name -> (its reports, *shape) float64 sums of this rank's values, zero for other stages'."""
+        self.counts: set[str] = set()
+        for role, shape, is_count in program.reported:
+            name, _, total = parse(role)
+            self.rows.setdefault(name, torch.zeros((total, *shape), dtype=torch.float64, device=device))
+            if is_count:
+                self.counts.add(name)
 
-    def add(self, totals: dict[str, torch.Tensor]) -> None:
-        for name, value in totals.items():
-            self.sums[name] = self.sums[name] + value if name in self.sums else value
+    def add(self, metrics: dict[str, list[torch.Tensor]]) -> None:
+        """One step's reports of this rank's stages (Runtime.metrics: one value per microbatch)."""
+        for role, values in metrics.items():
+            name, index, _ = parse(role)
+            self.rows[name][index] += torch.stack(values).to(torch.float64).sum(0)
         self.steps += 1
 
     def mean(self) -> dict[str, torch.Tensor]:
-        means = {name: value / self.steps for name, value in self.sums.items()}
-        self.sums, self.steps = {}, 0
+        """Every report name -> its values per report in forward order: a count summed over the global batch,
+        anything else averaged over the microbatches and data ranks; each the mean over the interval's steps."""
+        if not self.rows:
+            return {}
+        flat = torch.cat([values.reshape(-1) for values in self.rows.values()])
+        for role in ("dp_cp", "pp"):
+            if role_size(self.program.coords, role) > 1:
+                dist.all_reduce(flat, group=group(role))
+        averaged = self.steps * self.num_microbatches * role_size(self.program.coords, "dp_cp")
+        means, at = {}, 0
+        for name, values in self.rows.items():
+            value = flat[at:at + values.numel()].view(values.shape)
+            at += values.numel()
+            means[name] = value / (self.steps if name in self.counts else averaged)
+            values.zero_()
+        self.steps = 0
         return means

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from gcompile import checkpoint, shutdown
 from gcompile.checkpoint import Progress
 from gcompile.compile import Compiler, compile_rank_program, dump_generated_code, format_rank_stats
-from gcompile.reported import Interval, total_reports
+from gcompile.reported import Interval
 from gcompile.cuda_graphs import GraphedTrainStep, host_reads
 from gcompile.config import RunConfig, TrainConfig
 from gcompile.blend import BlendedDataset
@@ -124,7 +124,7 @@ def train(config: RunConfig, coords: Coords, device: str = "cpu", log=print) -> 
                          progress.iteration, log) if logging else None
     flops = config.model_spec.flops(config.model, t.global_batch_size, t.seq_length)
     records, skipped, consumed = [], 0, progress.consumed_samples
-    reported = Interval()  # what the model reported, over the steps since the last log line
+    reported = Interval(program, config.num_microbatches, device)  # since the last log line
     c = config.checkpoint
     for iteration in range(progress.iteration + 1, t.train_iters + 1):
         recorder.phase(f"iteration {iteration}")
@@ -145,9 +145,8 @@ def train(config: RunConfig, coords: Coords, device: str = "cpu", log=print) -> 
             quiet(f"rank 0 memory over its first step: {peak}; estimated {estimate.total / MIB:.1f} MiB "
                   f"(activations {estimate.activations / MIB:.1f})")
         consumed += t.global_batch_size
-        if program.reported:  # every rank: it all-reduces
-            reported.add(total_reports(program, runtime.metrics, config.num_microbatches, device))
-        reports = reported.mean() if iteration % config.log.log_interval == 0 else None
+        reported.add(runtime.metrics)
+        reports = reported.mean() if iteration % config.log.log_interval == 0 else None  # every rank: all-reduces
         if metrics:
             record = dict(iteration=iteration, consumed_samples=consumed,
                           elapsed_ms=elapsed_ms, tokens=t.global_batch_size * t.seq_length, flops=flops, lr=lr,
