@@ -291,12 +291,12 @@ def check_plan(programs: dict[int, RankProgram], memory_budget_gb: float | None 
     check_collectives(programs)
     check_messages(programs)
     lines = [f"plan checked: {len(programs)} ranks agree on every collective and pipeline message"]
-    data_sized = sum(call.kind == "all_to_all_rows" for program in programs.values()
-                     for _, call in collective_calls(program))
+    first = next(iter(programs.values()))  # the ranks agree on their collectives by now
+    data_sized = sum(call.kind == "all_to_all_rows" for _, call in collective_calls(first))
     if data_sized:
-        lines.append(f"not checkable before the run: the row counts of {data_sized} all_to_all_rows (expert "
-                     f"parallel's routing, over all ranks per iteration) are data; their order, group and row width "
-                     f"agree, and each rank's buffers hold the most rows that can arrive")
+        lines.append(f"not checkable before the run: the row counts of rank {first.coords.rank}'s {data_sized} "
+                     f"all_to_all_rows per iteration (expert parallel's routing) are data; their order, group and "
+                     f"row width agree, and each rank's buffers hold the most rows that can arrive")
     for rank, program in programs.items():
         estimate = estimate_memory(program)
         lines.append(f"rank {rank:4d} {program.coords}: {estimate}; "
