@@ -33,7 +33,7 @@ checks the result with `simulate`, which also predicts the bubble.
 
 import re
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
 
@@ -359,15 +359,18 @@ class SimResult:
     """Per rank, its compute actions with their start and end times."""
 
 
-Cost = float | Sequence[float]
-"""What one forward (or backward) takes: the same on every stage, or one number per stage."""
+Cost = float | Sequence[float] | Callable[[Action], float]
+"""What one forward (or backward) takes: the same on every stage, one number per stage, or per action
+(the cost model's, gcompile.cost_model)."""
 
 
-def simulate(schedule: Schedule, f_time: Cost = 1.0, b_time: Cost = 2.0, w_time: Cost = 1.0) -> SimResult:
+def simulate(schedule: Schedule, f_time: Cost = 1.0, b_time: Cost = 2.0, w_time: Cost = 1.0,
+             send_time: float | Callable[[Action], float] = 0.0) -> SimResult:
     """Run every rank's list in one process; raise ScheduleError where a real run would fail or hang.
 
     b_time is a whole backward; where the schedule splits it, B takes
     b_time - w_time and W takes w_time (otherwise w_time is unused).
+    send_time: from a SEND_F or SEND_B until its tensor is at the peer (0: free).
 
     Neither a send nor posting a receive blocks (the runtime waits for sends
     at the end of the step, for a received tensor when a compute uses it).
@@ -378,7 +381,7 @@ def simulate(schedule: Schedule, f_time: Cost = 1.0, b_time: Cost = 2.0, w_time:
     there: a received tensor at the time its sender ran.
     """
     _check_actions(schedule)
-    return _Simulation(schedule, f_time, b_time, w_time).run()
+    return _Simulation(schedule, f_time, b_time, w_time, send_time).run()
 
 
 def _check_actions(schedule: Schedule) -> None:
@@ -455,17 +458,18 @@ def _check_channel_order(schedule: Schedule) -> None:
 
 
 class _Simulation:
-    def __init__(self, schedule: Schedule, f_time: Cost, b_time: Cost, w_time: Cost):
+    def __init__(self, schedule: Schedule, f_time: Cost, b_time: Cost, w_time: Cost,
+                 send_time: float | Callable[[Action], float]):
         self.schedule = schedule
         n = schedule.num_stages
-        self.duration = {kind: list(cost) if isinstance(cost, Sequence) else [cost] * n
-                         for kind, cost in ((Kind.F, f_time), (Kind.B, b_time), (Kind.W, w_time))}
-        """Cost of each kind of compute, by stage."""
-        if any(len(costs) != n for costs in self.duration.values()):
-            raise ScheduleError(f"per-stage costs need {n} entries, got forward {len(self.duration[Kind.F])}, "
-                                f"backward {len(self.duration[Kind.B])}, weight {len(self.duration[Kind.W])}")
-        if schedule.splits_backward:
-            self.duration[Kind.B] = [b - w for b, w in zip(self.duration[Kind.B], self.duration[Kind.W])]
+        costs = {Kind.F: f_time, Kind.B: b_time, Kind.W: w_time}
+        if any(isinstance(cost, Sequence) and len(cost) != n for cost in costs.values()):
+            got = ", ".join(f"{word} {len(costs[kind]) if isinstance(costs[kind], Sequence) else 'one for all'}"
+                            for kind, word in ((Kind.F, "forward"), (Kind.B, "backward"), (Kind.W, "weight")))
+            raise ScheduleError(f"per-stage costs need {n} entries, got {got}")
+        self.cost = {kind: cost if callable(cost) else _per_stage(cost, n) for kind, cost in costs.items()}
+        """Cost of each kind of compute, per action."""
+        self.send_time = send_time if callable(send_time) else (lambda a: send_time)
         self.position = [0] * schedule.pp
         """Index of each rank's next action."""
         self.clock = [0.0] * schedule.pp
@@ -543,14 +547,23 @@ class _Simulation:
 
     def _arrival(self, need: Action) -> float:
         """When what `need` provides is there: a received tensor when its send ran."""
-        return self.ready_at[partner(need) if need.kind in (Kind.RECV_F, Kind.RECV_B) else need]
+        if need.kind in (Kind.RECV_F, Kind.RECV_B):
+            return self.ready_at[partner(need)] + self.send_time(partner(need))
+        return self.ready_at[need]
+
+    def _duration(self, a: Action) -> float:
+        """Where the schedule splits backward, B is the whole backward less its W."""
+        seconds = self.cost[a.kind](a)
+        if a.kind == Kind.B and self.schedule.splits_backward:
+            seconds -= self.cost[Kind.W](Action(a.stage, Kind.W, a.mb))
+        return seconds
 
     def _execute(self, rank: int, a: Action) -> None:
         if a.kind in (Kind.SEND_F, Kind.SEND_B, Kind.RECV_F, Kind.RECV_B):
             self.ready_at[a] = self.clock[rank]
             return
         start = max([self.clock[rank]] + [self._arrival(need) for need, _ in self._needs(a)])
-        end = start + self.duration[a.kind][a.stage]
+        end = start + self._duration(a)
         self.clock[rank] = self.ready_at[a] = end
         self.spans[rank].append(Span(a, start, end))
         if a.kind == Kind.W:
@@ -576,6 +589,11 @@ class _Simulation:
                          f"(instruction {self.position[other]})")
         stuck = [str(waiting[r][0]) if r in waiting else "" for r in range(self.schedule.pp)]
         return "\n".join(lines + [_format_grid(self.grid, stuck)])
+
+
+def _per_stage(cost: float | Sequence[float], n: int) -> Callable[[Action], float]:
+    costs = list(cost) if isinstance(cost, Sequence) else [cost] * n
+    return lambda a: costs[a.stage]
 
 
 def _format_grid(steps: list[list[str]], stuck: list[str]) -> str:

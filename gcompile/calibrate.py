@@ -1,0 +1,278 @@
+"""Measure this machine for the cost model and write its machine file (gcompile/machine.py).
+
+    python -m gcompile.calibrate                 # measure (about a minute on 2 cores), write, print
+    python -m gcompile.calibrate --show          # print the file in use, measure nothing
+    python -m gcompile.calibrate --out FILE      # write FILE too (a GPU's file kept in the repo)
+
+Compute, in this process, at 1 thread and at all cores (what ranks get: the cores
+shared evenly): square matmuls of 32 to 1024 (float32; bfloat16 from 64),
+causal attention forward and backward, an element-wise add over 16 MiB (bytes
+moved per second) and the host time of one tiny operator call. On a GPU the
+same on the device, synchronized.
+
+Communication, in a world of spawned ranks (up to 8, as many as cores allow to be
+meaningful at all): all-reduce, all-gather, reduce-scatter and all-to-all on
+groups of 2, 4 and 8 ranks, each at 8 KiB, 1 MiB and 4 MiB, a line through
+them giving latency and bandwidth; and send/recv between two ranks
+(half a round trip). Transports: gloo, and on CPU the shared-memory tp group
+(gcompile/shm_group.py); on GPUs nccl.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+from gcompile import collectives
+from gcompile import machine as machine_file
+from gcompile import shm_group
+from gcompile.machine import Link, Machine
+from gcompile.mesh import register_group
+from gcompile.torch_api import resolve_process_group
+
+KINDS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single")
+SHM_KINDS = KINDS[:3]
+"""What the shared-memory tp group does (tensor parallelism asks no more; other groups use gloo)."""
+SIZES = (8 << 10, 1 << 20, 4 << 20)
+"""Message bytes measured: a line through the three gives latency (where it meets 0 bytes) and bandwidth."""
+
+
+def timed(fn, device: str, seconds: float = 0.05) -> float:
+    """Median seconds of one call of `fn`, over enough calls to fill about `seconds` (after one warm-up)."""
+    fn()
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    fn()
+    sync()
+    once = max(time.perf_counter() - start, 1e-6)
+    times = []
+    for _ in range(max(3, min(50, int(seconds / once)))):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def matmul_curve(dtype: torch.dtype, sizes: list[int], device: str) -> list[list[float]]:
+    curve = []
+    for n in sizes:
+        a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+        curve.append([2.0 * n ** 3, 2.0 * n ** 3 / timed(lambda: torch.mm(a, b), device)])
+    return curve
+
+
+def attention_curve(device: str) -> list[list[float]]:
+    """Causal attention forward + backward; FLOPs as torch's counter counts them (the cost model's unit)."""
+    curve = []
+    for batch, heads, length, width in ((2, 4, 64, 16), (4, 8, 128, 32), (4, 8, 256, 32), (8, 16, 512, 64)):
+        shape = (batch, heads, length, width)
+        q, k, v = (torch.randn(shape, device=device, requires_grad=True) for _ in range(3))
+        grad = torch.randn(shape, device=device)
+
+        def step():
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            out.backward(grad)
+        flops = sdpa_flop_count(shape, shape, shape) + sdpa_backward_flop_count(shape, shape, shape, shape)
+        curve.append([float(flops), flops / timed(step, device)])
+    return curve
+
+
+def measure_compute(device: str, log) -> dict:
+    cores = os.cpu_count() or 1
+    thread_counts = ["gpu"] if device == "cuda" else [str(t) for t in sorted({1, cores})]
+    saved = torch.get_num_threads()
+    found = dict(matmul={}, attention={}, bandwidth={})
+    try:
+        for threads in thread_counts:
+            if threads != "gpu":
+                torch.set_num_threads(int(threads))
+            log(f"  compute at {threads} thread(s): matmul, attention, element-wise bandwidth")
+            found["matmul"][threads] = dict(
+                float32=matmul_curve(torch.float32, [32, 64, 128, 256, 512, 1024], device),
+                bfloat16=matmul_curve(torch.bfloat16, [64, 256, 512] + ([2048, 4096] if device == "cuda" else []),
+                                      device))
+            found["attention"][threads] = attention_curve(device)
+            a = torch.randn(4 << 20, device=device)
+            b = torch.randn(4 << 20, device=device)
+            found["bandwidth"][threads] = 3 * a.numel() * 4 / timed(lambda: torch.add(a, b), device)
+        torch.set_num_threads(1)
+        x = torch.ones(1, device=device)
+        add = torch.ops.aten.add.Tensor
+        found["op_seconds"] = timed(lambda: [add(x, x) for _ in range(100)], device) / 100
+    finally:
+        torch.set_num_threads(saved)
+    return found
+
+
+def _rank_main(rank: int, world: int, store_path: str, transports: list[str], out: str) -> None:
+    torch.set_num_threads(1)
+    device = "cuda" if "nccl" in transports else "cpu"
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    store = dist.FileStore(store_path, world)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", store=store, rank=rank, world_size=world,
+                            timeout=timedelta(minutes=5))
+    if "shm" in transports:
+        shm_group.register()
+    sizes = [s for s in (2, 4, 8) if s <= world]
+    found = {}
+    for transport in transports:
+        backend = shm_group.BACKEND if transport == "shm" else None
+        groups = {size: dist.new_group(list(range(size)), backend=backend) for size in sizes}
+        for kind in KINDS if transport != "shm" else SHM_KINDS:
+            for size, group in groups.items():
+                if rank < size:
+                    register_group(f"calibrate{size}", group)
+                    seconds = [_collective_seconds(kind, nbytes, size, f"calibrate{size}", device) for nbytes in SIZES]
+                    found.setdefault(transport, {}).setdefault(kind, {})[str(size)] = _link(seconds)
+                dist.barrier()
+        if transport != "shm" and world >= 2:
+            group = groups[2]
+            if rank < 2:
+                seconds = [_send_recv_seconds(nbytes, rank, group, device) for nbytes in SIZES]
+                found[transport]["send_recv"] = {"2": _link(seconds)}
+            dist.barrier()
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(found, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _link(seconds: list[float]) -> dict:
+    """Least-squares line through (bytes, seconds); a slope that noise made flat or negative falls back to
+    the largest call's average rate, a negative intercept to none."""
+    mean_x, mean_y = sum(SIZES) / len(SIZES), sum(seconds) / len(seconds)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(SIZES, seconds)) / sum((x - mean_x) ** 2 for x in SIZES)
+    if slope <= 0:
+        slope = seconds[-1] / SIZES[-1]
+    return dict(latency=max(mean_y - slope * mean_x, 1e-6), bandwidth=1 / slope)
+
+
+def _collective_seconds(kind: str, nbytes: int, size: int, name: str, device: str) -> float:
+    """One call, as graphs make it (a functional collective on a group registered by name), moving `nbytes`
+    (the larger of input and output, as gcompile.comm_summary counts)."""
+    big = torch.ones(nbytes // 4, device=device)
+    piece = torch.ones(nbytes // 4 // size, device=device)
+    calls = {"all_reduce": lambda: collectives.all_reduce(big, name),
+             "all_gather_into_tensor": lambda: collectives.all_gather(piece, name, size),
+             "reduce_scatter_tensor": lambda: collectives.reduce_scatter(big, name, size),
+             "all_to_all_single": lambda: collectives.all_to_all(big, name, size)}
+    return _lined_up(calls[kind], resolve_process_group(name), device)
+
+
+def _send_recv_seconds(nbytes: int, rank: int, group, device: str) -> float:
+    x = torch.ones(nbytes // 4, device=device)
+
+    def round_trip():
+        peer = dist.get_global_rank(group, 1 - rank)
+        if rank == 0:
+            dist.send(x, peer, group=group)
+            dist.recv(x, peer, group=group)
+        else:
+            dist.recv(x, peer, group=group)
+            dist.send(x, peer, group=group)
+    return _lined_up(round_trip, group, device) / 2
+
+
+def _lined_up(call, group, device: str, reps: int = 9) -> float:
+    """Median seconds of `call` with the group's ranks lined up by a barrier before each."""
+    times = []
+    for _ in range(reps + 1):
+        dist.barrier(group=group)
+        start = time.perf_counter()
+        call()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def measure_collectives(device: str, log) -> dict:
+    world = torch.cuda.device_count() if device == "cuda" else min(8, max(2, os.cpu_count() or 1) * 4)
+    transports = ["nccl"] if device == "cuda" else ["gloo"] + (["shm"] if shm_group.available() else [])
+    if world < 2:
+        return {}
+    log(f"  communication: {', '.join(transports)} over groups of up to {world} ranks (starting {world} processes)")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "links.json")
+        mp.start_processes(_rank_main, args=(world, os.path.join(tmp, "store"), transports, out), nprocs=world,
+                           start_method="spawn")
+        with open(out) as f:
+            raw = json.load(f)
+    return {transport: {kind: {size: Link(**link) for size, link in sizes.items()} for kind, sizes in kinds.items()}
+            for transport, kinds in raw.items()}
+
+
+def calibrate(log=print) -> Machine:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    key, description = machine_file.fingerprint()
+    log(f"calibrating {description}")
+    start = time.perf_counter()
+    compute = measure_compute(device, log)
+    collectives = measure_collectives(device, log)
+    log(f"measured in {time.perf_counter() - start:.0f} s")
+    return Machine(fingerprint=key, description=description, cores=os.cpu_count() or 1, collectives=collectives,
+                   **compute)
+
+
+def describe(machine: Machine) -> str:
+    lines = [f"machine {machine.fingerprint}: {machine.description}"]
+    for threads, curves in machine.matmul.items():
+        for dtype, curve in curves.items():
+            lines.append(f"  matmul {dtype:<9} {threads:>3} thread(s): "
+                         + ", ".join(f"{c[0]:.0e} FLOPs {c[1] / 1e9:.1f} GFLOP/s" for c in curve))
+    for threads, curve in machine.attention.items():
+        lines.append(f"  attention {threads:>3} thread(s): "
+                     + ", ".join(f"{c[0]:.0e} FLOPs {c[1] / 1e9:.1f} GFLOP/s" for c in curve))
+    for threads, rate in machine.bandwidth.items():
+        lines.append(f"  element-wise {threads:>3} thread(s): {rate / 1e9:.1f} GB/s")
+    lines.append(f"  one operator call: {machine.op_seconds * 1e6:.1f} us")
+    for transport, kinds in machine.collectives.items():
+        for kind, sizes in kinds.items():
+            lines.append(f"  {transport:<5} {kind:<23} " + ", ".join(
+                f"{size} ranks {link.latency * 1e6:.0f} us + {link.bandwidth / 1e9:.2f} GB/s"
+                for size, link in sizes.items()))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m gcompile.calibrate", description=__doc__.split("\n")[0])
+    p.add_argument("--out", help="also write the machine file here (default: only this machine's cache file)")
+    p.add_argument("--show", action="store_true", help="print the machine file in use; measure nothing")
+    args = p.parse_args(argv)
+    path = machine_file.default_path()
+    if args.show:
+        try:
+            found = machine_file.load(args.out)
+        except machine_file.MachineError as e:
+            print(f"python -m gcompile.calibrate: error: {e}", file=sys.stderr)
+            return 2
+        if found is None:
+            print(f"python -m gcompile.calibrate: error: this machine has no machine file ({path}); measure it "
+                  f"with: python -m gcompile.calibrate", file=sys.stderr)
+            return 2
+        print(describe(found))
+        return 0
+    measured = calibrate()
+    for target in [path] + ([args.out] if args.out else []):
+        machine_file.save(measured, target)
+    print(describe(measured))
+    print(f"written to {path}{f' and {args.out}' if args.out else ''}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

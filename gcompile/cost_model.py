@@ -1,0 +1,218 @@
+"""Predicted time of a training iteration, from the built programs (never run) and a machine file.
+
+A graph's time is its nodes walked in order, as the runtime runs them:
+
+    matmul-like op (torch's FLOP formula)    FLOPs / the machine's matmul rate at that size and dtype
+    attention                                FLOPs / the attention rate at that size
+    any other op                             host time of a call + bytes read and written / bandwidth
+    a collective (start)                     queued on the rank's one communication channel:
+                                             starts when issued and the channel is free, lasts
+                                             latency + bytes / bandwidth of its transport, kind, group size
+    wait_tensor                              the graph's clock moves to the collective's end
+
+so a collective waited at once costs its whole time, and one the overlap passes
+start early (tp_comm_overlap, bucket overlap) costs only what compute between its
+start and its wait does not cover. Ranks that share cores (more rank threads than
+the machine has cores) compute proportionally slower.
+
+A rank's iteration is its pipeline schedule simulated (gcompile.schedule.simulate)
+with every F, B and W costed from the graph its instruction runs, each message
+arriving latency + bytes / bandwidth after its send, then the optimizer step
+(the slowest rank's: its gradient-norm all-reduce lines the ranks up).
+"""
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_flatten, tree_map_only
+from torch.utils.flop_counter import flop_registry
+
+from gcompile.axes import role_size
+from gcompile.check import pipeline_messages
+from gcompile.collectives import collective_nodes, is_collective
+from gcompile.flops import OURS, SAME_FLOPS_AS
+from gcompile.machine import Machine
+from gcompile.rank_program import RankProgram
+from gcompile.schedule import Action, Kind, simulate
+
+aten = torch.ops.aten
+
+ATTENTION = {aten._scaled_dot_product_flash_attention, aten._scaled_dot_product_flash_attention_backward,
+             aten._scaled_dot_product_efficient_attention, aten._scaled_dot_product_efficient_attention_backward,
+             aten._scaled_dot_product_cudnn_attention, aten._scaled_dot_product_cudnn_attention_backward}
+"""Ops costed at the attention rate (after SAME_FLOPS_AS maps the CPU ones onto them)."""
+SAME_LINK_AS = {"all_to_all_rows": "all_to_all_single", "ring_shift": "all_to_all_single",
+                "all_reduce_coalesced": "all_reduce"}
+"""Collectives costed as a measured kind that moves bytes the same way."""
+FREE = {"getitem", "view", "_unsafe_view", "alias", "t", "transpose", "permute", "expand", "squeeze",
+        "unsqueeze", "detach", "slice", "select", "split", "unbind", "as_strided", "reshape"}
+"""Ops that only make a view: a host call, no bytes moved."""
+
+
+@dataclass(frozen=True)
+class Rates:
+    """What one rank of one world gets from the machine."""
+
+    machine: Machine
+    threads: int
+    """CPU threads per rank (the cores shared evenly); on a GPU unused."""
+    slowdown: float
+    """Compute is this much slower because ranks share cores (1 when each thread has its own)."""
+    transports: dict[str, str]
+    """Group role -> transport ("gloo", "shm", "nccl"); roles not named use `default_transport`."""
+    default_transport: str
+
+    def transport(self, role: str) -> str:
+        return self.transports.get(role, self.default_transport)
+
+
+def rates_for(machine: Machine, world_size: int, threads: int, device: str, shm_tp: bool) -> Rates:
+    """A rank's share: `threads` each, all ranks of the world on this machine's cores."""
+    if device == "cuda":
+        return Rates(machine, threads, 1.0, {}, "nccl")
+    return Rates(machine, threads, max(1.0, world_size * threads / machine.cores),
+                 {"tp": "shm"} if shm_tp else {}, "gloo")
+
+
+@dataclass(frozen=True)
+class GraphTime:
+    seconds: float
+    """From the first node to the output, collectives waited where the graph waits."""
+    compute: float
+    """Seconds of compute alone."""
+    communication: float
+    """Seconds of collectives, overlapped or not."""
+
+
+def node_seconds(node: fx.Node, rates: Rates) -> float:
+    """Compute time of one node (zero for placeholders and outputs; collectives are costed apart)."""
+    if node.op != "call_function":
+        return 0.0
+    machine, threads = rates.machine, rates.threads
+    name = getattr(node.target, "__name__", str(node.target)).split(".")[0]
+    packet = getattr(node.target, "overloadpacket", None)
+    formula = OURS.get(packet) or flop_registry.get(SAME_FLOPS_AS.get(packet, packet))
+    call = machine.op_seconds
+    if formula is not None:
+        args, kwargs = tree_map_only(fx.Node, lambda n: n.meta["val"], (node.args, node.kwargs))
+        flops = formula(*args, **kwargs, out_val=node.meta["val"])
+        dtype = str(_tensors(node.meta["val"])[0].dtype).removeprefix("torch.")
+        if SAME_FLOPS_AS.get(packet, packet) in ATTENTION:
+            return (call + machine.attention_seconds(flops, threads)) * rates.slowdown
+        return (call + machine.matmul_seconds(flops, dtype, threads)) * rates.slowdown
+    if name in FREE:
+        return call * rates.slowdown
+    moved = sum(t.numel() * t.element_size() for t in _tensors(node.meta.get("val")))
+    moved += sum(t.numel() * t.element_size() for a in node.all_input_nodes for t in _tensors(a.meta.get("val")))
+    return (call + machine.pointwise_seconds(moved, threads)) * rates.slowdown
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+
+
+def collective_seconds(kind: str, group: str, nbytes: int, size: int, rates: Rates) -> float:
+    if size <= 1:
+        return 0.0
+    return rates.machine.link(rates.transport(group), SAME_LINK_AS.get(kind, kind), size).seconds(nbytes)
+
+
+def graph_time(gm: fx.GraphModule, rates: Rates, group_sizes: dict[str, int]) -> GraphTime:
+    """One run of `gm` (nodes need meta["val"], as lowered graphs have); `group_sizes`: ranks per group role."""
+    issued = {node: (op, args) for node, op, args in collective_nodes(gm)}
+    clock = compute = communication = channel = 0.0
+    done = {}  # collective node -> when its result is there
+    for node in gm.graph.nodes:
+        if node in issued:
+            op, args = issued[node]
+            tensors = _tensors(node.meta["val"]) + [t for a in node.all_input_nodes for t in _tensors(a.meta["val"])]
+            nbytes = max(t.numel() * t.element_size() for t in tensors)
+            group = args.get("group_name", "?")
+            seconds = collective_seconds(op, group, nbytes, group_sizes.get(group, 1), rates)
+            channel = max(clock, channel) + seconds
+            done[node] = channel
+            communication += seconds
+        elif node.op == "call_function" and is_collective(node.target):  # wait_tensor
+            clock = max(clock, done.get(node.args[0], clock))
+        else:
+            seconds = node_seconds(node, rates)
+            clock += seconds
+            compute += seconds
+    return GraphTime(clock, compute, communication)
+
+
+def group_sizes_of(program: RankProgram) -> dict[str, int]:
+    """Ranks in each group role a graph may name, for this rank."""
+    from gcompile.axes import GROUP_ROLES
+    return {role: role_size(program.coords, role) for role in GROUP_ROLES}
+
+
+@dataclass(frozen=True)
+class RankTime:
+    """One pipeline rank's costs: per instruction action, per message, and its optimizer step."""
+
+    compute: dict[Action, float]
+    """Seconds of each F, B and W it runs (W left out where its stage's backward is whole)."""
+    sends: dict[Action, float]
+    """Seconds from each SEND_F / SEND_B until the tensor is at its peer."""
+    optimizer: float
+    graphs: dict[str, GraphTime] = field(default_factory=dict)
+    """Each distinct graph's time, by "stage{s}.{graph}" or "optimizer"."""
+
+
+def rank_time(program: RankProgram, rates: Rates) -> RankTime:
+    sizes = group_sizes_of(program)
+    graphs, compute, sends = {}, {}, {}
+    sends_in_order = iter(pipeline_messages(program)[0])
+    for instruction in program.instructions:
+        if instruction.is_compute:
+            name = instruction.graph if instruction.stage is None else f"stage{instruction.stage}.{instruction.graph}"
+            if name not in graphs:
+                graphs[name] = graph_time(program.graph(instruction), rates, sizes)
+            if instruction.action is not None:
+                compute[instruction.action] = graphs[name].seconds
+        elif instruction.op in (Kind.SEND_F, Kind.SEND_B):
+            message = next(sends_in_order)
+            nbytes = sum(math.prod(shape) * getattr(torch, dtype.removeprefix("torch.")).itemsize
+                         for shape, dtype in message.shapes)
+            sends[instruction.action] = rates.machine.link(rates.transport(instruction.group), "send_recv", 2) \
+                .seconds(nbytes)
+    return RankTime(compute, sends, graphs["optimizer"].seconds, graphs)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    step_seconds: float
+    """One iteration: the pipeline's forward and backward, then the optimizer step."""
+    pipeline_seconds: float
+    optimizer_seconds: float
+    bubble_fraction: float
+    """The simulated share of pipeline rank-time not computing, as gcompile.schedule.SimResult defines it."""
+    ranks: tuple[RankTime, ...]
+    """Per pipeline rank."""
+
+    def __str__(self) -> str:
+        return (f"predicted {self.step_seconds * 1e3:.1f} ms per iteration = pipeline {self.pipeline_seconds * 1e3:.1f} "
+                f"(bubble {self.bubble_fraction:.1%}) + optimizer step {self.optimizer_seconds * 1e3:.1f}")
+
+
+def predict(column: list[RankProgram], rates: Rates) -> Prediction:
+    """The iteration of a world from one program per pipeline rank (`column[r]` at pp position r; ranks that
+    differ only in tp, cp or dp position cost the same)."""
+    schedule = column[0].schedule
+    times = [rank_time(program, rates) for program in column]
+
+    def cost(a: Action) -> float:
+        return times[schedule.stage_rank(a.stage)].compute.get(a, 0.0)
+
+    def whole_backward(a: Action) -> float:  # simulate() takes B as the whole backward and W as its share
+        return cost(a) + (cost(Action(a.stage, Kind.W, a.mb)) if schedule.splits_backward else 0.0)
+
+    def send(a: Action) -> float:
+        return times[schedule.stage_rank(a.stage)].sends.get(a, 0.0)
+
+    result = simulate(schedule, f_time=cost, b_time=whole_backward, w_time=cost, send_time=send)
+    optimizer = max(t.optimizer for t in times)
+    return Prediction(result.makespan + optimizer, result.makespan, optimizer, result.bubble_fraction, tuple(times))

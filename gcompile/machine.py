@@ -1,0 +1,165 @@
+"""What the cost model knows of a machine: measured rates, as data in a small JSON file.
+
+`python -m gcompile.calibrate` measures them (gcompile/calibrate.py) and writes
+`~/.cache/gcompile/machine-<fingerprint>.json`; the fingerprint names what the
+rates depend on (processor, cores, memory, GPUs, torch version), so the file is
+reused until one of those changes. A file made elsewhere (say on a lent GPU) is
+given with `--machine FILE`. The file holds numbers only: loading it runs nothing.
+
+Rates are curves: a matmul of 2e6 FLOPs runs far below the rate of one of 2e9,
+so each is a list of (FLOPs per call, FLOP/s) points, read by interpolating in
+log(FLOPs). A collective's time is `latency + bytes / bandwidth` per transport,
+kind and group size.
+"""
+
+import hashlib
+import json
+import math
+import os
+import platform
+from dataclasses import asdict, dataclass
+
+import torch
+
+FORMAT = 1
+"""Bumped when the file's fields change; an older file is measured again."""
+
+
+class MachineError(ValueError):
+    """A machine file that cannot be used; the message names the file and what to do."""
+
+
+@dataclass(frozen=True)
+class Link:
+    """One collective kind on one transport and group size: seconds = latency + bytes / bandwidth."""
+
+    latency: float
+    """Seconds of a call that moves (almost) nothing."""
+    bandwidth: float
+    """Bytes per second of the tensor (the larger of input and output) beyond that."""
+
+    def seconds(self, nbytes: int) -> float:
+        return self.latency + nbytes / self.bandwidth
+
+
+@dataclass(frozen=True)
+class Machine:
+    fingerprint: str
+    description: str
+    """Processor or GPU, cores, torch version: for people reading the file."""
+    cores: int
+    matmul: dict[str, dict[str, list[list[float]]]]
+    """threads ("1", "2", ...; on a GPU "gpu") -> dtype ("float32", "bfloat16") -> [[FLOPs per call, FLOP/s], ...]."""
+    attention: dict[str, list[list[float]]]
+    """threads -> [[FLOPs per call, FLOP/s], ...] of scaled-dot-product attention, forward and backward."""
+    bandwidth: dict[str, float]
+    """threads -> bytes per second an element-wise op reads and writes."""
+    op_seconds: float
+    """Host time of one operator call (what a graph of many tiny ops pays per op)."""
+    collectives: dict[str, dict[str, dict[str, Link]]]
+    """transport ("gloo", "shm", "nccl") -> kind (all_reduce, ..., send_recv) -> group size ("2", ...) -> Link."""
+    format: int = FORMAT
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str, where: str) -> "Machine":
+        try:
+            raw = json.loads(text)
+            if raw.get("format") != FORMAT:
+                raise MachineError(f"machine file {where} has format {raw.get('format')}, this gcompile reads "
+                                   f"{FORMAT}; measure again with: python -m gcompile.calibrate")
+            raw["collectives"] = {transport: {kind: {size: Link(**link) for size, link in sizes.items()}
+                                              for kind, sizes in kinds.items()}
+                                  for transport, kinds in raw["collectives"].items()}
+            return cls(**raw)
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            if isinstance(e, MachineError):
+                raise
+            raise MachineError(f"machine file {where} is not one gcompile.calibrate wrote ({e}); measure again "
+                               f"with: python -m gcompile.calibrate") from None
+
+    def threads_key(self, table: dict, threads: int) -> str:
+        """The measured thread count nearest below `threads` (a GPU's one entry)."""
+        counts = sorted(int(k) for k in table if k.isdigit())
+        if not counts:
+            return next(iter(table))
+        return str(max([c for c in counts if c <= threads] or counts[:1]))
+
+    def matmul_seconds(self, flops: float, dtype: str, threads: int) -> float:
+        curves = self.matmul[self.threads_key(self.matmul, threads)]
+        return flops / rate_at(curves.get(dtype) or curves["float32"], flops)
+
+    def attention_seconds(self, flops: float, threads: int) -> float:
+        return flops / rate_at(self.attention[self.threads_key(self.attention, threads)], flops)
+
+    def pointwise_seconds(self, nbytes: float, threads: int) -> float:
+        return nbytes / self.bandwidth[self.threads_key(self.bandwidth, threads)]
+
+    def link(self, transport: str, kind: str, size: int) -> Link:
+        """The measured link, or for a group larger than any measured one the largest, scaled as a ring scales:
+        latency by the steps (n - 1), bandwidth by the share each rank moves ((n - 1) / n)."""
+        sizes = self.collectives.get(transport, {}).get(kind) or self.collectives["gloo"][kind]
+        if str(size) in sizes:
+            return sizes[str(size)]
+        measured = max(int(s) for s in sizes if int(s) <= size) if any(int(s) <= size for s in sizes) \
+            else min(int(s) for s in sizes)
+        base = sizes[str(measured)]
+        steps = (size - 1) / (measured - 1)
+        share = ((size - 1) / size) / ((measured - 1) / measured)
+        return Link(base.latency * steps, base.bandwidth / share)
+
+
+def rate_at(curve: list[list[float]], flops: float) -> float:
+    """FLOP/s at `flops` per call: linear in log(FLOPs) between measured points, flat beyond them."""
+    points = sorted(curve)
+    if flops <= points[0][0]:
+        return points[0][1]
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if flops <= x1:
+            share = (math.log(flops) - math.log(x0)) / (math.log(x1) - math.log(x0))
+            return y0 + share * (y1 - y0)
+    return points[-1][1]
+
+
+def fingerprint() -> tuple[str, str]:
+    """(short hash, description) of what the rates depend on."""
+    cpu = platform.processor() or platform.machine()
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        cpu = names[0] if names else cpu
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
+    gpus = [torch.cuda.get_device_name(d) for d in range(torch.cuda.device_count())] \
+        if torch.cuda.is_available() else []
+    description = (f"{cpu}, {os.cpu_count()} cores, {memory / 2 ** 30:.0f} GiB"
+                   f"{', ' + ', '.join(gpus) if gpus else ''}, torch {torch.__version__}")
+    return hashlib.sha256(description.encode()).hexdigest()[:12], description
+
+
+def default_path() -> str:
+    """Where this machine's file lives: one per fingerprint, so a changed machine is measured again."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(root, "gcompile", f"machine-{fingerprint()[0]}.json")
+
+
+def load(path: str | None = None) -> Machine | None:
+    """The machine file at `path` (MachineError if it is missing or unreadable), or with no path this
+    machine's own, None when it was never measured."""
+    if path is None:
+        path = default_path()
+        if not os.path.exists(path):
+            return None
+    if not os.path.isfile(path):
+        raise MachineError(f"no machine file {path}; make one with: python -m gcompile.calibrate --out {path}")
+    with open(path) as f:
+        return Machine.from_json(f.read(), path)
+
+
+def save(machine: Machine, path: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    temporary = f"{path}.tmp{os.getpid()}"
+    with open(temporary, "w") as f:
+        f.write(machine.to_json() + "\n")
+    os.replace(temporary, path)

@@ -1,0 +1,242 @@
+"""Pick a layout: every valid one for a world size, built, predicted, ranked.
+
+    python -m gcompile.plan --config configs/gpt2-small.toml --world-size 8
+    python -m gcompile.plan --config configs/tiny.toml --world-size 4 --memory-budget-gb 0.05 --top 5
+    python run_gpt.py --config configs/tiny.toml --auto-layout --world-size 4   # train with the first
+
+Candidates: tp x cp x pp x dp = world (tp and cp powers of two up to 8), ep over
+the dp x cp ranks where the model has experts; with a pipeline the 1f1b, zb1f1b and
+interleaved (2 chunks per rank) schedules; every micro-batch size of 1, 2, 4 or 8
+that divides the per-rank batch; the dp sharding strategies no_shard and optim
+(ZeRO-1), and ZeRO-3 (optim_grads_params) and full recompute only where the
+cheaper ones do not fit: neither is ever faster here, both save memory.
+
+Each candidate is checked as a run would be (gcompile.config.validate: its one
+line is the refusal), then built: one program per pipeline rank, in one process
+(ranks that differ only in tp, cp or dp position cost the same; captures and
+lowerings are shared between candidates, gcompile.pipeline.BuildCache). Its
+memory is gcompile.check.estimate_memory's largest rank, over the budget is a
+refusal; its time is gcompile.cost_model.predict with this machine's file (or
+--machine FILE). The ranking is by predicted time per iteration.
+"""
+
+import argparse
+import dataclasses
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from gcompile.axes import Coords
+from gcompile.config import ConfigError, RunConfig, parse_args, validate
+from gcompile.cost_model import Prediction, predict, rates_for
+from gcompile.machine import Machine, MachineError
+from gcompile import machine as machine_file
+
+TRAIN_FIELDS = ("micro_batch_size", "recompute_activations")
+"""Layout keys that live in the [train] section; the others are [parallel] fields."""
+SCHEDULES = ("1f1b", "zb1f1b", "interleaved")
+MICRO_BATCH_SIZES = (1, 2, 4, 8)
+SHARDING = ("no_shard", "optim")
+SAVING = ({"data_parallel_sharding_strategy": "optim_grads_params"}, {"recompute_activations": True})
+"""Memory savers tried, in order, only for a candidate over the budget."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    layout: dict
+    """Config fields that make this layout, as run_gpt.py flags name them (`flags()`)."""
+    config: RunConfig
+    prediction: Prediction
+    memory: int
+    """Estimated peak bytes of the largest rank."""
+
+    def flags(self) -> list[str]:
+        return layout_flags(self.layout)
+
+
+@dataclass
+class Search:
+    ranked: list[Candidate] = field(default_factory=list)
+    refused: list[tuple[dict, str]] = field(default_factory=list)
+    """(layout, why) of every candidate left out."""
+    seconds: float = 0.0
+
+
+def layout_flags(layout: dict) -> list[str]:
+    flags = []
+    for key, value in layout.items():
+        flags += [f"--{key.replace('_', '-')}", str(value).lower() if isinstance(value, bool) else str(value)]
+    return flags
+
+
+def describe(layout: dict) -> str:
+    return " ".join(layout_flags(layout))
+
+
+def _powers_of_two(limit: int, divides: int) -> list[int]:
+    return [n for n in (1, 2, 4, 8) if n <= limit and divides % n == 0]
+
+
+def layouts(base: RunConfig, world: int, schedules=SCHEDULES, micro_batch_sizes=MICRO_BATCH_SIZES) -> list[dict]:
+    """Every candidate shape of `world` ranks, before validation, memory savers left out."""
+    m, t = base.model, base.train
+    experts = getattr(m, "num_experts", 0) or 0
+    found = []
+    for tp in _powers_of_two(8, world):
+        for cp in _powers_of_two(8, world // tp):
+            rest = world // (tp * cp)
+            for pp in [d for d in range(1, rest + 1) if rest % d == 0]:
+                dp = rest // pp
+                eps = [e for e in range(1, dp * cp + 1) if (dp * cp) % e == 0 and e <= experts] if experts else [1]
+                for ep in eps:
+                    pipelines = [("1f1b", 1)] if pp == 1 else \
+                        [(name, 2 if name == "interleaved" else 1) for name in schedules
+                         if name != "interleaved" or m.n_layer % (2 * pp) == 0]
+                    for schedule, vpp in pipelines:
+                        for mbs in micro_batch_sizes:
+                            if t.global_batch_size % (mbs * dp):
+                                continue
+                            for sharding in SHARDING if dp * cp > 1 else ("no_shard",):
+                                layout = dict(tp=tp, cp=cp, pp=pp, dp=dp, ep=ep, pipeline_schedule=schedule,
+                                              virtual_pipeline_size=vpp, micro_batch_size=mbs,
+                                              data_parallel_sharding_strategy=sharding)
+                                found.append({k: v for k, v in layout.items()
+                                              if not (k in ("cp", "ep", "virtual_pipeline_size") and v == 1)})
+    return found
+
+
+def configure(base: RunConfig, layout: dict) -> RunConfig:
+    """`base` with the layout's fields; ConfigError (every reason, one line) when it cannot run."""
+    train = {k: v for k, v in layout.items() if k in TRAIN_FIELDS}
+    parallel = {k: v for k, v in layout.items() if k not in TRAIN_FIELDS}
+    parallel.setdefault("cp", 1)
+    parallel.setdefault("ep", 1)
+    parallel.setdefault("virtual_pipeline_size", 1)
+    config = dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, use_distributed_optimizer=False,
+                                                                    num_layers_per_virtual_pipeline_stage=None,
+                                                                    **parallel),
+                                 train=dataclasses.replace(base.train, **train))
+    validate(config)
+    return config
+
+
+def evaluate(config: RunConfig, machine: Machine, cache, device: str = "cpu") -> tuple[Prediction, int]:
+    """(predicted iteration, largest rank's estimated peak bytes) from one program per pipeline rank."""
+    from gcompile.check import estimate_memory
+    from gcompile.launch import rank_threads
+    from gcompile.pipeline import build_rank_program
+    from gcompile import shm_group
+    origin = Coords.from_rank(0, config.mesh_sizes)
+    column = [build_rank_program(config, origin.moved(pp=r), device, log=lambda _: None, cache=cache)
+              for r in range(config.parallel.pp)]
+    shm_tp = config.parallel.tp > 1 and config.parallel.tp_comm_backend != "gloo" and shm_group.available()
+    rates = rates_for(machine, config.world_size, rank_threads(config.world_size), device, shm_tp)
+    return predict(column, rates), max(estimate_memory(program).total for program in column)
+
+
+def search(base: RunConfig, world: int, machine: Machine, budget_gb: float | None = None, cache=None,
+           progress=lambda line: None, schedules=SCHEDULES, micro_batch_sizes=MICRO_BATCH_SIZES) -> Search:
+    """Every layout of `layouts`, refused with its reason or predicted; `ranked` fastest first."""
+    from gcompile.pipeline import BuildCache
+    cache = cache or BuildCache()
+    result, start = Search(), time.perf_counter()
+    shapes = layouts(base, world, schedules, micro_batch_sizes)
+    for n, layout in enumerate(shapes):
+        if n % 10 == 0:
+            progress(f"planning: {n}/{len(shapes)} layouts ({time.perf_counter() - start:.0f} s)")
+        for saver in ({},) + SAVING:
+            tried = {**layout, **saver} if saver.get("data_parallel_sharding_strategy") != "optim_grads_params" \
+                or layout.get("dp", 1) * layout.get("cp", 1) > 1 else None
+            if tried is None:
+                continue
+            try:
+                config = configure(base, tried)
+            except ConfigError as e:
+                result.refused.append((tried, str(e)))
+                break
+            prediction, memory = evaluate(config, machine, cache)
+            if budget_gb is None or memory <= budget_gb * 2 ** 30:
+                result.ranked.append(Candidate(tried, config, prediction, memory))
+                break
+            result.refused.append((tried, f"needs about {memory / 2 ** 30:.2f} GiB on its largest rank, over the "
+                                          f"budget of {budget_gb} GiB"))
+    result.ranked.sort(key=lambda c: c.prediction.step_seconds)
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def format_search(found: Search, world: int, top: int, refused: int) -> str:
+    lines = [f"{len(found.ranked)} layouts of {world} ranks fit, {len(found.refused)} refused "
+             f"({found.seconds:.1f} s); fastest first:",
+             f"{'#':>3} {'ms/iter':>9} {'GiB/rank':>9} {'bubble':>7}  layout (run_gpt.py flags)"]
+    for i, c in enumerate(found.ranked[:top]):
+        lines.append(f"{i + 1:>3} {c.prediction.step_seconds * 1e3:9.1f} {c.memory / 2 ** 30:9.3f} "
+                     f"{c.prediction.bubble_fraction:7.1%}  {describe(c.layout)}")
+    if found.refused:
+        reasons = Counter(why.split(";")[0] for _, why in found.refused)
+        lines.append(f"refused ({len(found.refused)}; the first {min(refused, len(found.refused))}, then counts by "
+                     f"reason):")
+        lines += [f"  {describe(layout)}: {why}" for layout, why in found.refused[:refused]]
+        lines += [f"  {n:4d} x {why}" for why, n in reasons.most_common(5)]
+    return "\n".join(lines)
+
+
+def search_space(schedules: str, micro_batch_sizes: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """--schedules and --micro-batch-sizes read; ConfigError naming a bad entry."""
+    names = tuple(s.strip() for s in schedules.split(",") if s.strip())
+    unknown = [n for n in names if n not in SCHEDULES]
+    if unknown or not names:
+        raise ConfigError(f"--schedules {schedules!r}: choose from {', '.join(SCHEDULES)}")
+    try:
+        sizes = tuple(int(s) for s in micro_batch_sizes.split(","))
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 1:
+        raise ConfigError(f"--micro-batch-sizes {micro_batch_sizes!r}: give positive whole numbers, e.g. 1,2,4")
+    return names, sizes
+
+
+def load_machine(path: str | None) -> Machine:
+    """The machine file to predict with; MachineError naming the fix when there is none."""
+    found = machine_file.load(path)
+    if found is None:
+        raise MachineError(f"this machine has no machine file ({machine_file.default_path()}); measure it once "
+                           f"with: python -m gcompile.calibrate (about a minute)")
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(prog="python -m gcompile.plan", description=__doc__.split("\n")[0])
+    p.add_argument("--world-size", type=int, required=True, help="ranks to plan for")
+    p.add_argument("--memory-budget-gb", type=float, help="refuse layouts whose largest rank needs more")
+    p.add_argument("--machine", help="machine file (default: this machine's, from python -m gcompile.calibrate)")
+    p.add_argument("--schedules", default=",".join(SCHEDULES), help="pipeline schedules to try (comma-separated)")
+    p.add_argument("--micro-batch-sizes", default=",".join(map(str, MICRO_BATCH_SIZES)),
+                   help="micro-batch sizes to try (comma-separated)")
+    p.add_argument("--top", type=int, default=10, help="rows to print")
+    p.add_argument("--refused", type=int, default=5, help="refused layouts to print, each with its reason")
+    args, rest = p.parse_known_args(argv)
+    try:
+        if args.world_size < 1:
+            raise ConfigError(f"--world-size {args.world_size} must be at least 1")
+        schedules, sizes = search_space(args.schedules, args.micro_batch_sizes)
+        base, _ = parse_args(rest)
+        machine = load_machine(args.machine)
+    except (ConfigError, MachineError) as e:
+        print(f"python -m gcompile.plan: error: {e}", file=sys.stderr)
+        return 2
+    budget = args.memory_budget_gb if args.memory_budget_gb is not None else base.parallel.memory_budget_gb
+    found = search(base, args.world_size, machine, budget, progress=lambda line: print(line, file=sys.stderr),
+                   schedules=schedules, micro_batch_sizes=sizes)
+    print(format_search(found, args.world_size, args.top, args.refused))
+    if not found.ranked:
+        print(f"python -m gcompile.plan: error: no layout of {args.world_size} ranks can run this config; the "
+              f"reasons above say what to change", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

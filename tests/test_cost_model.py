@@ -1,0 +1,172 @@
+"""The cost model on hand-built graphs and timelines with known costs (exact answers), the machine file,
+and the planner: refusal reasons, and every layout it proposes passes the plan checker."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.fx as fx
+
+from gcompile.axes import Coords
+from gcompile.check import check_plan
+from gcompile.config import build_config
+from gcompile.cost_model import Rates, graph_time, predict, rates_for
+from gcompile.machine import Link, Machine, MachineError, rate_at
+from gcompile.pipeline import BuildCache, build_rank_program
+from gcompile.plan import configure, search
+from gcompile.schedule import build_schedule, simulate
+from gcompile.world import build_world
+
+c10d = torch.ops._c10d_functional
+aten = torch.ops.aten
+
+MATMUL, BANDWIDTH, OP, LATENCY, LINK_BANDWIDTH = 1e9, 2e9, 1e-6, 1e-3, 1e8
+
+
+def flat_machine(cores: int = 64) -> Machine:
+    """Every rate one number, so each cost below is a formula."""
+    link = Link(LATENCY, LINK_BANDWIDTH)
+    kinds = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single", "send_recv")
+    return Machine(fingerprint="test", description="flat rates", cores=cores,
+                   matmul={"1": {"float32": [[1.0, MATMUL]]}}, attention={"1": [[1.0, MATMUL]]},
+                   bandwidth={"1": BANDWIDTH}, op_seconds=OP,
+                   collectives={"gloo": {kind: {"2": link} for kind in kinds}})
+
+
+def hand_graph() -> fx.GraphModule:
+    """y = x @ w; start all_reduce(y) over tp; z = x + x (while it runs); wait; out (y', z)."""
+    x, w = torch.randn(64, 32), torch.randn(32, 16)
+    g = fx.Graph()
+    nx, nw = g.placeholder("x"), g.placeholder("w")
+    nx.meta["val"], nw.meta["val"] = x, w
+    y = g.call_function(aten.mm.default, (nx, nw))
+    y.meta["val"] = x @ w
+    start = g.call_function(c10d.all_reduce.default, (y, "sum", "tp"))
+    start.meta["val"] = x @ w
+    z = g.call_function(aten.add.Tensor, (nx, nx))
+    z.meta["val"] = x + x
+    done = g.call_function(c10d.wait_tensor.default, (start,))
+    done.meta["val"] = x @ w
+    g.output((done, z))
+    return fx.GraphModule(torch.nn.Module(), g)
+
+
+def test_graph_time_overlaps_a_collective_with_the_compute_before_its_wait():
+    rates = Rates(flat_machine(), threads=1, slowdown=1.0, transports={}, default_transport="gloo")
+    got = graph_time(hand_graph(), rates, {"tp": 2})
+    mm = OP + 2 * 64 * 32 * 16 / MATMUL
+    add = OP + 2 * 64 * 32 * 4 / BANDWIDTH  # reads x (one tensor, counted once), writes z
+    reduce = LATENCY + 64 * 16 * 4 / LINK_BANDWIDTH
+    assert got.compute == pytest.approx(mm + add, rel=1e-12)
+    assert got.communication == pytest.approx(reduce, rel=1e-12)
+    assert got.seconds == pytest.approx(mm + max(add, reduce), rel=1e-12)  # the add runs under the all-reduce
+    alone = graph_time(hand_graph(), rates, {"tp": 1})  # a group of one rank: no collective
+    assert alone.seconds == pytest.approx(mm + add, rel=1e-12)
+    shared = graph_time(hand_graph(), Rates(flat_machine(), 1, 3.0, {}, "gloo"), {"tp": 1})
+    assert shared.seconds == pytest.approx(3 * (mm + add), rel=1e-12)  # three ranks per core
+
+
+def test_simulated_messages_take_their_time():
+    """1f1b, pp 2, 2 microbatches, F 1 and B 2 everywhere, every message 0.5: hand-traced."""
+    schedule = build_schedule("1f1b", 2, 1, 2)
+    result = simulate(schedule, 1.0, 2.0, send_time=lambda a: 0.5)
+    assert [[(str(s.action), s.start, s.end) for s in spans] for spans in result.spans] == [
+        [("0F0", 0, 1), ("0F1", 1, 2), ("0B0", 5, 7), ("0B1", 8, 10)],  # 1B0's gradient: sent 4.5, there 5
+        [("1F0", 1.5, 2.5), ("1B0", 2.5, 4.5), ("1F1", 4.5, 5.5), ("1B1", 5.5, 7.5)],
+    ]
+    assert result.makespan == 10
+
+
+def test_machine_file_rates_and_links():
+    assert rate_at([[1e3, 10.0], [1e5, 30.0]], 1e4) == pytest.approx(20.0)  # halfway in log(FLOPs)
+    assert rate_at([[1e3, 10.0], [1e5, 30.0]], 1.0) == 10.0
+    assert rate_at([[1e3, 10.0], [1e5, 30.0]], 1e9) == 30.0
+    m = flat_machine()
+    four = m.link("gloo", "all_reduce", 4)  # from the 2-rank measurement, scaled as a ring
+    assert four.latency == pytest.approx(3 * LATENCY)
+    assert four.bandwidth == pytest.approx(LINK_BANDWIDTH / 1.5)
+    assert m.link("shm", "all_reduce", 2) == m.link("gloo", "all_reduce", 2)  # unmeasured transport: gloo's
+    again = Machine.from_json(m.to_json(), "here")
+    assert again == m
+    with pytest.raises(MachineError, match="not one gcompile.calibrate wrote"):
+        Machine.from_json(json.dumps({"format": 1, "cores": 2}), "bad.json")
+    with pytest.raises(MachineError, match="measure again"):
+        Machine.from_json("{\"format\": 0}", "old.json")
+
+
+def tiny(**parallel):
+    train = dict(micro_batch_size=2, global_batch_size=8, seq_length=32)
+    train.update({k: parallel.pop(k) for k in ("micro_batch_size",) if k in parallel})
+    return build_config({"model": dict(n_layer=2, n_head=2, n_embd=32, block_size=32), "parallel": parallel,
+                         "train": train})
+
+
+def test_prediction_of_one_rank_is_the_sum_of_its_instructions():
+    """No pipeline: the iteration is every instruction's graph time, one after the other."""
+    config = tiny()
+    program = build_rank_program(config, Coords.from_rank(0, config.mesh_sizes), log=lambda _: None)
+    rates = rates_for(flat_machine(), 1, 1, "cpu", shm_tp=False)
+    total = sum(graph_time(program.graph(i), rates, {}).seconds for i in program.instructions if i.is_compute)
+    got = predict([program], rates)
+    assert got.step_seconds == pytest.approx(total, rel=1e-9)
+    assert got.bubble_fraction == pytest.approx(0.0, abs=1e-12)
+
+
+def test_pipeline_prediction_costs_every_message():
+    """pp 2: the prediction with messages of known cost is the simulation of the graph times plus them."""
+    config = tiny(pp=2, micro_batch_size=1)
+    cache = BuildCache()
+    origin = Coords.from_rank(0, config.mesh_sizes)
+    column = [build_rank_program(config, origin.moved(pp=r), log=lambda _: None, cache=cache) for r in range(2)]
+    rates = rates_for(flat_machine(), 2, 1, "cpu", shm_tp=False)
+    activation = 1 * 32 * 32 * 4  # (B, T, C) float32 between the stages
+    message = LATENCY + activation / LINK_BANDWIDTH
+    seconds = {}
+    for program in column:
+        for i in program.instructions:
+            if i.is_compute and i.action is not None:
+                seconds[i.action] = graph_time(program.graph(i), rates, {}).seconds
+    expected = simulate(column[0].schedule, lambda a: seconds[a], lambda a: seconds[a], send_time=message)
+    optimizer = max(graph_time(p.optimizer.graph, rates, {"mp": 2, "embd": 2}).seconds for p in column)  # norm, tied wte
+    got = predict(column, rates)
+    assert got.pipeline_seconds == pytest.approx(expected.makespan, rel=1e-9)
+    assert got.step_seconds == pytest.approx(expected.makespan + optimizer, rel=1e-9)
+    free = simulate(column[0].schedule, lambda a: seconds[a], lambda a: seconds[a])
+    assert got.pipeline_seconds > free.makespan  # communication is no longer free
+
+
+def test_planner_refuses_with_reasons_and_proposes_layouts_that_pass_the_checker():
+    base = tiny()
+    cache = BuildCache()
+    found = search(base, 4, flat_machine(), budget_gb=None, cache=cache, schedules=("1f1b",),
+                   micro_batch_sizes=(1,))
+    reasons = {" ".join(f"{k}={v}" for k, v in layout.items() if k in ("tp", "pp", "dp")): why
+               for layout, why in found.refused}
+    assert "n_layer=2 cannot be split into pp 4" in reasons["tp=1 pp=4 dp=1"]
+    assert "n_head=2 is not divisible by tp=4" in reasons["tp=4 pp=1 dp=1"]
+    assert found.ranked, "some layout of 4 ranks runs this model"
+    times = [c.prediction.step_seconds for c in found.ranked]
+    assert times == sorted(times)
+    for candidate in found.ranked[:3]:
+        programs = build_world(candidate.config, log=lambda _: None, cache=cache)
+        assert "4 ranks agree" in check_plan(programs), candidate.layout
+    tight = search(base, 2, flat_machine(), budget_gb=1e-4, cache=cache, schedules=("1f1b",), micro_batch_sizes=(1,))
+    assert not tight.ranked
+    assert all("over the budget of 0.0001 GiB" in why for _, why in tight.refused)
+
+
+def test_configure_refuses_in_one_line():
+    with pytest.raises(ValueError, match="global_batch_size=8 is not divisible"):
+        configure(tiny(), dict(dp=4, micro_batch_size=4))
+
+
+def test_plan_command_needs_a_machine_file(tmp_path):
+    missing = tmp_path / "none.json"
+    done = subprocess.run([sys.executable, "-m", "gcompile.plan", "--world-size", "2", "--machine", str(missing)],
+                          capture_output=True, text=True)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        f"python -m gcompile.plan: error: no machine file {missing}; make one with: python -m gcompile.calibrate "
+        f"--out {missing}"]
