@@ -60,9 +60,9 @@ def pipeline_split_pass(program: Program, ctx: PassContext) -> Program:
     placed = _place(whole, {n: block_stage[i] for n, i in blocks.items()}, num_stages - 1)
     crossing = _boundaries(whole, placed, num_stages)
     params = _stage_params(whole, placed, p.pp, num_stages)
-    stages = [_build_stage(whole, s, placed, crossing, params[s], num_stages) for s in range(num_stages)]
-    mine = [st for st in stages if stage_rank(st.index, p.pp) == ctx.coords.axis_rank("pp")]
-    return Program(stages=mine, history=list(program.history))
+    mine = [s for s in range(num_stages) if stage_rank(s, p.pp) == ctx.coords.axis_rank("pp")]
+    return Program(stages=[_build_stage(whole, s, placed, crossing, params[s], num_stages) for s in mine],
+                   history=list(program.history))
 
 
 def _blocks(stage: Stage) -> dict[fx.Node, int]:
