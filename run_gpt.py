@@ -29,13 +29,15 @@ from gcompile import shutdown
 from gcompile.launch import join_world, rank_threads, run_ranks, under_launcher
 from gcompile.axes import Coords
 from gcompile.pass_manager import PassError, clear_stale_dumps
+from gcompile.machine import MachineError
 from gcompile.pipeline import load_passes
+from gcompile.plan import format_search, load_machine, search
 from gcompile.program import dump_text
 from gcompile.stop import RunStopped
 from gcompile.train import dump_schedule, train
-from gcompile.world import build_world, prepare_launch
+from gcompile.world import build_distinct, prepare_launch
 
-USER_ERRORS = (ConfigError, DataError, PassError, PlanError, CheckpointError, MeshError)
+USER_ERRORS = (ConfigError, DataError, PassError, PlanError, CheckpointError, MeshError, MachineError)
 
 
 def error(message: str) -> int:
@@ -63,31 +65,60 @@ def rank_main(config: RunConfig) -> int:
 
 
 def plan_only(config: RunConfig, dump_only: bool) -> int:
-    """--dump-only / --check-plan: every rank's program, built here, checked, never run (with --dump-schedule,
-    the schedule written as a run writes it)."""
+    """--dump-only / --check-plan: one program per class of ranks that run the same program (they differ only
+    in dp), built here, checked, never run (with --dump-schedule, the schedule written as a run writes it)."""
     if dump_only and not config.log.dump_graphs:
         return error("--dump-only writes the programs to --dump-graphs DIR; give a folder")
     start = time.perf_counter()
-    programs = build_world(config, "cpu", dump_root=config.log.dump_graphs if dump_only else None)
-    report = check_plan(programs, config.parallel.memory_budget_gb)
+    programs, shared_by = build_distinct(config, "cpu", dump_root=config.log.dump_graphs if dump_only else None)
+    report = check_plan(programs, config.parallel.memory_budget_gb, shared_by)
     print(report)
     if config.log.dump_schedule:
         dump_schedule(programs[0].schedule, config.log.run_dir)
     if dump_only:
         dump_text(config.log.dump_graphs, "plan.txt", report + "\n")
-        print(f"{len(programs)} rank programs in {config.log.dump_graphs} ({time.perf_counter() - start:.1f} s); "
+        print(f"{len(programs)} distinct programs for {config.world_size} ranks in {config.log.dump_graphs}, "
+              f"index.txt names the ranks of each folder ({time.perf_counter() - start:.1f} s); "
               f"read them with: python -m gcompile.inspect {config.log.dump_graphs}")
     return 0
+
+
+def auto_layout(config: RunConfig, flags, argv: list[str]) -> list[str]:
+    """--auto-layout: the planner's fastest layout of --world-size ranks that fits --memory-budget-gb, as the
+    flags the run (and every rank it starts) is then parsed from."""
+    if flags.world_size is None or flags.world_size < 1:
+        raise ConfigError("--auto-layout plans for --world-size N ranks; give N (at least 1)")
+    found = search(config, flags.world_size, load_machine(flags.machine), config.parallel.memory_budget_gb,
+                   progress=print)
+    if not found.ranked:
+        raise PlanError(f"--auto-layout: no layout of {flags.world_size} ranks can run this config; see why with: "
+                        f"python -m gcompile.plan --world-size {flags.world_size} {' '.join(argv)}")
+    print(format_search(found, flags.world_size, top=3, refused=0))
+    best = found.ranked[0]
+    kept, skip = [], False
+    for arg in argv:  # the planner's flags replace these: the ranks must not plan again
+        if skip:
+            skip = False
+        elif arg in ("--world-size", "--machine"):
+            skip = True
+        elif arg != "--auto-layout" and not arg.startswith(("--world-size=", "--machine=")):
+            kept.append(arg)
+    print(f"--auto-layout: training with {' '.join(best.flags())} ({best.prediction}; "
+          f"{best.memory / 2 ** 30:.3f} GiB on its largest rank)")
+    return kept + best.flags()
 
 
 def main(argv: list[str]) -> int:
     try:
         config, flags = parse_args(argv)
+        if flags.auto_layout and not under_launcher():
+            argv = auto_layout(config, flags, argv)
+            config, flags = parse_args(argv)
         if not under_launcher():
-            if config.log.dump_graphs:
-                clear_stale_dumps(config.log.dump_graphs, config.world_size)
             if flags.dump_only or flags.check_plan:
                 return plan_only(config, flags.dump_only)
+            if config.log.dump_graphs:
+                clear_stale_dumps(config.log.dump_graphs, range(config.world_size))
             check_fits_machine(config)  # before anything is allocated
             load_passes(config)
             t = config.train

@@ -1,6 +1,7 @@
 """Prove a world's plan before any rank starts: collectives, pipeline messages, memory.
 
-From every rank's program, built in one process, it checks that
+From a world's programs, built in one process (one per class of ranks that run the same
+program, gcompile.world.build_distinct: a group spanning dp has one member there), it checks that
 
 - every process group's ranks issue the same collectives in the same order, with
   the same kind, shape, dtype and reduce op (otherwise a real run hangs or
@@ -29,6 +30,7 @@ import torch.fx as fx
 from gcompile.collectives import collective_nodes
 from gcompile.config import RunConfig
 from gcompile.axes import group_members
+from gcompile.log import rank_ranges
 from gcompile.report import is_metric
 from gcompile.rank_program import RankProgram
 from gcompile.state import TrainState
@@ -286,11 +288,17 @@ def _nbytes(node: fx.Node) -> int:
     return node.meta["val"].numel() * node.meta["val"].element_size()
 
 
-def check_plan(programs: dict[int, RankProgram], memory_budget_gb: float | None = None) -> str:
-    """Every check over a world's programs; the report, or PlanError on the first fault."""
+def check_plan(programs: dict[int, RankProgram], memory_budget_gb: float | None = None,
+               shared_by: dict[int, tuple[int, ...]] | None = None) -> str:
+    """Every check over a world's programs; the report, or PlanError on the first fault. `shared_by`: the
+    ranks each program stands for (gcompile.world.build_distinct), when `programs` holds one per class;
+    a group spanning dp then has one member here, which speaks for the others."""
+    shared_by = shared_by or {rank: (rank,) for rank in programs}
     check_collectives(programs)
     check_messages(programs)
-    lines = [f"plan checked: {len(programs)} ranks agree on every collective and pipeline message"]
+    ranks = sum(len(shared_by[rank]) for rank in programs)
+    checked = f"{ranks} ranks" if ranks == len(programs) else f"{len(programs)} distinct programs for {ranks} ranks"
+    lines = [f"plan checked: {checked} agree on every collective and pipeline message"]
     first = next(iter(programs.values()))  # the ranks agree on their collectives by now
     data_sized = sum(call.kind == "all_to_all_rows" for _, call in collective_calls(first))
     if data_sized:
@@ -299,10 +307,11 @@ def check_plan(programs: dict[int, RankProgram], memory_budget_gb: float | None 
                      f"row width agree, and each rank's buffers hold the most rows that can arrive")
     for rank, program in programs.items():
         estimate = estimate_memory(program)
-        lines.append(f"rank {rank:4d} {program.coords}: {estimate}; "
+        also = f" for {rank_ranges(shared_by[rank])}" if len(shared_by[rank]) > 1 else ""
+        lines.append(f"rank {rank:4d} {program.coords}{also}: {estimate}; "
                      f"{MeasuredMemory.of(TrainState.allocate(program, 'meta'))}")
         if memory_budget_gb is not None and estimate.total > memory_budget_gb * 2 ** 30:
-            raise PlanError(f"rank {rank} {program.coords} needs about {estimate.total / 2 ** 30:.2f} GiB "
+            raise PlanError(f"rank {rank} {program.coords}{also} needs about {estimate.total / 2 ** 30:.2f} GiB "
                             f"(> --memory-budget-gb {memory_budget_gb}): {estimate}")
     return "\n".join(lines)
 

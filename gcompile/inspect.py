@@ -1,6 +1,6 @@
 """Read a `--dump-graphs` folder: list ranks, show one rank's files, diff two ranks or two passes.
 
-    python -m gcompile.inspect DIR                       # every rank: coordinates, files, collectives
+    python -m gcompile.inspect DIR                       # every rank folder: coordinates, files, collectives
     python -m gcompile.inspect DIR show 3                # rank 3's files
     python -m gcompile.inspect DIR show 3 schedule       # a file of rank 3 (any unique part of its name)
     python -m gcompile.inspect DIR diff 0 5 lower_stage  # the same file of two ranks, as a unified diff
@@ -8,6 +8,9 @@
 
     python -m gcompile.inspect bisect --config configs/tiny.toml --tp 2 --pp 2   # numerics pass by pass
                                                                                  # (gcompile/bisection.py)
+
+A --dump-only writes one folder per distinct program and DIR/index.txt naming the ranks that run it
+(`rank1: ranks 1,9,...,505`); a rank without a folder of its own is read from its program's folder.
 """
 
 import argparse
@@ -15,6 +18,8 @@ import difflib
 import os
 import re
 import sys
+
+from gcompile.log import parse_rank_ranges, rank_ranges
 
 
 class InspectError(ValueError):
@@ -54,7 +59,12 @@ def _read(path: str) -> list[str]:
 
 
 def list_ranks(root: str) -> str:
+    shared_by = _shared_by(root)
     lines = []
+    ranks = sum(len(ranks) for ranks in shared_by.values())
+    if ranks > len(shared_by):
+        lines.append(f"{len(shared_by)} folders for {ranks} ranks (index.txt: ranks that differ only in dp run one "
+                     f"program)")
     for rank, folder in rank_dirs(root).items():
         files = sorted(os.listdir(folder))
         header = ""
@@ -62,8 +72,28 @@ def list_ranks(root: str) -> str:
             header = _read(os.path.join(folder, "schedule.txt"))[0].strip().lstrip("# ")
         collectives = _collectives(os.path.join(folder, "summary.txt")) if "summary.txt" in files else ""
         lines.append(f"rank {rank:4d}  {header}  {collectives}".rstrip())
+        if len(shared_by.get(rank, ())) > 1:
+            lines.append(f"           runs for: {rank_ranges(shared_by[rank])}")
         lines.append(f"           files: {' '.join(files)}")
     return "\n".join(lines)
+
+
+def _shared_by(root: str) -> dict[int, list[int]]:
+    """index.txt (gcompile.pass_manager.write_dump_index): the ranks each rank folder stands for; {} when the
+    folder has none (a run's dump, where every rank writes its own folder)."""
+    path = os.path.join(root, "index.txt")
+    if not os.path.isfile(path):
+        return {}
+    shared_by = {}
+    for line in _read(path):
+        folder, _, ranks = line.strip().partition(": ")
+        match = re.fullmatch(r"rank(\d+)", folder)
+        try:
+            shared_by[int(match[1])] = parse_rank_ranges(ranks)
+        except (TypeError, ValueError):
+            raise InspectError(f"{path}: cannot read {line.strip()!r}; a line is `rank1: ranks 1,9,...,505`, as "
+                               f"run_gpt.py --dump-only writes it; write the dump again") from None
+    return shared_by
 
 
 def _collectives(summary: str) -> str:
@@ -91,8 +121,8 @@ def show(root: str, rank: int, part: str | None) -> str:
 
 def diff_ranks(root: str, rank_a: int, rank_b: int, part: str) -> str:
     a, b = find_file(_rank(root, rank_a), part), find_file(_rank(root, rank_b), part)
-    return "".join(difflib.unified_diff(_read(a), _read(b), f"rank{rank_a}/{os.path.basename(a)}",
-                                        f"rank{rank_b}/{os.path.basename(b)}")) or "(identical)\n"
+    return "".join(difflib.unified_diff(_read(a), _read(b), os.path.relpath(a, root), os.path.relpath(b, root))) \
+        or "(identical)\n"
 
 
 def diff_passes(root: str, rank: int, before: str, after: str) -> str:
@@ -103,10 +133,16 @@ def diff_passes(root: str, rank: int, before: str, after: str) -> str:
 
 
 def _rank(root: str, rank: int) -> str:
-    ranks = rank_dirs(root)
-    if rank not in ranks:
-        raise InspectError(f"no rank {rank} in {root}; ranks: {min(ranks)}..{max(ranks)}")
-    return ranks[rank]
+    """The folder holding `rank`'s program: its own, or (said on stderr) the one index.txt names for it."""
+    ranks, shared_by = rank_dirs(root), _shared_by(root)
+    if rank in ranks:
+        return ranks[rank]
+    owner = next((r for r, members in shared_by.items() if rank in members and r in ranks), None)
+    if owner is None:
+        every = [r for members in shared_by.values() for r in members] or list(ranks)
+        raise InspectError(f"no rank {rank} in {root}; ranks: {min(every)}..{max(every)}")
+    print(f"rank {rank} runs rank {owner}'s program (index.txt): reading {ranks[owner]}", file=sys.stderr)
+    return ranks[owner]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -135,12 +135,30 @@ def last_iteration(path: str) -> int | None:
 
 
 def rank_ranges(ranks: list[int]) -> str:
-    """[0, 1, 2, 3, 8, 9] -> "ranks 0-3,8-9", [3] -> "rank 3": the ranks a line speaks for, short enough
-    for 128 of them."""
+    """[0, 1, 2, 3, 8, 9] -> "ranks 0-3,8-9", [3] -> "rank 3", [0, 8, 16, 24] -> "ranks 0,8,...,24" (the
+    ranks of a dp group): the ranks a line speaks for, short enough for 128 of them. parse_rank_ranges
+    reads it back."""
+    ranks = sorted(ranks)
+    steps = {b - a for a, b in zip(ranks, ranks[1:])}
+    if len(ranks) > 3 and len(steps) == 1 and steps != {1}:
+        return f"ranks {ranks[0]},{ranks[1]},...,{ranks[-1]}"
     runs = []
-    for rank in sorted(ranks):
+    for rank in ranks:
         if runs and rank == runs[-1][1] + 1:
             runs[-1][1] = rank
         else:
             runs.append([rank, rank])
     return ("rank " if len(ranks) == 1 else "ranks ") + ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def parse_rank_ranges(text: str) -> list[int]:
+    """The ranks that rank_ranges wrote as `text`."""
+    parts = text.removeprefix("ranks ").removeprefix("rank ").split(",")
+    if len(parts) == 4 and parts[2] == "...":  # first, second, ..., last
+        first, second, last = int(parts[0]), int(parts[1]), int(parts[3])
+        return list(range(first, last + 1, second - first))
+    ranks = []
+    for part in parts:
+        a, _, b = part.partition("-")
+        ranks += range(int(a), int(b or a) + 1)
+    return ranks

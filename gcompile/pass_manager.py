@@ -13,13 +13,14 @@ import re
 import time
 import typing
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
 import torch.fx as fx
 
 from gcompile.config import RunConfig
 from gcompile.axes import Coords
+from gcompile.log import rank_ranges
 from gcompile.program import Program, diff_counts, dump_text, op_counts, propagate_shapes, refresh_meta
 from gcompile.rank_program import RankProgram
 from gcompile.user_code import UserCodeError, load_object
@@ -195,6 +196,8 @@ def rank_dump_dir(root: str | None, rank: int) -> str | None:
 DUMP_FILE = re.compile(r"\d\d_\w+\.txt|inductor_[\w.]+\.py|schedule\.txt|summary\.txt")
 """What a build writes into a rank's dump folder."""
 RANK_FOLDER = re.compile(r"rank(\d+)")
+DUMP_INDEX = "index.txt"
+"""Which ranks share each rank folder of a --dump-only (gcompile.inspect reads it)."""
 
 
 def clear_rank_dump(dump_dir: str) -> None:
@@ -206,17 +209,26 @@ def clear_rank_dump(dump_dir: str) -> None:
                 os.remove(os.path.join(dump_dir, name))
 
 
-def clear_stale_dumps(root: str, world_size: int) -> None:
-    """Before a world of `world_size` ranks dumps into `root`: clear the folders of ranks it does not
-    have (a larger earlier world's) and an earlier --dump-only's plan.txt."""
+def clear_stale_dumps(root: str, ranks: Iterable[int]) -> None:
+    """Before `ranks` dump into `root`: clear the folders of every other rank (a larger earlier world's, or
+    one a --dump-only of distinct programs gives no folder) and an earlier --dump-only's plan.txt and
+    index.txt, so that the folder holds one run."""
     if not os.path.isdir(root):
         return
+    ranks = set(ranks)
     for name in os.listdir(root):
         match = RANK_FOLDER.fullmatch(name)
-        if match and int(match.group(1)) >= world_size:
+        if match and int(match.group(1)) not in ranks:
             folder = os.path.join(root, name)
             clear_rank_dump(folder)
             if not os.listdir(folder):
                 os.rmdir(folder)
-    if os.path.isfile(os.path.join(root, "plan.txt")):
-        os.remove(os.path.join(root, "plan.txt"))
+    for name in ("plan.txt", DUMP_INDEX):
+        if os.path.isfile(os.path.join(root, name)):
+            os.remove(os.path.join(root, name))
+
+
+def write_dump_index(root: str, shared_by: dict[int, tuple[int, ...]]) -> None:
+    """DIR/index.txt: a line per rank folder naming the ranks that run its program (`rank513: ranks 513,521,...,1017`),
+    for gcompile.inspect to find the folder of a rank that has none."""
+    dump_text(root, DUMP_INDEX, "".join(f"rank{rank}: {rank_ranges(ranks)}\n" for rank, ranks in shared_by.items()))

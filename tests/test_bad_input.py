@@ -107,6 +107,11 @@ def non_utf8_rank0(dump):
     (dump / "rank0" / "schedule.txt").write_bytes(b"# rank 0 \xff\xfe\n")
 
 
+def garbled_index(dump):
+    (dump / "rank0").mkdir()
+    (dump / "index.txt").write_text("rank0: ranks zero to seven\n")
+
+
 MASKED_ATTENTION = '''"""A model whose attention takes an explicit mask, which context parallel cannot rewrite."""
 from dataclasses import dataclass
 
@@ -262,6 +267,8 @@ CASES = [
     ("inspect rank0 a file", "inspect", ["{tmp}/dump"], dump_folder(lambda dump: a_file(dump, name="rank0")),
      "rank0 is a file where a rank folder belongs"),
     ("inspect non-UTF-8 dump", "inspect", ["{tmp}/dump"], dump_folder(non_utf8_rank0), "schedule.txt: not UTF-8"),
+    ("inspect index.txt garbled", "inspect", ["{tmp}/dump", "show", "3"], dump_folder(garbled_index),
+     "index.txt: cannot read 'rank0: ranks zero to seven'"),
     ("prepare output empty", "data", ["prepare", "--input", "{tmp}/file", "--output", ""], a_file,
      "--output '' names no file"),
 ]

@@ -8,15 +8,17 @@ import sys
 import pytest
 
 import run_gpt
-from gcompile import harness
+from gcompile import harness, inspect
 from gcompile.check import PlanError, check_plan, estimate_memory
-from gcompile.compile import graph_key
+from gcompile.compile import graph_key, named_graphs
 from gcompile.config import build_config, parse_args
 from gcompile.flops import graph_flops
+from gcompile.log import rank_ranges
+from gcompile.rank_program import RankProgram
 from gcompile.axes import Coords
 from gcompile.schedule import Kind
 from gcompile.train import train
-from gcompile.world import build_world, precompile, rank_graphs
+from gcompile.world import build_world, precompile, rank_graphs, representatives
 from tests.reference import ADAM_EPS, random_batches, reference_run, rel_err, without_key_bias
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -36,33 +38,83 @@ def run(*args, **kwargs):
     return subprocess.run([sys.executable, "run_gpt.py", *args], capture_output=True, text=True, cwd=ROOT, **kwargs)
 
 
-def test_dump_only_builds_a_large_world_in_one_process(tmp_path):
+def test_dump_only_builds_a_large_world_in_one_process(tmp_path, capsys):
+    """128 ranks, 32 distinct programs: a folder each, index.txt for the ranks of each, and inspect reads a
+    rank without a folder from its program's."""
     result = run("--tp", "8", "--pp", "4", "--dp", "4", "--n-layer", "4", "--micro-batch-size", "1",
                  "--global-batch-size", "16", "--dump-only", "--dump-graphs", str(tmp_path), timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     folders = sorted(p for p in os.listdir(tmp_path) if p.startswith("rank"))
-    assert len(folders) == 128
+    assert len(folders) == 32
     for folder in folders:
         summary = open(tmp_path / folder / "summary.txt").read()
         assert "all_reduce               tp" in summary, folder
-    assert "128 ranks agree" in open(tmp_path / "plan.txt").read()
+    index = open(tmp_path / "index.txt").read().splitlines()
+    assert index[:2] == ["rank0: ranks 0,8,...,24", "rank1: ranks 1,9,...,25"] and len(index) == 32
+    assert "32 distinct programs for 128 ranks agree" in open(tmp_path / "plan.txt").read()
+    assert "32 distinct programs for 128 ranks in" in result.stdout
+    capsys.readouterr()
+    assert inspect.main([str(tmp_path), "show", "17", "schedule"]) == 0  # tp1 dp2 pp0
+    out, err = capsys.readouterr()
+    assert out.startswith("# rank 1 (pp0 dp0 tp1)") and f"reading {tmp_path / 'rank1'}" in err
 
 
 def test_a_dump_folder_holds_one_run(tmp_path, capsys):
-    """Dumping into a folder again replaces the earlier build's files, a larger world's ranks included."""
+    """Dumping into a folder again replaces the earlier build's files, a larger world's ranks included, and
+    the folders of ranks that now share another's program."""
     small = ["--n-layer", "2", "--n-head", "4", "--n-embd", "64", "--block-size", "32", "--seq-length", "32",
              "--micro-batch-size", "1", "--global-batch-size", "4", "--dump-only", "--dump-graphs"]
     reused, fresh = tmp_path / "reused", tmp_path / "fresh"
     (reused / "rank0").mkdir(parents=True)
     (reused / "rank0" / "notes.md").write_text("not ours")
     assert run_gpt.main(small + [str(reused), "--tp", "2", "--pp", "2"]) == 0
-    assert run_gpt.main(small + [str(reused), "--pp", "2"]) == 0
-    assert run_gpt.main(small + [str(fresh), "--pp", "2"]) == 0
-    assert sorted(os.listdir(reused)) == sorted(os.listdir(fresh)) == ["plan.txt", "rank0", "rank1"]
-    for rank in ("rank0", "rank1"):
+    assert run_gpt.main(small + [str(reused), "--pp", "2", "--dp", "2"]) == 0
+    assert run_gpt.main(small + [str(fresh), "--pp", "2", "--dp", "2"]) == 0
+    assert sorted(os.listdir(reused)) == sorted(os.listdir(fresh)) == ["index.txt", "plan.txt", "rank0", "rank2"]
+    assert (fresh / "index.txt").read_text() == "rank0: ranks 0-1\nrank2: ranks 2-3\n"
+    for rank in ("rank0", "rank2"):
         ours = sorted(set(os.listdir(reused / rank)) - {"notes.md"})
         assert ours == sorted(os.listdir(fresh / rank)), rank
     assert (reused / "rank0" / "notes.md").read_text() == "not ours"
+
+
+def program_up_to_coords(program: RankProgram) -> dict:
+    """Everything a rank's program holds but its coordinates: graph keys, instructions with each peer as
+    its distance from the rank, rank constants, stage and program fields."""
+    instructions = [dataclasses.replace(i, peer=i.peer - program.coords.rank) if i.peer is not None else i
+                    for i in program.instructions]
+    stages = {s: (st.params, st.inputs, st.outputs, st.num_saved, st.rank_constants, st.last_inputs,
+                  st.last_outputs, st.last_outputs_add, st.weight_inputs, st.num_stash)
+              for s, st in program.stages.items()}
+    fields = {f.name: getattr(program, f.name) for f in dataclasses.fields(program)
+              if f.name not in ("coords", "stages", "instructions", "optimizer")}
+    return dict(graphs={name: graph_key(gm) for name, gm in named_graphs(program).items()},
+                instructions=instructions, stages=stages, optimizer_inputs=program.optimizer.inputs, **fields)
+
+
+@pytest.mark.parametrize("layout", [
+    "--tp 2 --pp 2 --dp 2 --data-parallel-sharding-strategy optim_grads",
+    "--cp 2 --dp 2 --use-distributed-optimizer",
+    "--config configs/moe-tiny.toml --ep 2 --dp 4 --data-parallel-sharding-strategy optim_grads_params"])
+def test_ranks_that_differ_only_in_dp_run_one_program(layout):
+    """What --dump-only and --check-plan build one program per class for: every rank of a whole world
+    holds its representative's program up to its coordinates (ep folds into dp: experts differ by
+    coordinates alone too); the checker over the representatives speaks for every rank."""
+    cfg, _ = parse_args(["--config", "configs/tiny.toml", "--micro-batch-size", "1", *layout.split()])
+    programs = build_world(cfg, log=lambda _: None)
+    shared_by = representatives(cfg)
+    representative = {rank: rep for rep, ranks in shared_by.items() for rank in ranks}
+    assert sorted(representative) == list(range(cfg.world_size)) and len(shared_by) < cfg.world_size
+    for rank, program in programs.items():
+        assert program_up_to_coords(program) == program_up_to_coords(programs[representative[rank]]), rank
+    report = check_plan({rep: programs[rep] for rep in shared_by}, shared_by=shared_by)
+    assert report.startswith(f"plan checked: {len(shared_by)} distinct programs for {cfg.world_size} ranks agree")
+    assert f"rank    0 {programs[0].coords} for {rank_ranges(shared_by[0])}: " in report
+
+
+def test_with_a_user_pass_every_rank_stands_for_itself():
+    """A user pass may read the dp position: every rank is built and checked."""
+    assert representatives(config(dp=2, pp=2, passes=(SPLIT_PASS,))) == {r: (r,) for r in range(4)}
 
 
 def test_flops_count_the_model():
