@@ -481,6 +481,12 @@ def parser() -> argparse.ArgumentParser:
                         "(needs --dump-graphs)")
     p.add_argument("--check-plan", action="store_true",
                    help="build every rank's program in this one process, check the plan, print it, and exit")
+    p.add_argument("--auto-layout", action="store_true",
+                   help="choose tp, pp, dp, cp, schedule, micro-batch size and sharding for --world-size ranks with "
+                        "the planner (python -m gcompile.plan), then train with its first choice")
+    p.add_argument("--world-size", type=int, help="ranks to plan for with --auto-layout")
+    p.add_argument("--machine", help="machine file the predictions read (default: this machine's, made by "
+                                     "python -m gcompile.calibrate)")
     docs = {section: section_docs(section) for section in SECTIONS}
     for flag, (section, f) in _field_index().items():
         aliases = [f"--{a}" for a, target in MEGATRON_ALIASES.items() if target == flag]
@@ -522,7 +528,11 @@ def parse_args(argv: list[str]) -> tuple[RunConfig, argparse.Namespace]:
             section, f = index[name]
             overrides.setdefault(section, {})[name] = _coerce(value, f.type, f"--{_flag(name)}")
     extras = argparse.Namespace(dump_only=getattr(args, "dump_only", False),
-                                check_plan=getattr(args, "check_plan", False))
+                                check_plan=getattr(args, "check_plan", False),
+                                auto_layout=getattr(args, "auto_layout", False),
+                                world_size=getattr(args, "world_size", None), machine=getattr(args, "machine", None))
+    if extras.world_size is not None and not extras.auto_layout:
+        raise ConfigError("--world-size is what --auto-layout plans for; give both, or give --tp, --pp, --dp")
     return build_config(overrides), extras
 
 
