@@ -63,10 +63,13 @@ def resolve_pass(spec: str) -> tuple[str, PassFn]:
     return spec, _REGISTRY[spec]
 
 
-def run_passes(program: Program, specs: list[str], ctx: PassContext, log: Callable[[str], None] = print) -> Program:
-    if ctx.dump_dir:
+def run_passes(program: Program, specs: list[str], ctx: PassContext, log: Callable[[str], None] = print,
+               first_number: int = 1) -> Program:
+    """Forward passes in order; with a dump folder, 00_capture.txt first (when `first_number` is 1: these are
+    the first passes) and a numbered file after each."""
+    if ctx.dump_dir and first_number == 1:
         dump_text(ctx.dump_dir, "00_capture.txt", str(program))
-    for number, spec in enumerate(specs, start=1):
+    for number, spec in enumerate(specs, start=first_number):
         name, fn = resolve_pass(spec)
         _check_takes(fn, name, Program, "before lowering, where passes get the forward Program; place it "
                                          "after:lower=... (or after:grad_sync) to get the RankProgram")

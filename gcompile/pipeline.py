@@ -18,6 +18,7 @@ Every step can be dumped (`--dump-graphs DIR` -> DIR/rank{r}/NN_step.txt).
 """
 
 import functools
+import os
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -35,9 +36,9 @@ from gcompile.flat import flat_layout
 from gcompile.lower_rank import lower_rank
 from gcompile.optimizer import tied_reductions
 import passes  # noqa: F401  registers the built-in passes
-from gcompile.pass_manager import (PassContext, PassError, clear_rank_dump, rank_dump_dir, resolve_pass, run_passes,
-                                   run_rank_passes)
-from gcompile.program import Stage, dump_text, format_graph, refresh_meta
+from gcompile.pass_manager import (DUMP_FILE, PassContext, PassError, clear_rank_dump, rank_dump_dir, resolve_pass,
+                                   run_passes, run_rank_passes)
+from gcompile.program import Program, Stage, dump_text, format_graph, refresh_meta
 from gcompile.report import reported, to_outputs
 from gcompile.rank_program import AdamWSettings, LoweredStage, LossScaling, RankProgram, StepSettings
 from gcompile.schedule import build_schedule, simulate
@@ -117,6 +118,8 @@ class BuildCache:
     """What ranks of one world share while their programs are built in one process."""
 
     captured: dict = field(default_factory=dict)
+    whole_model: dict = field(default_factory=dict)
+    """The program after the passes that see the whole model, and their dump files (_forward_passes)."""
     lowered: dict = field(default_factory=dict)
     schedules: dict = field(default_factory=dict)
     seconds: Counter = field(default_factory=Counter)
@@ -148,7 +151,7 @@ def build_rank_program(config: RunConfig, coords: Coords, device: str = "cpu",
         cache.seconds["capture"] += seconds
         log(f"captured {spec.name} with torch.export in {seconds:.1f} s")
     start = time.perf_counter()
-    program = run_passes(cache.captured[key].clone(), forward_passes, ctx, log)
+    program = _forward_passes(cache.captured[key], forward_passes, ctx, cache, key, log)
     reports = reported(cache.captured[key].stages[0].graph)  # the whole model's, for every rank alike
     cache.seconds["passes"] += time.perf_counter() - start
     for stage in program.stages:  # what the model reports leaves as extra outputs (gcompile.report)
@@ -195,6 +198,29 @@ def build_rank_program(config: RunConfig, coords: Coords, device: str = "cpu",
         dump_text(dump_dir, "schedule.txt", rank_program.format_instructions() + "\n")
         dump_text(dump_dir, "summary.txt", format_summary(rank_program))
     return rank_program
+
+
+def _forward_passes(captured: Program, forward_passes: list[str], ctx: PassContext, cache: BuildCache,
+                    captured_key: tuple, log: Callable[[str], None]) -> Program:
+    """Run the forward passes. The built-in ones before pipeline_split see the whole model and read no pp
+    position, so ranks that differ only in pp share their result and its dumps (a 16-stage world runs them
+    once per 16 ranks); a user pass may read it, so with user passes every rank runs them all."""
+    split = forward_passes.index("pipeline_split") if "pipeline_split" in forward_passes else 0
+    whole, per_rank = forward_passes[:split], forward_passes[split:]
+    if not whole or ctx.config.parallel.passes:
+        return run_passes(captured.clone(), forward_passes, ctx, log)
+    key = (captured_key, ctx.config, ctx.coords.moved(pp=0), tuple(whole), ctx.dump_dir is not None)
+    if key not in cache.whole_model:
+        program = run_passes(captured.clone(), whole, ctx, log)
+        dumped = {} if ctx.dump_dir is None else {  # what it wrote into the folder build_rank_program cleared
+            name: open(os.path.join(ctx.dump_dir, name)).read() for name in os.listdir(ctx.dump_dir)
+            if DUMP_FILE.fullmatch(name)}
+        cache.whole_model[key] = (program, dumped)
+    program, dumped = cache.whole_model[key]
+    for name, text in dumped.items():
+        dump_text(ctx.dump_dir, name, text)  # again into the first rank's folder: the same text
+    program = replace(program, history=list(program.history))  # run_passes appends to it
+    return run_passes(program, per_rank, ctx, log, first_number=len(whole) + 1)
 
 
 def _lower(stage: Stage, recompute: bool, split: bool, cache: BuildCache, log: Callable[[str], None]) -> LoweredStage:

@@ -1,6 +1,7 @@
 """Whole-world builds in one process: --dump-only, the plan checker, user passes, compile once per graph."""
 
 import dataclasses
+import filecmp
 import os
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from gcompile.compile import graph_key, named_graphs
 from gcompile.config import build_config, parse_args
 from gcompile.flops import graph_flops
 from gcompile.log import rank_ranges
+from gcompile.pipeline import build_rank_program
 from gcompile.rank_program import RankProgram
 from gcompile.axes import Coords
 from gcompile.schedule import Kind
@@ -110,6 +112,20 @@ def test_ranks_that_differ_only_in_dp_run_one_program(layout):
     report = check_plan({rep: programs[rep] for rep in shared_by}, shared_by=shared_by)
     assert report.startswith(f"plan checked: {len(shared_by)} distinct programs for {cfg.world_size} ranks agree")
     assert f"rank    0 {programs[0].coords} for {rank_ranges(shared_by[0])}: " in report
+
+
+def test_ranks_of_a_world_share_the_whole_model_passes_as_if_built_alone(tmp_path):
+    """Ranks that differ only in pp share the passes before pipeline_split (BuildCache.whole_model): their
+    programs and dumps are those each builds alone."""
+    cfg, _ = parse_args(["--config", "configs/tiny.toml", "--micro-batch-size", "1", "--tp", "2", "--pp", "2",
+                         "--sequence-parallel"])
+    world = build_world(cfg, dump_root=str(tmp_path / "world"), log=lambda _: None)
+    for rank in (2, 3):  # pp 1: what ranks 0 and 1 ran before the split, reused
+        alone = build_rank_program(cfg, Coords.from_rank(rank, cfg.mesh_sizes), dump_root=str(tmp_path / "alone"),
+                                   log=lambda _: None)
+        assert program_up_to_coords(alone) == program_up_to_coords(world[rank]), rank
+        files = filecmp.dircmp(tmp_path / "world" / f"rank{rank}", tmp_path / "alone" / f"rank{rank}")
+        assert files.left_list == files.right_list and not files.diff_files, rank
 
 
 def test_with_a_user_pass_every_rank_stands_for_itself():
