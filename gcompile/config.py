@@ -477,10 +477,11 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--config", help="TOML preset (configs/*.toml); flags override its keys")
     p.add_argument("--dump-only", action="store_true",
-                   help="build and dump every rank's program in this one process, without training "
-                        "(needs --dump-graphs)")
+                   help="build and dump each distinct program in this one process (ranks that differ only in dp "
+                        "share one; DIR/index.txt names them), without training (needs --dump-graphs)")
     p.add_argument("--check-plan", action="store_true",
-                   help="build every rank's program in this one process, check the plan, print it, and exit")
+                   help="build each distinct program in this one process (ranks that differ only in dp share one), "
+                        "check the plan, print it, and exit")
     p.add_argument("--auto-layout", action="store_true",
                    help="choose tp, pp, dp, cp, schedule, micro-batch size and sharding for --world-size ranks with "
                         "the planner (python -m gcompile.plan), then train with its first choice")
