@@ -28,7 +28,9 @@ from gcompile.mesh import MeshError, check_shm_room
 from gcompile import shutdown
 from gcompile.launch import join_world, rank_threads, run_ranks, under_launcher
 from gcompile.axes import Coords
-from gcompile.pass_manager import PassError, clear_stale_dumps
+from gcompile.pass_manager import PassError, clear_stale_dumps, rank_dump_dir
+from gcompile import machine as machine_file
+from gcompile.cost_model import format_rank_time, pipeline_column, predict, rates_of
 from gcompile.machine import MachineError
 from gcompile.pipeline import load_passes
 from gcompile.plan import format_search, load_machine, search
@@ -64,14 +66,30 @@ def rank_main(config: RunConfig) -> int:
     return 0
 
 
-def plan_only(config: RunConfig, dump_only: bool) -> int:
+def plan_only(config: RunConfig, dump_only: bool, machine_path: str | None) -> int:
     """--dump-only / --check-plan: one program per class of ranks that run the same program (they differ only
-    in dp), built here, checked, never run (with --dump-schedule, the schedule written as a run writes it)."""
+    in dp), built here, checked, never run (with --dump-schedule, the schedule written as a run writes it);
+    the iteration predicted with the machine file (gcompile.cost_model), each folder's summary.txt given
+    its graphs' predicted times."""
     if dump_only and not config.log.dump_graphs:
         return error("--dump-only writes the programs to --dump-graphs DIR; give a folder")
+    try:
+        machine, unusable = machine_file.load(machine_path), None  # None: this machine never measured
+    except MachineError as e:  # the plan is still checked; only the prediction is missing
+        machine, unusable = None, str(e)
     start = time.perf_counter()
     programs, shared_by = build_distinct(config, "cpu", dump_root=config.log.dump_graphs if dump_only else None)
     report = check_plan(programs, config.parallel.memory_budget_gb, shared_by)
+    if machine is None:
+        report += (f"\npredicted time: none, {unusable or 'this machine has no machine file'}; measure it with: "
+                   f"python -m gcompile.calibrate")
+    else:
+        rates = rates_of(config, machine)
+        report += f"\n{predict(pipeline_column(programs), rates)} (machine: {machine.description})"
+        if dump_only:
+            for rank, program in programs.items():
+                with open(os.path.join(rank_dump_dir(config.log.dump_graphs, rank), "summary.txt"), "a") as f:
+                    f.write(format_rank_time(program, rates))
     print(report)
     if config.log.dump_schedule:
         dump_schedule(programs[0].schedule, config.log.run_dir)
@@ -116,7 +134,7 @@ def main(argv: list[str]) -> int:
             config, flags = parse_args(argv)
         if not under_launcher():
             if flags.dump_only or flags.check_plan:
-                return plan_only(config, flags.dump_only)
+                return plan_only(config, flags.dump_only, flags.machine)
             if config.log.dump_graphs:
                 clear_stale_dumps(config.log.dump_graphs, range(config.world_size))
             check_fits_machine(config)  # before anything is allocated

@@ -43,8 +43,7 @@ from gcompile.axes import Coords
 from gcompile.check import estimate_memory
 from gcompile.compile import Compiler, compile_rank_program
 from gcompile.config import build_config
-from gcompile.cost_model import predict, rates_for
-from gcompile.launch import rank_threads
+from gcompile.cost_model import predict, rates_of
 from gcompile.mesh import init_groups
 from gcompile.pipeline import BuildCache, build_rank_program
 from gcompile.plan import search
@@ -144,8 +143,7 @@ def predicted(args: argparse.Namespace, layout: dict, machine, cache: BuildCache
     origin = Coords.from_rank(0, config.mesh_sizes)
     column = [build_rank_program(config, origin.moved(pp=r), log=lambda _: None, cache=cache)
               for r in range(config.parallel.pp)]
-    rates = rates_for(machine, config.world_size, rank_threads(config.world_size), "cpu", config.parallel.tp > 1)
-    return config, predict(column, rates)
+    return config, predict(column, rates_of(config, machine))
 
 
 def measured(args: argparse.Namespace, layout: dict, world: int) -> dict:

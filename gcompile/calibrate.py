@@ -5,17 +5,17 @@
     python -m gcompile.calibrate --out FILE      # write FILE too (a GPU's file kept in the repo)
 
 Compute, in this process, at 1 thread and at all cores (what ranks get: the cores
-shared evenly): square matmuls of 32 to 1024 (float32; bfloat16 from 64),
-causal attention forward and backward, an element-wise add over 16 MiB (bytes
-moved per second) and the host time of one tiny operator call. On a GPU the
-same on the device, synchronized.
+shared evenly): square matmuls of 32 to 1024 (float32; bfloat16 from 64), causal
+attention forward and backward, an element-wise add over 16 MiB (bytes moved per
+second) and the host time of a tiny operator call (a mix of add, view, mul,
+transpose and sum on 8 x 8). On a GPU the same on the device, synchronized.
 
-Communication, in a world of spawned ranks (up to 8, as many as cores allow to be
-meaningful at all): all-reduce, all-gather, reduce-scatter and all-to-all on
-groups of 2, 4 and 8 ranks, each at 8 KiB, 1 MiB and 4 MiB, a line through
-them giving latency and bandwidth; and send/recv between two ranks
-(half a round trip). Transports: gloo, and on CPU the shared-memory tp group
-(gcompile/shm_group.py); on GPUs nccl.
+Ranks at once, in a world of 2, 4 and 8 spawned ranks each (on GPUs: one per
+GPU): how much slower each computes while all do (the cores shared), and all-reduce,
+all-gather, reduce-scatter and all-to-all over them, each at 8 KiB, 1 MiB and
+4 MiB, a line through them giving latency and bandwidth; in the world of two,
+send/recv (half a round trip). Transports: gloo, and on CPU the shared-memory tp
+group (gcompile/shm_group.py); on GPUs nccl.
 """
 
 import argparse
@@ -25,6 +25,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -39,6 +40,8 @@ from gcompile import shm_group
 from gcompile.machine import Link, Machine
 from gcompile.mesh import register_group
 from gcompile.torch_api import resolve_process_group
+
+aten = torch.ops.aten
 
 KINDS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single")
 SHM_KINDS = KINDS[:3]
@@ -89,6 +92,30 @@ def attention_curve(device: str) -> list[list[float]]:
     return curve
 
 
+def elementwise_bandwidth(device: str) -> float:
+    """Bytes read and written per second by the element-wise ops graphs hold most (add, mul, div, where,
+    GELU and its gradient's erf and exp), over activation-sized tensors (4 MiB): a plain add alone moves
+    bytes about three times as fast as GELU does."""
+    a, b = torch.randn(1 << 20, device=device), torch.randn(1 << 20, device=device)
+    ops = (lambda: torch.add(a, b), lambda: torch.mul(a, b), lambda: torch.div(a, b), lambda: torch.where(a > 0, a, b),
+           lambda: F.gelu(a), lambda: torch.erf(a), lambda: torch.exp(a))
+    moved = (3, 3, 3, 4.25, 2, 2, 2)  # tensors of a's size read and written (where: a bool mask, a quarter)
+    return sum(moved) * a.numel() * 4 / timed(lambda: [op() for op in ops], device)
+
+
+def workload(device: str) -> Callable[[], None]:
+    """A bit of what a rank computes: a 256-wide transformer MLP's forward and backward (layer norm, two
+    matmuls, GELU, a residual) on 1024 tokens, as eager calls."""
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.LayerNorm(256), torch.nn.Linear(256, 1024), torch.nn.GELU(),
+                              torch.nn.Linear(1024, 256)).to(device)
+    x = torch.randn(1024, 256, device=device, requires_grad=True)
+
+    def step():
+        (x + mlp(x)).sum().backward()
+    return step
+
+
 def measure_compute(device: str, log) -> dict:
     cores = os.cpu_count() or 1
     thread_counts = ["gpu"] if device == "cuda" else [str(t) for t in sorted({1, cores})]
@@ -104,19 +131,23 @@ def measure_compute(device: str, log) -> dict:
                 bfloat16=matmul_curve(torch.bfloat16, [64, 256, 512] + ([2048, 4096] if device == "cuda" else []),
                                       device))
             found["attention"][threads] = attention_curve(device)
-            a = torch.randn(4 << 20, device=device)
-            b = torch.randn(4 << 20, device=device)
-            found["bandwidth"][threads] = 3 * a.numel() * 4 / timed(lambda: torch.add(a, b), device)
+            found["bandwidth"][threads] = elementwise_bandwidth(device)
         torch.set_num_threads(1)
-        x = torch.ones(1, device=device)
-        add = torch.ops.aten.add.Tensor
-        found["op_seconds"] = timed(lambda: [add(x, x) for _ in range(100)], device) / 100
+        x = torch.ones(8, 8, device=device)
+        mix = (lambda: aten.add.Tensor(x, x), lambda: aten.view.default(x, [64]), lambda: aten.mul.Tensor(x, 2.0),
+               lambda: aten.t.default(x), lambda: aten.sum.dim_IntList(x, [1]))  # what graphs call most, tiny
+        found["op_seconds"] = timed(lambda: [op() for _ in range(20) for op in mix], device) / (20 * len(mix))
     finally:
         torch.set_num_threads(saved)
     return found
 
 
-def _rank_main(rank: int, world: int, store_path: str, transports: list[str], out: str) -> None:
+def _rank_main(rank: int, world: int, store_path: str, transports: list[str], alone: float, repeats: int,
+               out: str) -> None:
+    """One rank of a world of `world`: every rank computes at once (the slowdown over `alone`, the seconds of
+    `repeats` workloads in one process by itself), then each collective over all of them, and send/recv in
+    a world of two. A world of exactly the ranks measured, as a run of that many has: ranks left waiting in
+    a larger world would take their share of the cores too."""
     torch.set_num_threads(1)
     device = "cuda" if "nccl" in transports else "cpu"
     if device == "cuda":
@@ -126,29 +157,40 @@ def _rank_main(rank: int, world: int, store_path: str, transports: list[str], ou
                             timeout=timedelta(minutes=5))
     if "shm" in transports:
         shm_group.register()
-    sizes = [s for s in (2, 4, 8) if s <= world]
-    found = {}
+    found = {"contention": _contention(alone, repeats) if device == "cpu" else 1.0}
     for transport in transports:
-        backend = shm_group.BACKEND if transport == "shm" else None
-        groups = {size: dist.new_group(list(range(size)), backend=backend) for size in sizes}
+        name = f"calibrate_{transport}"
+        register_group(name, dist.new_group(list(range(world)), backend=shm_group.BACKEND if transport == "shm"
+                                            else None))
         for kind in KINDS if transport != "shm" else SHM_KINDS:
-            for size, group in groups.items():
-                if rank < size:
-                    register_group(f"calibrate{size}", group)
-                    seconds = [_collective_seconds(kind, nbytes, size, f"calibrate{size}", device) for nbytes in SIZES]
-                    found.setdefault(transport, {}).setdefault(kind, {})[str(size)] = _link(seconds)
-                dist.barrier()
-        if transport != "shm" and world >= 2:
-            group = groups[2]
-            if rank < 2:
-                seconds = [_send_recv_seconds(nbytes, rank, group, device) for nbytes in SIZES]
-                found[transport]["send_recv"] = {"2": _link(seconds)}
-            dist.barrier()
+            seconds = [_collective_seconds(kind, nbytes, world, name, device) for nbytes in SIZES]
+            found.setdefault(transport, {})[kind] = _link(seconds)
+        if transport != "shm" and world == 2:
+            seconds = [_send_recv_seconds(nbytes, rank, dist.group.WORLD, device) for nbytes in SIZES]
+            found[transport]["send_recv"] = _link(seconds)
     if rank == 0:
         with open(out, "w") as f:
             json.dump(found, f)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _contention(alone: float, repeats: int, rounds: int = 3) -> float:
+    """How much slower ranks compute when all of this world's compute at once: the same work in each, the
+    slowest one's wall time over one alone's (a throughput: timing single calls would see the scheduler's
+    time slices, not the share), the median of `rounds`."""
+    work = workload("cpu")
+    work()
+    ratios = []
+    for _ in range(rounds):
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            work()
+        elapsed = torch.tensor(time.perf_counter() - start)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        ratios.append(elapsed.item() / alone)
+    return statistics.median(ratios)
 
 
 def _link(seconds: list[float]) -> dict:
@@ -200,20 +242,31 @@ def _lined_up(call, group, device: str, reps: int = 9) -> float:
     return statistics.median(times[1:])
 
 
-def measure_collectives(device: str, log) -> dict:
-    world = torch.cuda.device_count() if device == "cuda" else min(8, max(2, os.cpu_count() or 1) * 4)
+def measure_collectives(device: str, log) -> tuple[dict[str, float], dict]:
+    """(compute slowdown by ranks at once, links by transport, kind and group size), from a world of 2, 4
+    and 8 ranks each (on GPUs: one of every GPU)."""
+    sizes = [torch.cuda.device_count()] if device == "cuda" else [2, 4, 8]
     transports = ["nccl"] if device == "cuda" else ["gloo"] + (["shm"] if shm_group.available() else [])
-    if world < 2:
-        return {}
-    log(f"  communication: {', '.join(transports)} over groups of up to {world} ranks (starting {world} processes)")
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "links.json")
-        mp.start_processes(_rank_main, args=(world, os.path.join(tmp, "store"), transports, out), nprocs=world,
-                           start_method="spawn")
-        with open(out) as f:
-            raw = json.load(f)
-    return {transport: {kind: {size: Link(**link) for size, link in sizes.items()} for kind, sizes in kinds.items()}
-            for transport, kinds in raw.items()}
+    contention, links = {"1": 1.0}, {}
+    if sizes[0] < 2:
+        return contention, links
+    torch.set_num_threads(1)
+    work = workload("cpu")
+    repeats = max(1, int(0.1 / timed(work, "cpu")))
+    alone = timed(lambda: [work() for _ in range(repeats)], "cpu", seconds=0)  # the median of three
+    for world in sizes:
+        log(f"  {world} ranks at once: compute, and {', '.join(transports)} collectives over them")
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "links.json")
+            mp.start_processes(_rank_main, args=(world, os.path.join(tmp, "store"), transports, alone, repeats, out),
+                               nprocs=world, start_method="spawn")
+            with open(out) as f:
+                raw = json.load(f)
+        contention[str(world)] = raw.pop("contention")
+        for transport, kinds in raw.items():
+            for kind, link in kinds.items():
+                links.setdefault(transport, {}).setdefault(kind, {})[str(world)] = Link(**link)
+    return contention, links
 
 
 def calibrate(log=print) -> Machine:
@@ -222,10 +275,10 @@ def calibrate(log=print) -> Machine:
     log(f"calibrating {description}")
     start = time.perf_counter()
     compute = measure_compute(device, log)
-    collectives = measure_collectives(device, log)
+    contention, collectives = measure_collectives(device, log)
     log(f"measured in {time.perf_counter() - start:.0f} s")
     return Machine(fingerprint=key, description=description, cores=os.cpu_count() or 1, collectives=collectives,
-                   **compute)
+                   contention=contention, **compute)
 
 
 def describe(machine: Machine) -> str:
@@ -240,6 +293,8 @@ def describe(machine: Machine) -> str:
     for threads, rate in machine.bandwidth.items():
         lines.append(f"  element-wise {threads:>3} thread(s): {rate / 1e9:.1f} GB/s")
     lines.append(f"  one operator call: {machine.op_seconds * 1e6:.1f} us")
+    lines.append("  compute slowdown with k ranks at once: " + ", ".join(f"k={k} {f:.2f}x"
+                                                                        for k, f in machine.contention.items()))
     for transport, kinds in machine.collectives.items():
         for kind, sizes in kinds.items():
             lines.append(f"  {transport:<5} {kind:<23} " + ", ".join(

@@ -19,6 +19,7 @@ refused with the bytes it needs before anything is allocated.
 A failure is a PlanError that names the two ranks, the group and the instruction.
 """
 
+import math
 import operator
 import os
 from collections import defaultdict
@@ -35,7 +36,7 @@ from gcompile.report import is_metric
 from gcompile.rank_program import RankProgram
 from gcompile.state import TrainState
 from gcompile.torch_api import is_op_overload
-from gcompile.schedule import Kind, in_flight_bound, rank_in_flight_bound, waiting_weight_bound
+from gcompile.schedule import Kind
 
 
 class PlanError(ValueError):
@@ -176,16 +177,21 @@ class MemoryEstimate:
     activations: int
     gathered: int = 0
     """optim_grads_params: weights all-gathered at once (the unit in use and the one prefetched)."""
+    messages: int = 0
+    """Pipeline messages held at the activations' peak: received ones not yet used, and every send of the
+    step so far (the runtime lets a send go once delivered; on a busy CPU that is mostly at the step's end)."""
 
     @property
     def total(self) -> int:
-        return self.weights + self.grads + self.optimizer + self.activations + self.gathered
+        return self.weights + self.grads + self.optimizer + self.activations + self.gathered + self.messages
 
     def __str__(self) -> str:
         gib = 2 ** 30
         gathered = f" + gathered {self.gathered / gib:.3f}" if self.gathered else ""
+        messages = f" + messages {self.messages / gib:.3f}" if self.messages else ""
         return (f"{self.total / gib:8.3f} GiB = weights {self.weights / gib:.3f} + grads {self.grads / gib:.3f} "
-                f"+ optimizer {self.optimizer / gib:.3f} + activations {self.activations / gib:.3f}{gathered}")
+                f"+ optimizer {self.optimizer / gib:.3f} + activations {self.activations / gib:.3f}{gathered}"
+                f"{messages}")
 
 
 @dataclass(frozen=True)
@@ -219,22 +225,53 @@ class MeasuredMemory:
 
 
 def estimate_memory(program: RankProgram) -> MemoryEstimate:
-    """Peak bytes of what a rank holds at once; saved activations at the schedule's in-flight bound, and
-    under zero-bubble schedules what W reads for the microbatches whose W waits (rank r holds back r)."""
+    """Peak bytes of what a rank holds at once: its state, and the saved activations and pipeline messages
+    of the instruction boundary where they are most (`_held_at_peak`)."""
     layout, settings = program.layout, program.step_settings
     held = {name: v.numel() * v.element_size() for name, v in program.optimizer.values().items()}
     reduced = held.pop("reduced_grads", 0)  # the averaged gradient shard, written in backward
     optimizer = sum(b for name, b in held.items() if name not in ("params", "grads"))  # main weights, AdamW
     # states, flags, as the step reads them
-    per_stage = {s: _saved_bytes(stage) for s, stage in program.stages.items()}
-    stacked = sum(b * in_flight_bound(program.schedule, s) for s, b in per_stage.items())
-    bound = rank_in_flight_bound(program.schedule, program.coords.axis_rank("pp"))
-    activations = min(stacked, bound * max(per_stage.values(), default=0))
-    waiting_w = waiting_weight_bound(program.schedule, program.coords.axis_rank("pp"))
-    activations += waiting_w * sum(_weight_bytes(stage) for stage in program.stages.values())
+    activations, messages = _held_at_peak(program)
     return MemoryEstimate(weights=layout.numel * settings.param_dtype.itemsize, grads=held["grads"] + reduced,
-                          optimizer=optimizer, activations=activations,
+                          optimizer=optimizer, activations=activations, messages=messages,
                           gathered=max((_gathered_bytes(stage) for stage in program.stages.values()), default=0))
+
+
+def _held_at_peak(program: RankProgram) -> tuple[int, int]:
+    """(saved activations, pipeline messages) at the instruction boundary where they add up to most, walking
+    the rank's instructions: F keeps what its backward reads, B lets it go (and keeps what a W reads, which
+    W lets go); a receive holds its tensors until the compute that reads them, a send until the step ends."""
+    saved = {s: _saved_bytes(stage) for s, stage in program.stages.items()}
+    for_w = {s: _weight_bytes(stage) for s, stage in program.stages.items()}
+    sends, recvs = (iter(found) for found in pipeline_messages(program))
+    held = defaultdict(int)  # buffer name -> bytes of a received message not yet read
+    activations = sent = peak = peak_activations = peak_messages = 0
+    for instruction in program.instructions:
+        op, s = instruction.op, instruction.stage
+        if op == Kind.F:
+            activations += saved[s]
+        elif op == Kind.B:
+            activations += for_w[s] - saved[s]  # for_w: 0 where the backward is whole
+        elif op == Kind.W:
+            activations -= for_w[s]
+        elif op in (Kind.SEND_F, Kind.SEND_B):
+            sent += message_bytes(next(sends))
+        elif op in (Kind.RECV_F, Kind.RECV_B):
+            held[instruction.writes[0]] += message_bytes(next(recvs))
+        if instruction.is_compute:
+            for buffer in instruction.reads:
+                held.pop(buffer, None)
+        if activations + sent + sum(held.values()) > peak:
+            peak = activations + sent + sum(held.values())
+            peak_activations, peak_messages = activations, peak - activations
+    return peak_activations, peak_messages
+
+
+def message_bytes(message: Message) -> int:
+    """Bytes of the tensors one pipeline message carries."""
+    return sum(math.prod(shape) * getattr(torch, dtype.removeprefix("torch.")).itemsize
+               for shape, dtype in message.shapes)
 
 
 def _gathered_bytes(stage) -> int:

@@ -486,8 +486,8 @@ def parser() -> argparse.ArgumentParser:
                    help="choose tp, pp, dp, cp, schedule, micro-batch size and sharding for --world-size ranks with "
                         "the planner (python -m gcompile.plan), then train with its first choice")
     p.add_argument("--world-size", type=int, help="ranks to plan for with --auto-layout")
-    p.add_argument("--machine", help="machine file the predictions read (default: this machine's, made by "
-                                     "python -m gcompile.calibrate)")
+    p.add_argument("--machine", help="machine file the predictions read; without it, this machine's own, made by "
+                                     "python -m gcompile.calibrate")
     docs = {section: section_docs(section) for section in SECTIONS}
     for flag, (section, f) in _field_index().items():
         aliases = [f"--{a}" for a, target in MEGATRON_ALIASES.items() if target == flag]

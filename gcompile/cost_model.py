@@ -21,7 +21,6 @@ arriving latency + bytes / bandwidth after its send, then the optimizer step
 (the slowest rank's: its gradient-norm all-reduce lines the ranks up).
 """
 
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -29,9 +28,10 @@ import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_map_only
 from torch.utils.flop_counter import flop_registry
 
-from gcompile.axes import role_size
-from gcompile.check import pipeline_messages
+from gcompile.axes import GROUP_ROLES, role_size
+from gcompile.check import message_bytes, pipeline_messages
 from gcompile.collectives import collective_nodes, is_collective
+from gcompile.config import RunConfig
 from gcompile.flops import OURS, SAME_FLOPS_AS
 from gcompile.machine import Machine
 from gcompile.rank_program import RankProgram
@@ -68,12 +68,22 @@ class Rates:
         return self.transports.get(role, self.default_transport)
 
 
-def rates_for(machine: Machine, world_size: int, threads: int, device: str, shm_tp: bool) -> Rates:
-    """A rank's share: `threads` each, all ranks of the world on this machine's cores."""
-    if device == "cuda":
+def rates_for(machine: Machine, world_size: int, threads: int, shm_tp: bool) -> Rates:
+    """A rank's share: `threads` each, all ranks of the world on this machine's cores (a GPU each on a GPU
+    machine)."""
+    if machine.on_gpu:
         return Rates(machine, threads, 1.0, {}, "nccl")
-    return Rates(machine, threads, max(1.0, world_size * threads / machine.cores),
+    return Rates(machine, threads, machine.slowdown(world_size) if world_size > 1 else 1.0,
                  {"tp": "shm"} if shm_tp else {}, "gloo")
+
+
+def rates_of(config: RunConfig, machine: Machine) -> Rates:
+    """What each rank of `config`'s world gets, launched here as run_gpt.py launches it."""
+    from gcompile import shm_group
+    from gcompile.launch import rank_threads
+    p = config.parallel
+    shm_tp = p.tp > 1 and p.tp_comm_backend != "gloo" and shm_group.available()
+    return rates_for(machine, config.world_size, rank_threads(config.world_size), shm_tp)
 
 
 @dataclass(frozen=True)
@@ -145,7 +155,6 @@ def graph_time(gm: fx.GraphModule, rates: Rates, group_sizes: dict[str, int]) ->
 
 def group_sizes_of(program: RankProgram) -> dict[str, int]:
     """Ranks in each group role a graph may name, for this rank."""
-    from gcompile.axes import GROUP_ROLES
     return {role: role_size(program.coords, role) for role in GROUP_ROLES}
 
 
@@ -174,9 +183,7 @@ def rank_time(program: RankProgram, rates: Rates) -> RankTime:
             if instruction.action is not None:
                 compute[instruction.action] = graphs[name].seconds
         elif instruction.op in (Kind.SEND_F, Kind.SEND_B):
-            message = next(sends_in_order)
-            nbytes = sum(math.prod(shape) * getattr(torch, dtype.removeprefix("torch.")).itemsize
-                         for shape, dtype in message.shapes)
+            nbytes = message_bytes(next(sends_in_order))
             sends[instruction.action] = rates.machine.link(rates.transport(instruction.group), "send_recv", 2) \
                 .seconds(nbytes)
     return RankTime(compute, sends, graphs["optimizer"].seconds, graphs)
@@ -216,3 +223,20 @@ def predict(column: list[RankProgram], rates: Rates) -> Prediction:
     result = simulate(schedule, f_time=cost, b_time=whole_backward, w_time=cost, send_time=send)
     optimizer = max(t.optimizer for t in times)
     return Prediction(result.makespan + optimizer, result.makespan, optimizer, result.bubble_fraction, tuple(times))
+
+
+def pipeline_column(programs: dict[int, RankProgram]) -> list[RankProgram]:
+    """One program per pipeline position, at position 0 on every other axis (present among any world's
+    distinct programs)."""
+    first = next(iter(programs.values())).coords
+    origin = first.moved(**{axis: 0 for axis, _ in first.ranks})
+    return [programs[origin.moved(pp=r).rank] for r in range(origin.size("pp"))]
+
+
+def format_rank_time(program: RankProgram, rates: Rates) -> str:
+    """summary.txt's section: each graph's predicted time and what of it is communication."""
+    lines = ["# predicted time per run of each graph (gcompile.cost_model; communication overlapped where the graph "
+             "starts it early)", f"{'graph':<22} {'ms':>9} {'compute ms':>11} {'comm ms':>9}"]
+    for name, g in rank_time(program, rates).graphs.items():
+        lines.append(f"{name:<22} {g.seconds * 1e3:9.3f} {g.compute * 1e3:11.3f} {g.communication * 1e3:9.3f}")
+    return "\n".join(lines) + "\n"

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-FORMAT = 1
+FORMAT = 2
 """Bumped when the file's fields change; an older file is measured again."""
 
 
@@ -58,6 +58,8 @@ class Machine:
     """Host time of one operator call (what a graph of many tiny ops pays per op)."""
     collectives: dict[str, dict[str, dict[str, Link]]]
     """transport ("gloo", "shm", "nccl") -> kind (all_reduce, ..., send_recv) -> group size ("2", ...) -> Link."""
+    contention: dict[str, float]
+    """ranks computing at once ("1", "2", ...) -> how many times slower each computes than one alone (CPU)."""
     format: int = FORMAT
 
     def to_json(self) -> str:
@@ -80,6 +82,11 @@ class Machine:
             raise MachineError(f"machine file {where} is not one gcompile.calibrate wrote ({e}); measure again "
                                f"with: python -m gcompile.calibrate") from None
 
+    @property
+    def on_gpu(self) -> bool:
+        """Measured on a GPU (rates keyed "gpu", collectives over nccl), not on CPU cores."""
+        return "gpu" in self.matmul
+
     def threads_key(self, table: dict, threads: int) -> str:
         """The measured thread count nearest below `threads` (a GPU's one entry)."""
         counts = sorted(int(k) for k in table if k.isdigit())
@@ -96,6 +103,14 @@ class Machine:
 
     def pointwise_seconds(self, nbytes: float, threads: int) -> float:
         return nbytes / self.bandwidth[self.threads_key(self.bandwidth, threads)]
+
+    def slowdown(self, ranks: int) -> float:
+        """Measured for up to the ranks calibrated; beyond, the largest measured grown in proportion."""
+        counts = sorted(int(k) for k in self.contention)
+        if ranks in counts:
+            return self.contention[str(ranks)]
+        below = max([c for c in counts if c < ranks] or [1])
+        return self.contention.get(str(below), 1.0) * ranks / below
 
     def link(self, transport: str, kind: str, size: int) -> Link:
         """The measured link, or for a group larger than any measured one the largest, scaled as a ring scales:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from gcompile.axes import Coords
 from gcompile.config import ConfigError, RunConfig, parse_args, validate
-from gcompile.cost_model import Prediction, predict, rates_for
+from gcompile.cost_model import Prediction, predict, rates_of
 from gcompile.machine import Machine, MachineError
 from gcompile import machine as machine_file
 
@@ -121,18 +121,14 @@ def configure(base: RunConfig, layout: dict) -> RunConfig:
     return config
 
 
-def evaluate(config: RunConfig, machine: Machine, cache, device: str = "cpu") -> tuple[Prediction, int]:
+def evaluate(config: RunConfig, machine: Machine, cache) -> tuple[Prediction, int]:
     """(predicted iteration, largest rank's estimated peak bytes) from one program per pipeline rank."""
     from gcompile.check import estimate_memory
-    from gcompile.launch import rank_threads
     from gcompile.pipeline import build_rank_program
-    from gcompile import shm_group
     origin = Coords.from_rank(0, config.mesh_sizes)
-    column = [build_rank_program(config, origin.moved(pp=r), device, log=lambda _: None, cache=cache)
+    column = [build_rank_program(config, origin.moved(pp=r), log=lambda _: None, cache=cache)
               for r in range(config.parallel.pp)]
-    shm_tp = config.parallel.tp > 1 and config.parallel.tp_comm_backend != "gloo" and shm_group.available()
-    rates = rates_for(machine, config.world_size, rank_threads(config.world_size), device, shm_tp)
-    return predict(column, rates), max(estimate_memory(program).total for program in column)
+    return predict(column, rates_of(config, machine)), max(estimate_memory(program).total for program in column)
 
 
 def search(base: RunConfig, world: int, machine: Machine, budget_gb: float | None = None, cache=None,

@@ -32,7 +32,7 @@ def flat_machine(cores: int = 64) -> Machine:
     return Machine(fingerprint="test", description="flat rates", cores=cores,
                    matmul={"1": {"float32": [[1.0, MATMUL]]}}, attention={"1": [[1.0, MATMUL]]},
                    bandwidth={"1": BANDWIDTH}, op_seconds=OP,
-                   collectives={"gloo": {kind: {"2": link} for kind in kinds}})
+                   collectives={"gloo": {kind: {"2": link} for kind in kinds}}, contention={"1": 1.0, "2": 1.5})
 
 
 def hand_graph() -> fx.GraphModule:
@@ -88,12 +88,13 @@ def test_machine_file_rates_and_links():
     assert four.latency == pytest.approx(3 * LATENCY)
     assert four.bandwidth == pytest.approx(LINK_BANDWIDTH / 1.5)
     assert m.link("shm", "all_reduce", 2) == m.link("gloo", "all_reduce", 2)  # unmeasured transport: gloo's
+    assert (m.slowdown(2), m.slowdown(4)) == (1.5, 3.0)  # beyond the measured ranks: in proportion
     again = Machine.from_json(m.to_json(), "here")
     assert again == m
     with pytest.raises(MachineError, match="not one gcompile.calibrate wrote"):
-        Machine.from_json(json.dumps({"format": 1, "cores": 2}), "bad.json")
-    with pytest.raises(MachineError, match="measure again"):
-        Machine.from_json("{\"format\": 0}", "old.json")
+        Machine.from_json(json.dumps({"format": 2, "cores": 2}), "bad.json")
+    with pytest.raises(MachineError, match="has format 1, this gcompile reads 2; measure again"):
+        Machine.from_json("{\"format\": 1}", "old.json")
 
 
 def tiny(**parallel):
@@ -107,7 +108,7 @@ def test_prediction_of_one_rank_is_the_sum_of_its_instructions():
     """No pipeline: the iteration is every instruction's graph time, one after the other."""
     config = tiny()
     program = build_rank_program(config, Coords.from_rank(0, config.mesh_sizes), log=lambda _: None)
-    rates = rates_for(flat_machine(), 1, 1, "cpu", shm_tp=False)
+    rates = rates_for(flat_machine(), 1, 1, shm_tp=False)
     total = sum(graph_time(program.graph(i), rates, {}).seconds for i in program.instructions if i.is_compute)
     got = predict([program], rates)
     assert got.step_seconds == pytest.approx(total, rel=1e-9)
@@ -120,7 +121,7 @@ def test_pipeline_prediction_costs_every_message():
     cache = BuildCache()
     origin = Coords.from_rank(0, config.mesh_sizes)
     column = [build_rank_program(config, origin.moved(pp=r), log=lambda _: None, cache=cache) for r in range(2)]
-    rates = rates_for(flat_machine(), 2, 1, "cpu", shm_tp=False)
+    rates = rates_for(flat_machine(), 2, 1, shm_tp=False)
     activation = 1 * 32 * 32 * 4  # (B, T, C) float32 between the stages
     message = LATENCY + activation / LINK_BANDWIDTH
     seconds = {}
