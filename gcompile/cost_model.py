@@ -163,7 +163,10 @@ class RankTime:
     """One pipeline rank's costs: per instruction action, per message, and its optimizer step."""
 
     compute: dict[Action, float]
-    """Seconds of each F, B and W it runs (W left out where its stage's backward is whole)."""
+    """Seconds of each F, B and W it runs (W left out where its stage's backward is whole): its graph, and
+    adding the parameter gradients it returns into the flat accumulator (the runtime, outside the graph)."""
+    busy: dict[Action, float]
+    """Of that, the graph alone: what a pipeline bubble is measured against."""
     sends: dict[Action, float]
     """Seconds from each SEND_F / SEND_B until the tensor is at its peer."""
     optimizer: float
@@ -173,7 +176,7 @@ class RankTime:
 
 def rank_time(program: RankProgram, rates: Rates) -> RankTime:
     sizes = group_sizes_of(program)
-    graphs, compute, sends = {}, {}, {}
+    graphs, compute, busy, sends = {}, {}, {}, {}
     sends_in_order = iter(pipeline_messages(program)[0])
     for instruction in program.instructions:
         if instruction.is_compute:
@@ -181,12 +184,26 @@ def rank_time(program: RankProgram, rates: Rates) -> RankTime:
             if name not in graphs:
                 graphs[name] = graph_time(program.graph(instruction), rates, sizes)
             if instruction.action is not None:
-                compute[instruction.action] = graphs[name].seconds
+                busy[instruction.action] = graphs[name].seconds
+                compute[instruction.action] = graphs[name].seconds + _accumulate_seconds(program, instruction, rates)
         elif instruction.op in (Kind.SEND_F, Kind.SEND_B):
             nbytes = message_bytes(next(sends_in_order))
             sends[instruction.action] = rates.machine.link(rates.transport(instruction.group), "send_recv", 2) \
                 .seconds(nbytes)
-    return RankTime(compute, sends, graphs["optimizer"].seconds, graphs)
+    return RankTime(compute, busy, sends, graphs["optimizer"].seconds, graphs)
+
+
+def _accumulate_seconds(program: RankProgram, instruction, rates: Rates) -> float:
+    """The runtime adds a stage's parameter gradients into the flat fp32 accumulator after the graph that
+    returns them: W where the stage's backward is split, else B; nothing where every microbatch's backward
+    reduce-scatters them (no accumulator). Read the gradient and the accumulator, write the accumulator."""
+    stage = program.stages[instruction.stage]
+    returns = Kind.W if stage.backward_weight is not None else Kind.B
+    if instruction.op != returns or not program.grad_accumulator:
+        return 0.0
+    weights = list(stage.forward.graph.find_nodes(op="placeholder"))[:len(stage.params)]
+    elements = sum(node.meta["val"].numel() for node in weights)
+    return rates.machine.pointwise_seconds(3 * 4 * elements, rates.threads) * rates.slowdown
 
 
 @dataclass(frozen=True)
@@ -196,7 +213,7 @@ class Prediction:
     pipeline_seconds: float
     optimizer_seconds: float
     bubble_fraction: float
-    """The simulated share of pipeline rank-time not computing, as gcompile.schedule.SimResult defines it."""
+    """The simulated share of pipeline rank-time not inside a graph (waiting, or adding up gradients)."""
     ranks: tuple[RankTime, ...]
     """Per pipeline rank."""
 
@@ -222,7 +239,9 @@ def predict(column: list[RankProgram], rates: Rates) -> Prediction:
 
     result = simulate(schedule, f_time=cost, b_time=whole_backward, w_time=cost, send_time=send)
     optimizer = max(t.optimizer for t in times)
-    return Prediction(result.makespan + optimizer, result.makespan, optimizer, result.bubble_fraction, tuple(times))
+    busy = sum(sum(t.busy.values()) for t in times)
+    return Prediction(result.makespan + optimizer, result.makespan, optimizer,
+                      1 - busy / (schedule.pp * result.makespan), tuple(times))
 
 
 def pipeline_column(programs: dict[int, RankProgram]) -> list[RankProgram]:

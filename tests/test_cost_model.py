@@ -105,14 +105,16 @@ def tiny(**parallel):
 
 
 def test_prediction_of_one_rank_is_the_sum_of_its_instructions():
-    """No pipeline: the iteration is every instruction's graph time, one after the other."""
+    """No pipeline: the iteration is every instruction's graph time, one after the other, and after each of the
+    4 backwards the runtime's add of the gradients into the accumulator (read both, write one, fp32)."""
     config = tiny()
     program = build_rank_program(config, Coords.from_rank(0, config.mesh_sizes), log=lambda _: None)
     rates = rates_for(flat_machine(), 1, 1, shm_tp=False)
-    total = sum(graph_time(program.graph(i), rates, {}).seconds for i in program.instructions if i.is_compute)
+    graphs = sum(graph_time(program.graph(i), rates, {}).seconds for i in program.instructions if i.is_compute)
+    accumulate = 4 * 3 * 4 * program.layout.numel / BANDWIDTH
     got = predict([program], rates)
-    assert got.step_seconds == pytest.approx(total, rel=1e-9)
-    assert got.bubble_fraction == pytest.approx(0.0, abs=1e-12)
+    assert got.step_seconds == pytest.approx(graphs + accumulate, rel=1e-9)
+    assert got.bubble_fraction == pytest.approx(accumulate / got.pipeline_seconds, rel=1e-9)
 
 
 def test_pipeline_prediction_costs_every_message():
@@ -126,9 +128,10 @@ def test_pipeline_prediction_costs_every_message():
     message = LATENCY + activation / LINK_BANDWIDTH
     seconds = {}
     for program in column:
+        accumulate = 3 * 4 * program.layout.numel / BANDWIDTH * 1.5  # after each backward, as above; 2 ranks at once
         for i in program.instructions:
             if i.is_compute and i.action is not None:
-                seconds[i.action] = graph_time(program.graph(i), rates, {}).seconds
+                seconds[i.action] = graph_time(program.graph(i), rates, {}).seconds + accumulate * (i.op == "B")
     expected = simulate(column[0].schedule, lambda a: seconds[a], lambda a: seconds[a], send_time=message)
     optimizer = max(graph_time(p.optimizer.graph, rates, {"mp": 2, "embd": 2}).seconds for p in column)  # norm, tied wte
     got = predict(column, rates)
