@@ -12,8 +12,8 @@ A graph's time is its nodes walked in order, as the runtime runs them:
 
 so a collective waited at once costs its whole time, and one the overlap passes
 start early (tp_comm_overlap, bucket overlap) costs only what compute between its
-start and its wait does not cover. Ranks that share cores (more rank threads than
-the machine has cores) compute proportionally slower.
+start and its wait does not cover. Ranks that share cores compute slower, by what
+the machine file measured for as many ranks computing at once.
 
 A rank's iteration is its pipeline schedule simulated (gcompile.schedule.simulate)
 with every F, B and W costed from the graph its instruction runs, each message
@@ -21,6 +21,7 @@ arriving latency + bytes / bandwidth after its send, then the optimizer step
 (the slowest rank's: its gradient-norm all-reduce lines the ranks up).
 """
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -63,6 +64,8 @@ class Rates:
     transports: dict[str, str]
     """Group role -> transport ("gloo", "shm", "nccl"); roles not named use `default_transport`."""
     default_transport: str
+    ranks: int = 1
+    """Ranks of the world on this machine's cores (what `slowdown` is for when all compute at once)."""
 
     def transport(self, role: str) -> str:
         return self.transports.get(role, self.default_transport)
@@ -73,8 +76,8 @@ def rates_for(machine: Machine, world_size: int, threads: int, shm_tp: bool) -> 
     machine)."""
     if machine.on_gpu:
         return Rates(machine, threads, 1.0, {}, "nccl")
-    return Rates(machine, threads, machine.slowdown(world_size) if world_size > 1 else 1.0,
-                 {"tp": "shm"} if shm_tp else {}, "gloo")
+    return Rates(machine, threads, machine.slowdown(world_size), {"tp": "shm"} if shm_tp else {}, "gloo",
+                 world_size)
 
 
 def rates_of(config: RunConfig, machine: Machine) -> Rates:
@@ -224,7 +227,20 @@ class Prediction:
 
 def predict(column: list[RankProgram], rates: Rates) -> Prediction:
     """The iteration of a world from one program per pipeline rank (`column[r]` at pp position r; ranks that
-    differ only in tp, cp or dp position cost the same)."""
+    differ only in tp, cp or dp position cost the same). On CPU cores the ranks share, a rank in a bubble
+    computes nothing: compute slows by the machine's slowdown for the ranks that compute at once on average,
+    world x (1 - bubble), found by simulating again until it settles."""
+    prediction = _predict(column, rates)
+    for _ in range(3):  # ranks waiting in a pipeline bubble leave the cores to the others
+        computing = rates.ranks * (1 - prediction.bubble_fraction)
+        if rates.machine.on_gpu or abs(rates.machine.slowdown(computing) - rates.slowdown) < 1e-3:
+            break
+        rates = dataclasses.replace(rates, slowdown=rates.machine.slowdown(computing))
+        prediction = _predict(column, rates)
+    return prediction
+
+
+def _predict(column: list[RankProgram], rates: Rates) -> Prediction:
     schedule = column[0].schedule
     times = [rank_time(program, rates) for program in column]
 

@@ -104,13 +104,17 @@ class Machine:
     def pointwise_seconds(self, nbytes: float, threads: int) -> float:
         return nbytes / self.bandwidth[self.threads_key(self.bandwidth, threads)]
 
-    def slowdown(self, ranks: int) -> float:
-        """Measured for up to the ranks calibrated; beyond, the largest measured grown in proportion."""
-        counts = sorted(int(k) for k in self.contention)
-        if ranks in counts:
-            return self.contention[str(ranks)]
-        below = max([c for c in counts if c < ranks] or [1])
-        return self.contention.get(str(below), 1.0) * ranks / below
+    def slowdown(self, ranks: float) -> float:
+        """At `ranks` computing at once (a mean, so fractional): linear between the measured counts; beyond the
+        largest, grown in proportion."""
+        points = sorted((int(k), f) for k, f in self.contention.items())
+        if ranks <= points[0][0]:
+            return points[0][1]
+        for (k0, f0), (k1, f1) in zip(points, points[1:]):
+            if ranks <= k1:
+                return f0 + (ranks - k0) / (k1 - k0) * (f1 - f0)
+        k, f = points[-1]
+        return f * ranks / k
 
     def link(self, transport: str, kind: str, size: int) -> Link:
         """The measured link, or for a group larger than any measured one the largest, scaled as a ring scales:

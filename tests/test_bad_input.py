@@ -20,7 +20,7 @@ import pytest
 
 import run_gpt
 from gcompile.checkpoint_files import CHECKSUMS, write_checksums
-from gcompile import checkpoint, data, inspect
+from gcompile import calibrate, checkpoint, data, inspect, plan
 from gcompile.checkpoint import TRACKER
 from gcompile.tokenizer import VOCAB_SIZE
 from gcompile.indexed_dataset import IndexedDatasetWriter
@@ -30,7 +30,8 @@ from tests.multirank import ROOT
 TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--block-size", "16", "--seq-length", "16",
         "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "1", "--eval-interval", "0"]
 """A model and run so small that a case which fails to refuse costs a second, not a training run."""
-CLIS = {"run_gpt": run_gpt.main, "checkpoint": checkpoint.main, "inspect": inspect.main, "data": data.main}
+CLIS = {"run_gpt": run_gpt.main, "checkpoint": checkpoint.main, "inspect": inspect.main, "data": data.main,
+        "plan": plan.main, "calibrate": calibrate.main}
 ITERATION = "iter_0000001"
 REFUSED_IN_THE_BUILD = {"pass returning None"}
 """Cases that only building the program finds: with one rank that happens in this process, after run_ranks
@@ -269,6 +270,21 @@ CASES = [
     ("inspect non-UTF-8 dump", "inspect", ["{tmp}/dump"], dump_folder(non_utf8_rank0), "schedule.txt: not UTF-8"),
     ("inspect index.txt garbled", "inspect", ["{tmp}/dump", "show", "3"], dump_folder(garbled_index),
      "index.txt: cannot read 'rank0: ranks zero to seven'"),
+    ("world-size without auto-layout", "run_gpt", ["--world-size", "4"], None,
+     "--world-size is what --auto-layout plans for"),
+    ("auto-layout without world-size", "run_gpt", ["--auto-layout"], None,
+     "--auto-layout plans for --world-size N ranks"),
+    ("auto-layout machine missing", "run_gpt", ["--auto-layout", "--world-size", "2", "--machine", "{tmp}/m.json"],
+     None, "no machine file {tmp}/m.json; make one with: python -m gcompile.calibrate --out {tmp}/m.json"),
+    ("plan world-size 0", "plan", ["--world-size", "0"], None, "--world-size 0 must be at least 1"),
+    ("plan schedules", "plan", ["--world-size", "2", "--schedules", "1f2b"], None,
+     "--schedules '1f2b': choose from 1f1b, zb1f1b, interleaved"),
+    ("plan micro-batch sizes", "plan", ["--world-size", "2", "--micro-batch-sizes", "0,2"], None,
+     "--micro-batch-sizes '0,2': give positive whole numbers"),
+    ("machine file not json", "plan", ["--world-size", "2", "--machine", "{tmp}/file"], a_file,
+     "is not one gcompile.calibrate wrote"),
+    ("calibrate show missing", "calibrate", ["--show", "--out", "{tmp}/none.json"], None,
+     "no machine file {tmp}/none.json"),
     ("prepare output empty", "data", ["prepare", "--input", "{tmp}/file", "--output", ""], a_file,
      "--output '' names no file"),
 ]

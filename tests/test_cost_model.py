@@ -1,6 +1,7 @@
 """The cost model on hand-built graphs and timelines with known costs (exact answers), the machine file,
 and the planner: refusal reasons, and every layout it proposes passes the plan checker."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -32,7 +33,7 @@ def flat_machine(cores: int = 64) -> Machine:
     return Machine(fingerprint="test", description="flat rates", cores=cores,
                    matmul={"1": {"float32": [[1.0, MATMUL]]}}, attention={"1": [[1.0, MATMUL]]},
                    bandwidth={"1": BANDWIDTH}, op_seconds=OP,
-                   collectives={"gloo": {kind: {"2": link} for kind in kinds}}, contention={"1": 1.0, "2": 1.5})
+                   collectives={"gloo": {kind: {"2": link} for kind in kinds}}, contention={"1": 1.0, "2": 1.0})
 
 
 def hand_graph() -> fx.GraphModule:
@@ -88,7 +89,8 @@ def test_machine_file_rates_and_links():
     assert four.latency == pytest.approx(3 * LATENCY)
     assert four.bandwidth == pytest.approx(LINK_BANDWIDTH / 1.5)
     assert m.link("shm", "all_reduce", 2) == m.link("gloo", "all_reduce", 2)  # unmeasured transport: gloo's
-    assert (m.slowdown(2), m.slowdown(4)) == (1.5, 3.0)  # beyond the measured ranks: in proportion
+    shared = dataclasses.replace(m, contention={"1": 1.0, "2": 1.5})
+    assert (shared.slowdown(1.5), shared.slowdown(2), shared.slowdown(4)) == (1.25, 1.5, 3.0)  # beyond: in proportion
     again = Machine.from_json(m.to_json(), "here")
     assert again == m
     with pytest.raises(MachineError, match="not one gcompile.calibrate wrote"):
@@ -128,7 +130,7 @@ def test_pipeline_prediction_costs_every_message():
     message = LATENCY + activation / LINK_BANDWIDTH
     seconds = {}
     for program in column:
-        accumulate = 3 * 4 * program.layout.numel / BANDWIDTH * 1.5  # after each backward, as above; 2 ranks at once
+        accumulate = 3 * 4 * program.layout.numel / BANDWIDTH  # after each backward, as above
         for i in program.instructions:
             if i.is_compute and i.action is not None:
                 seconds[i.action] = graph_time(program.graph(i), rates, {}).seconds + accumulate * (i.op == "B")
@@ -174,3 +176,22 @@ def test_plan_command_needs_a_machine_file(tmp_path):
     assert done.stderr.strip().splitlines() == [
         f"python -m gcompile.plan: error: no machine file {missing}; make one with: python -m gcompile.calibrate "
         f"--out {missing}"]
+
+
+def test_ranks_in_a_bubble_leave_the_cores_to_the_others():
+    """pp 2 on a machine where 2 ranks computing at once each run 2x slower (1 alone: 1x): the prediction
+    settles where the slowdown is the one for world x (1 - bubble) ranks computing on average."""
+    config = tiny(pp=2, micro_batch_size=1)
+    cache = BuildCache()
+    origin = Coords.from_rank(0, config.mesh_sizes)
+    column = [build_rank_program(config, origin.moved(pp=r), log=lambda _: None, cache=cache) for r in range(2)]
+    machine = dataclasses.replace(flat_machine(), contention={"1": 1.0, "2": 2.0})
+    got = predict(column, rates_for(machine, 2, 1, shm_tp=False))
+
+    def fixed(slowdown: float):  # a machine where any number of ranks at once computes `slowdown` times slower
+        return predict(column, rates_for(dataclasses.replace(machine, contention={"1": slowdown, "2": slowdown}), 2,
+                                         1, shm_tp=False))
+    computing = 2 * (1 - got.bubble_fraction)
+    assert 1 < computing < 2
+    assert fixed(1.0).step_seconds < got.step_seconds < fixed(2.0).step_seconds
+    assert got.step_seconds == pytest.approx(fixed(machine.slowdown(computing)).step_seconds, rel=1e-2)
