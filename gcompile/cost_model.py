@@ -229,9 +229,12 @@ def predict(column: list[RankProgram], rates: Rates) -> Prediction:
     """The iteration of a world from one program per pipeline rank (`column[r]` at pp position r; ranks that
     differ only in tp, cp or dp position cost the same). On CPU cores the ranks share, a rank in a bubble
     computes nothing: compute slows by the machine's slowdown for the ranks that compute at once on average,
-    world x (1 - bubble), found by simulating again until it settles."""
+    world x (1 - bubble), found by simulating again until it settles. Not with shared-memory tp groups:
+    their ranks wait by polling and yielding (gcompile/shm_group.py), which keeps taking a share of the
+    cores (measured here: tp2 pp2 ran as if all four ranks computed throughout)."""
     prediction = _predict(column, rates)
-    for _ in range(3):  # ranks waiting in a pipeline bubble leave the cores to the others
+    polls = rates.transport("tp") == "shm" and column[0].coords.size("tp") > 1
+    for _ in range(0 if polls else 3):  # ranks waiting in a pipeline bubble leave the cores to the others
         computing = rates.ranks * (1 - prediction.bubble_fraction)
         if rates.machine.on_gpu or abs(rates.machine.slowdown(computing) - rates.slowdown) < 1e-3:
             break
