@@ -9,7 +9,7 @@ the dp x cp ranks where the model has experts; with a pipeline the 1f1b, zb1f1b 
 interleaved (2 chunks per rank) schedules; every micro-batch size of 1, 2, 4 or 8
 that divides the per-rank batch; the dp sharding strategies no_shard and optim
 (ZeRO-1), and ZeRO-3 (optim_grads_params) and full recompute only where the
-cheaper ones do not fit: neither is ever faster here, both save memory.
+cheaper ones do not fit (each alone, then both): neither is faster here, both save memory.
 
 Each candidate is checked as a run would be (gcompile.config.validate: its one
 line is the refusal), then built: one program per pipeline rank, in one process
@@ -28,17 +28,21 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from gcompile.axes import Coords
+from gcompile.check import estimate_memory
 from gcompile.config import ConfigError, RunConfig, parse_args, validate
+from gcompile.models.moe_config import MoEConfig
 from gcompile.cost_model import Prediction, predict, rates_of
 from gcompile.machine import Machine, MachineError
 from gcompile import machine as machine_file
+from gcompile.pipeline import BuildCache, build_rank_program
 
 TRAIN_FIELDS = ("micro_batch_size", "recompute_activations")
 """Layout keys that live in the [train] section; the others are [parallel] fields."""
 SCHEDULES = ("1f1b", "zb1f1b", "interleaved")
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
 SHARDING = ("no_shard", "optim")
-SAVING = ({"data_parallel_sharding_strategy": "optim_grads_params"}, {"recompute_activations": True})
+SAVING = ({"data_parallel_sharding_strategy": "optim_grads_params"}, {"recompute_activations": True},
+          {"data_parallel_sharding_strategy": "optim_grads_params", "recompute_activations": True})
 """Memory savers tried, in order, only for a candidate over the budget."""
 
 
@@ -81,7 +85,7 @@ def _powers_of_two(limit: int, divides: int) -> list[int]:
 def layouts(base: RunConfig, world: int, schedules=SCHEDULES, micro_batch_sizes=MICRO_BATCH_SIZES) -> list[dict]:
     """Every candidate shape of `world` ranks, before validation, memory savers left out."""
     m, t = base.model, base.train
-    experts = getattr(m, "num_experts", 0) or 0
+    experts = m.num_experts if isinstance(m, MoEConfig) else 0
     found = []
     for tp in _powers_of_two(8, world):
         for cp in _powers_of_two(8, world // tp):
@@ -123,8 +127,6 @@ def configure(base: RunConfig, layout: dict) -> RunConfig:
 
 def evaluate(config: RunConfig, machine: Machine, cache) -> tuple[Prediction, int]:
     """(predicted iteration, largest rank's estimated peak bytes) from one program per pipeline rank."""
-    from gcompile.check import estimate_memory
-    from gcompile.pipeline import build_rank_program
     origin = Coords.from_rank(0, config.mesh_sizes)
     column = [build_rank_program(config, origin.moved(pp=r), log=lambda _: None, cache=cache)
               for r in range(config.parallel.pp)]
@@ -134,7 +136,6 @@ def evaluate(config: RunConfig, machine: Machine, cache) -> tuple[Prediction, in
 def search(base: RunConfig, world: int, machine: Machine, budget_gb: float | None = None, cache=None,
            progress=lambda line: None, schedules=SCHEDULES, micro_batch_sizes=MICRO_BATCH_SIZES) -> Search:
     """Every layout of `layouts`, refused with its reason or predicted; `ranked` fastest first."""
-    from gcompile.pipeline import BuildCache
     cache = cache or BuildCache()
     result, start = Search(), time.perf_counter()
     shapes = layouts(base, world, schedules, micro_batch_sizes)
@@ -142,10 +143,9 @@ def search(base: RunConfig, world: int, machine: Machine, budget_gb: float | Non
         if n % 10 == 0:
             progress(f"planning: {n}/{len(shapes)} layouts ({time.perf_counter() - start:.0f} s)")
         for saver in ({},) + SAVING:
-            tried = {**layout, **saver} if saver.get("data_parallel_sharding_strategy") != "optim_grads_params" \
-                or layout.get("dp", 1) * layout.get("cp", 1) > 1 else None
-            if tried is None:
-                continue
+            if "data_parallel_sharding_strategy" in saver and layout["dp"] * layout.get("cp", 1) == 1:
+                continue  # nothing to shard over
+            tried = {**layout, **saver}
             try:
                 config = configure(base, tried)
             except ConfigError as e:

@@ -16,7 +16,7 @@ from gcompile.config import build_config
 from gcompile.cost_model import Rates, graph_time, predict, rates_for
 from gcompile.machine import Link, Machine, MachineError, rate_at
 from gcompile.pipeline import BuildCache, build_rank_program
-from gcompile.plan import configure, search
+from gcompile.plan import configure, evaluate, search
 from gcompile.schedule import build_schedule, simulate
 from gcompile.world import build_world
 
@@ -195,3 +195,19 @@ def test_ranks_in_a_bubble_leave_the_cores_to_the_others():
     assert 1 < computing < 2
     assert fixed(1.0).step_seconds < got.step_seconds < fixed(2.0).step_seconds
     assert got.step_seconds == pytest.approx(fixed(machine.slowdown(computing)).step_seconds, rel=1e-2)
+
+
+def test_planner_saves_memory_only_for_a_layout_over_the_budget():
+    """One rank, no dp to shard over: over a budget that recompute meets, the layout it keeps recomputes;
+    under a budget that fits both, it does not."""
+    base, cache = tiny(), BuildCache()
+    plain = search(base, 1, flat_machine(), cache=cache, micro_batch_sizes=(2,)).ranked[0]
+    saving = configure(base, {**plain.layout, "recompute_activations": True})
+    _, recomputed = evaluate(saving, flat_machine(), cache)
+    assert recomputed < plain.memory
+    between = (recomputed + plain.memory) / 2 / 2 ** 30
+    kept = search(base, 1, flat_machine(), budget_gb=between, cache=cache, micro_batch_sizes=(2,))
+    assert [c.layout.get("recompute_activations") for c in kept.ranked] == [True]
+    assert "over the budget" in kept.refused[0][1]
+    roomy = search(base, 1, flat_machine(), budget_gb=1.0, cache=cache, micro_batch_sizes=(2,))
+    assert [c.layout.get("recompute_activations") for c in roomy.ranked] == [None]
