@@ -33,7 +33,7 @@ from gcompile import machine as machine_file
 from gcompile.cost_model import format_rank_time, pipeline_column, predict, rates_of
 from gcompile.machine import MachineError
 from gcompile.pipeline import load_passes
-from gcompile.plan import format_search, load_machine, search
+from gcompile.plan import format_search, load_machine, no_layout, search
 from gcompile.program import dump_text
 from gcompile.stop import RunStopped
 from gcompile.train import dump_schedule, train
@@ -75,14 +75,15 @@ def plan_only(config: RunConfig, dump_only: bool, machine_path: str | None) -> i
         return error("--dump-only writes the programs to --dump-graphs DIR; give a folder")
     try:
         machine, unusable = machine_file.load(machine_path), None  # None: this machine never measured
-    except MachineError as e:  # the plan is still checked; only the prediction is missing
+    except MachineError as e:  # this machine's file is old: the plan is still checked, unpredicted
+        if machine_path is not None:
+            raise
         machine, unusable = None, str(e)
     start = time.perf_counter()
     programs, shared_by = build_distinct(config, "cpu", dump_root=config.log.dump_graphs if dump_only else None)
     report = check_plan(programs, config.parallel.memory_budget_gb, shared_by)
     if machine is None:
-        report += (f"\npredicted time: none, {unusable or 'this machine has no machine file'}; measure it with: "
-                   f"python -m gcompile.calibrate")
+        report += f"\npredicted time: none, {unusable or machine_file.missing()}"
     else:
         rates = rates_of(config, machine)
         report += f"\n{predict(pipeline_column(programs), rates)} (machine: {machine.description})"
@@ -106,13 +107,6 @@ def auto_layout(config: RunConfig, flags, argv: list[str]) -> list[str]:
     flags the run (and every rank it starts) is then parsed from."""
     if flags.world_size is None or flags.world_size < 1:
         raise ConfigError("--auto-layout plans for --world-size N ranks; give N (at least 1)")
-    found = search(config, flags.world_size, load_machine(flags.machine), config.parallel.memory_budget_gb,
-                   progress=print)
-    if not found.ranked:
-        raise PlanError(f"--auto-layout: no layout of {flags.world_size} ranks can run this config; see why with: "
-                        f"python -m gcompile.plan --world-size {flags.world_size} {' '.join(argv)}")
-    print(format_search(found, flags.world_size, top=3, refused=0))
-    best = found.ranked[0]
     kept, skip = [], False
     for arg in argv:  # the planner's flags replace these: the ranks must not plan again
         if skip:
@@ -121,6 +115,13 @@ def auto_layout(config: RunConfig, flags, argv: list[str]) -> list[str]:
             skip = True
         elif arg != "--auto-layout" and not arg.startswith(("--world-size=", "--machine=")):
             kept.append(arg)
+    found = search(config, flags.world_size, load_machine(flags.machine), config.parallel.memory_budget_gb,
+                   progress=print)
+    if not found.ranked:
+        raise PlanError(f"--auto-layout: {no_layout(found, flags.world_size)}; see them with: python -m "
+                        f"gcompile.plan --world-size {flags.world_size} {' '.join(kept)}")
+    print(format_search(found, flags.world_size, top=3, refused=0))
+    best = found.ranked[0]
     print(f"--auto-layout: training with {' '.join(best.flags())} ({best.prediction}; "
           f"{best.memory / 2 ** 30:.3f} GiB on its largest rank)")
     return kept + best.flags()

@@ -306,7 +306,8 @@ def describe(machine: Machine) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m gcompile.calibrate", description=__doc__.split("\n")[0])
     p.add_argument("--out", help="also write the machine file here (default: only this machine's cache file)")
-    p.add_argument("--show", action="store_true", help="print the machine file in use; measure nothing")
+    p.add_argument("--show", action="store_true",
+                   help="print the machine file in use (or the one --out names); measure nothing")
     args = p.parse_args(argv)
     path = machine_file.default_path()
     if args.show:
@@ -316,8 +317,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"python -m gcompile.calibrate: error: {e}", file=sys.stderr)
             return 2
         if found is None:
-            print(f"python -m gcompile.calibrate: error: this machine has no machine file ({path}); measure it "
-                  f"with: python -m gcompile.calibrate", file=sys.stderr)
+            print(f"python -m gcompile.calibrate: error: {machine_file.missing()}", file=sys.stderr)
             return 2
         print(describe(found))
         return 0

@@ -70,8 +70,8 @@ class Machine:
         try:
             raw = json.loads(text)
             if raw.get("format") != FORMAT:
-                raise MachineError(f"machine file {where} has format {raw.get('format')}, this gcompile reads "
-                                   f"{FORMAT}; measure again with: python -m gcompile.calibrate")
+                raise MachineError(f"machine file {where} has format {raw.get('format', 'none')}, this gcompile "
+                                   f"reads {FORMAT}; measure again with: python -m gcompile.calibrate --out {where}")
             raw["collectives"] = {transport: {kind: {size: Link(**link) for size, link in sizes.items()}
                                               for kind, sizes in kinds.items()}
                                   for transport, kinds in raw["collectives"].items()}
@@ -80,7 +80,7 @@ class Machine:
             if isinstance(e, MachineError):
                 raise
             raise MachineError(f"machine file {where} is not one gcompile.calibrate wrote ({e}); measure again "
-                               f"with: python -m gcompile.calibrate") from None
+                               f"with: python -m gcompile.calibrate --out {where}") from None
 
     @property
     def on_gpu(self) -> bool:
@@ -161,6 +161,12 @@ def default_path() -> str:
     """Where this machine's file lives: one per fingerprint, so a changed machine is measured again."""
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(root, "gcompile", f"machine-{fingerprint()[0]}.json")
+
+
+def missing() -> str:
+    """What to say when this machine was never measured."""
+    return (f"this machine has no machine file ({default_path()}); measure it once with: "
+            f"python -m gcompile.calibrate (about 40 s)")
 
 
 def load(path: str | None = None) -> Machine | None:

@@ -95,8 +95,7 @@ def layouts(base: RunConfig, world: int, schedules=SCHEDULES, micro_batch_sizes=
                 eps = [e for e in range(1, dp * cp + 1) if (dp * cp) % e == 0 and e <= experts] if experts else [1]
                 for ep in eps:
                     pipelines = [("1f1b", 1)] if pp == 1 else \
-                        [(name, 2 if name == "interleaved" else 1) for name in schedules
-                         if name != "interleaved" or m.n_layer % (2 * pp) == 0]
+                        [(name, 2 if name == "interleaved" else 1) for name in schedules]
                     for schedule, vpp in pipelines:
                         for mbs in micro_batch_sizes:
                             if t.global_batch_size % (mbs * dp):
@@ -139,6 +138,7 @@ def search(base: RunConfig, world: int, machine: Machine, budget_gb: float | Non
     cache = cache or BuildCache()
     result, start = Search(), time.perf_counter()
     shapes = layouts(base, world, schedules, micro_batch_sizes)
+    seen = set()
     for n, layout in enumerate(shapes):
         if n % 10 == 0:
             progress(f"planning: {n}/{len(shapes)} layouts ({time.perf_counter() - start:.0f} s)")
@@ -146,6 +146,9 @@ def search(base: RunConfig, world: int, machine: Machine, budget_gb: float | Non
             if "data_parallel_sharding_strategy" in saver and layout["dp"] * layout.get("cp", 1) == 1:
                 continue  # nothing to shard over
             tried = {**layout, **saver}
+            if tuple(tried.items()) in seen:  # no_shard and optim meet again under ZeRO-3
+                continue
+            seen.add(tuple(tried.items()))
             try:
                 config = configure(base, tried)
             except ConfigError as e:
@@ -155,7 +158,7 @@ def search(base: RunConfig, world: int, machine: Machine, budget_gb: float | Non
             if budget_gb is None or memory <= budget_gb * 2 ** 30:
                 result.ranked.append(Candidate(tried, config, prediction, memory))
                 break
-            result.refused.append((tried, f"needs about {memory / 2 ** 30:.2f} GiB on its largest rank, over the "
+            result.refused.append((tried, f"needs about {memory / 2 ** 30:.3g} GiB on its largest rank, over the "
                                           f"budget of {budget_gb} GiB"))
     result.ranked.sort(key=lambda c: c.prediction.step_seconds)
     result.seconds = time.perf_counter() - start
@@ -171,11 +174,18 @@ def format_search(found: Search, world: int, top: int, refused: int) -> str:
                      f"{c.prediction.bubble_fraction:7.1%}  {describe(c.layout)}")
     if found.refused:
         reasons = Counter(why.split(";")[0] for _, why in found.refused)
-        lines.append(f"refused ({len(found.refused)}; the first {min(refused, len(found.refused))}, then counts by "
-                     f"reason):")
+        shown = f"the first {min(refused, len(found.refused))}, then counts by reason" if refused else "by reason"
+        lines.append(f"refused ({len(found.refused)}; {shown}):")
         lines += [f"  {describe(layout)}: {why}" for layout, why in found.refused[:refused]]
         lines += [f"  {n:4d} x {why}" for why, n in reasons.most_common(5)]
     return "\n".join(lines)
+
+
+def no_layout(found: Search, world: int) -> str:
+    if found.refused:
+        return f"no layout of {world} ranks can run this config; the reasons above say what to change"
+    return (f"no layout of {world} ranks to try: no --micro-batch-sizes entry times a dp size divides "
+            f"--global-batch-size")
 
 
 def search_space(schedules: str, micro_batch_sizes: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
@@ -197,22 +207,24 @@ def load_machine(path: str | None) -> Machine:
     """The machine file to predict with; MachineError naming the fix when there is none."""
     found = machine_file.load(path)
     if found is None:
-        raise MachineError(f"this machine has no machine file ({machine_file.default_path()}); measure it once "
-                           f"with: python -m gcompile.calibrate (about a minute)")
+        raise MachineError(machine_file.missing())
     return found
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    p = argparse.ArgumentParser(prog="python -m gcompile.plan", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m gcompile.plan", description=__doc__.split("\n")[0],
+                                epilog="Every run_gpt.py flag (--config, --global-batch-size, --seq-length, ...) sets "
+                                       "the run the layouts are planned for; its layout flags are replaced.")
     p.add_argument("--world-size", type=int, required=True, help="ranks to plan for")
     p.add_argument("--memory-budget-gb", type=float, help="refuse layouts whose largest rank needs more")
     p.add_argument("--machine", help="machine file (default: this machine's, from python -m gcompile.calibrate)")
     p.add_argument("--schedules", default=",".join(SCHEDULES), help="pipeline schedules to try (comma-separated)")
     p.add_argument("--micro-batch-sizes", default=",".join(map(str, MICRO_BATCH_SIZES)),
                    help="micro-batch sizes to try (comma-separated)")
-    p.add_argument("--top", type=int, default=10, help="rows to print")
-    p.add_argument("--refused", type=int, default=5, help="refused layouts to print, each with its reason")
+    p.add_argument("--top", type=int, default=10, help="rows to print (default: 10)")
+    p.add_argument("--refused", type=int, default=5,
+                   help="refused layouts to print, each with its reason (default: 5)")
     args, rest = p.parse_known_args(argv)
     try:
         if args.world_size < 1:
@@ -228,8 +240,7 @@ def main(argv: list[str] | None = None) -> int:
                    schedules=schedules, micro_batch_sizes=sizes)
     print(format_search(found, args.world_size, args.top, args.refused))
     if not found.ranked:
-        print(f"python -m gcompile.plan: error: no layout of {args.world_size} ranks can run this config; the "
-              f"reasons above say what to change", file=sys.stderr)
+        print(f"python -m gcompile.plan: error: {no_layout(found, args.world_size)}", file=sys.stderr)
         return 2
     return 0
 
