@@ -43,10 +43,9 @@ from gcompile.axes import Coords
 from gcompile.check import estimate_memory
 from gcompile.compile import Compiler, compile_rank_program
 from gcompile.config import build_config
-from gcompile.cost_model import predict, rates_of
 from gcompile.mesh import init_groups
 from gcompile.pipeline import BuildCache, build_rank_program
-from gcompile.plan import search
+from gcompile.plan import evaluate, search
 from gcompile.runtime import Runtime, StageFunctions
 from gcompile.state import TrainState
 from gcompile.train import split_microbatches
@@ -140,10 +139,8 @@ def worker(args: argparse.Namespace) -> None:
 
 def predicted(args: argparse.Namespace, layout: dict, machine, cache: BuildCache):
     config = layout_config(args, layout)
-    origin = Coords.from_rank(0, config.mesh_sizes)
-    column = [build_rank_program(config, origin.moved(pp=r), log=lambda _: None, cache=cache)
-              for r in range(config.parallel.pp)]
-    return config, predict(column, rates_of(config, machine))
+    prediction, _ = evaluate(config, machine, cache)  # the planner's own prediction
+    return config, prediction
 
 
 def measured(args: argparse.Namespace, layout: dict, world: int) -> dict:
@@ -207,8 +204,9 @@ def main() -> int:
               f"{row['predicted'] * 1e3:8.1f} {row['predicted'] / row['step'] - 1:+6.1%} {worst['peak'] / mib:8.1f} "
               f"{worst['estimate'] / mib:8.1f} {worst['estimate'] / worst['peak'] - 1:+6.1%} {bubbles}", flush=True)
     errors = [abs(r["predicted"] / r["step"] - 1) for r in rows]
+    rank_order = f"{spearman([r['predicted'] for r in rows], [r['step'] for r in rows]):.2f}" if len(rows) > 1 else "n/a"
     print(f"step time: median |error| {statistics.median(errors):.1%}, worst {max(errors):.1%}; Spearman "
-          f"{spearman([r['predicted'] for r in rows], [r['step'] for r in rows]):.2f} over {len(rows)} layouts; "
+          f"{rank_order} over {len(rows)} layouts; "
           f"memory: worst |error| {max(abs(r['estimate'] / r['peak'] - 1) for r in rows):.1%}")
     same_world = [r for r in rows if r["world"] == args.plan_world]
     if same_world:

@@ -29,12 +29,13 @@ class Collective:
 
 def collectives_in(gm: fx.GraphModule) -> list[Collective]:
     """Every functional collective call of a graph (their wait_tensor not counted), in order."""
-    calls = []
-    for node, op, args in collective_nodes(gm):
-        tensors = [node.meta["val"], *(a.meta["val"] for a in node.all_input_nodes)]
-        nbytes = max(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
-        calls.append(Collective(op, args.get("group_name", "?"), nbytes))
-    return calls
+    return [Collective(op, args.get("group_name", "?"), collective_bytes(node)) for node, op, args in collective_nodes(gm)]
+
+
+def collective_bytes(node: fx.Node) -> int:
+    """What a collective call moves: the larger of its input and its output tensor."""
+    tensors = [node.meta["val"], *(a.meta["val"] for a in node.all_input_nodes)]
+    return max(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
 def graph_runs(program: RankProgram) -> list[tuple[str, fx.GraphModule, int]]:

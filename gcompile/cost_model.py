@@ -26,14 +26,14 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_flatten, tree_map_only
-from torch.utils.flop_counter import flop_registry
+from torch.utils._pytree import tree_flatten
 
 from gcompile.axes import GROUP_ROLES, role_size
 from gcompile.check import message_bytes, pipeline_messages
 from gcompile.collectives import collective_nodes, is_collective
 from gcompile.config import RunConfig
-from gcompile.flops import OURS, SAME_FLOPS_AS
+from gcompile.comm_summary import collective_bytes
+from gcompile.flops import SAME_FLOPS_AS, node_flops
 from gcompile.machine import Machine
 from gcompile.rank_program import RankProgram
 from gcompile.schedule import Action, Kind, simulate
@@ -106,11 +106,8 @@ def node_seconds(node: fx.Node, rates: Rates) -> float:
     machine, threads = rates.machine, rates.threads
     name = getattr(node.target, "__name__", str(node.target)).split(".")[0]
     packet = getattr(node.target, "overloadpacket", None)
-    formula = OURS.get(packet) or flop_registry.get(SAME_FLOPS_AS.get(packet, packet))
-    call = machine.op_seconds
-    if formula is not None:
-        args, kwargs = tree_map_only(fx.Node, lambda n: n.meta["val"], (node.args, node.kwargs))
-        flops = formula(*args, **kwargs, out_val=node.meta["val"])
+    flops, call = node_flops(node), machine.op_seconds
+    if flops is not None:
         dtype = str(_tensors(node.meta["val"])[0].dtype).removeprefix("torch.")
         if SAME_FLOPS_AS.get(packet, packet) in ATTENTION:
             return (call + machine.attention_seconds(flops, threads)) * rates.slowdown
@@ -140,10 +137,8 @@ def graph_time(gm: fx.GraphModule, rates: Rates, group_sizes: dict[str, int]) ->
     for node in gm.graph.nodes:
         if node in issued:
             op, args = issued[node]
-            tensors = _tensors(node.meta["val"]) + [t for a in node.all_input_nodes for t in _tensors(a.meta["val"])]
-            nbytes = max(t.numel() * t.element_size() for t in tensors)
             group = args.get("group_name", "?")
-            seconds = collective_seconds(op, group, nbytes, group_sizes.get(group, 1), rates)
+            seconds = collective_seconds(op, group, collective_bytes(node), group_sizes.get(group, 1), rates)
             channel = max(clock, channel) + seconds
             done[node] = channel
             communication += seconds

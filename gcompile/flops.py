@@ -29,13 +29,16 @@ OURS = {
 """FLOPs of gcompile's own ops, by op, with flop_registry's calling convention."""
 
 
+def node_flops(node: fx.Node) -> int | None:
+    """FLOPs of one node (it needs meta["val"]); None for an op no formula counts (pointwise, views, ...)."""
+    packet = getattr(node.target, "overloadpacket", None)  # None for placeholders, outputs, getitem
+    formula = OURS.get(packet) or flop_registry.get(SAME_FLOPS_AS.get(packet, packet))
+    if formula is None:
+        return None
+    args, kwargs = tree_map_only(fx.Node, lambda n: n.meta["val"], (node.args, node.kwargs))
+    return formula(*args, **kwargs, out_val=node.meta["val"])
+
+
 def graph_flops(gm: fx.GraphModule) -> int:
     """FLOPs of one run of `gm` (its nodes need meta["val"], as every lowered graph has)."""
-    total = 0
-    for node in gm.graph.nodes:
-        packet = getattr(node.target, "overloadpacket", None)  # None for placeholders, outputs, getitem
-        formula = OURS.get(packet) or flop_registry.get(SAME_FLOPS_AS.get(packet, packet))
-        if formula is not None:
-            args, kwargs = tree_map_only(fx.Node, lambda n: n.meta["val"], (node.args, node.kwargs))
-            total += formula(*args, **kwargs, out_val=node.meta["val"])
-    return total
+    return sum(node_flops(node) or 0 for node in gm.graph.nodes)
