@@ -1,9 +1,14 @@
 """The cost model against measurement: predicted and measured step time, peak memory and pipeline bubble
 over LAYOUTS (2 to 8 gloo ranks on this machine), and the planner's first choice measured.
 
-    python -m gcompile.calibrate            # once: this machine's file (the prediction reads it)
     python bench/cost_model.py              # every layout, then the planner's choice for 4 ranks
     python bench/cost_model.py --only 0,3   # some layouts
+    python bench/cost_model.py --machine ~/.cache/gcompile/machine-<id>.json   # predict from a kept file
+
+The machine is measured first (gcompile.calibrate, ~35 s, written nowhere), so the
+prediction and the runs see it in one state: on this 2-core machine a layout's step
+moved by 40% between two runs an hour apart, and a file measured then predicts
+neither.
 
 Model: bench/flags.py's (4 layers, 256 wide, 8 heads, T=256), global batch 8, FX
 graphs run uncompiled (what the machine file's per-op host time describes).
@@ -21,6 +26,9 @@ Each layout runs as its own world, one process per rank, the cores shared evenly
                     1 - sum(time inside stage callables) / (pp x forward-backward wall), as
                     bench/pipeline.py measures it; predicted by the same simulation that
                     predicts the step, communication costed
+    opt ms          the slowest rank's time from the end of its forward-backward to the
+                    end of its optimizer step (waiting for the other ranks included),
+                    against the predicted optimizer step
 
 Prints each row, then the median and worst absolute step-time error, Spearman's rank
 correlation of predicted against measured, and the planner's (gcompile.plan) first
@@ -40,6 +48,7 @@ from flags import add_model_flags, add_worker_flags, join_gloo, model_section, s
 from pipeline import StageTimes
 from gcompile import machine as machine_file
 from gcompile.axes import Coords
+from gcompile.calibrate import calibrate
 from gcompile.check import estimate_memory
 from gcompile.compile import Compiler, compile_rank_program
 from gcompile.config import build_config
@@ -108,7 +117,7 @@ def worker(args: argparse.Namespace) -> None:
     tokens = torch.randint(0, config.model.vocab_size, (per_rank, config.train.seq_length + 1),
                            generator=torch.Generator().manual_seed(rank))
     micro = split_microbatches(tokens, config.train.micro_batch_size)
-    steps, walls, busy = [], [], []
+    steps, walls, busy, optimizer = [], [], [], []
     for i in range(args.warmup + args.iters):
         if i == args.warmup - 1:
             runtime.start_measuring()
@@ -119,6 +128,7 @@ def worker(args: argparse.Namespace) -> None:
         wall = time.perf_counter() - start
         runtime.optimizer_step()
         step = torch.tensor(time.perf_counter() - start)
+        stepped = step.item() - wall
         dist.all_reduce(step, op=dist.ReduceOp.MAX)
         if i == args.warmup - 1:
             peak = runtime.stop_measuring().peak.total
@@ -126,8 +136,10 @@ def worker(args: argparse.Namespace) -> None:
             steps.append(step.item())
             walls.append(wall)
             busy.append(times.busy())
+            optimizer.append(stepped)
     mine = dict(rank=rank, column=coords == coords.moved(**{axis: 0 for axis, _ in coords.ranks if axis != "pp"}),
                 wall=statistics.median(walls), busy=statistics.median(busy), peak=peak,
+                optimizer=statistics.median(optimizer),
                 estimate=estimate_memory(program).total)
     every = [None] * world
     dist.all_gather_object(every, mine)
@@ -161,30 +173,35 @@ def spearman(xs: list[float], ys: list[float]) -> float:
     return 1 - 6 * sum((a - b) ** 2 for a, b in zip(rx, ry)) / (n * (n * n - 1))
 
 
+def progress(line: str) -> None:
+    print(line, file=sys.stderr)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_flags(p)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=15)
     p.add_argument("--only", help="comma-separated layout numbers (default: all)")
-    p.add_argument("--machine", help="machine file (default: this machine's, from python -m gcompile.calibrate)")
+    p.add_argument("--machine", help="machine file to predict with (default: measure this machine first)")
     p.add_argument("--plan-world", type=int, default=4, help="world size the planner picks a layout for")
     add_worker_flags(p)
     args = p.parse_args()
     if args.worker:
         return worker(args)
-    machine = machine_file.load(args.machine)
-    if machine is None:
-        print("bench/cost_model.py: error: this machine has no machine file; measure it first with: "
-              "python -m gcompile.calibrate", file=sys.stderr)
+    try:
+        machine = machine_file.load(args.machine) if args.machine else calibrate(log=progress)
+    except machine_file.MachineError as e:
+        print(f"bench/cost_model.py: error: {e}", file=sys.stderr)
         return 2
     chosen = [int(i) for i in args.only.split(",")] if args.only else range(len(LAYOUTS))
     cache = BuildCache()
     print(f"model: {args.n_layer} layers, {args.n_embd} wide, {args.n_head} heads, T={args.seq_length}, global batch "
           f"{GLOBAL_BATCH}; FX graphs; median of {args.iters} steps after {args.warmup}; machine "
-          f"{machine.description}")
+          f"{machine.description}; slowdown with k ranks computing at once: "
+          f"{', '.join(f'k={k} {f:.2f}x' for k, f in machine.contention.items())}")
     print(f"{'#':>2} {'layout':<34} {'ranks':>5} {'step ms':>8} {'pred':>8} {'err':>6} {'mem MiB':>8} {'pred':>8} "
-          f"{'err':>6} {'bubble':>7} {'pred':>7}")
+          f"{'err':>6} {'bubble':>7} {'pred':>7} {'opt ms':>7} {'pred':>7}")
     rows = []
     for i in chosen:
         layout = LAYOUTS[i]
@@ -200,9 +217,11 @@ def main() -> int:
         rows.append(row)
         mib = 2 ** 20
         bubbles = f"{bubble:7.1%} {prediction.bubble_fraction:7.1%}" if bubble is not None else f"{'':7} {'':7}"
+        optimizer = max(r["optimizer"] for r in result["ranks"])
         print(f"{i:>2} {describe(layout):<34} {config.world_size:>5} {row['step'] * 1e3:8.1f} "
               f"{row['predicted'] * 1e3:8.1f} {row['predicted'] / row['step'] - 1:+6.1%} {worst['peak'] / mib:8.1f} "
-              f"{worst['estimate'] / mib:8.1f} {worst['estimate'] / worst['peak'] - 1:+6.1%} {bubbles}", flush=True)
+              f"{worst['estimate'] / mib:8.1f} {worst['estimate'] / worst['peak'] - 1:+6.1%} {bubbles} "
+              f"{optimizer * 1e3:7.1f} {prediction.optimizer_seconds * 1e3:7.1f}", flush=True)
     errors = [abs(r["predicted"] / r["step"] - 1) for r in rows]
     rank_order = f"{spearman([r['predicted'] for r in rows], [r['step'] for r in rows]):.2f}" if len(rows) > 1 else "n/a"
     print(f"step time: median |error| {statistics.median(errors):.1%}, worst {max(errors):.1%}; Spearman "

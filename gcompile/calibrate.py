@@ -103,6 +103,15 @@ def elementwise_bandwidth(device: str) -> float:
     return sum(moved) * a.numel() * 4 / timed(lambda: [op() for op in ops], device)
 
 
+def inplace_bandwidth(device: str) -> float:
+    """The same for ops that write into an input, as an optimizer step's and a gradient accumulator's do
+    (add_, mul_, lerp_, addcmul_): no output to allocate, so several times the rate of those above."""
+    a, b, c = (torch.randn(1 << 20, device=device) for _ in range(3))
+    ops = (lambda: a.add_(b), lambda: a.mul_(0.5), lambda: a.lerp_(b, 0.1), lambda: c.addcmul_(a, b, value=0.1))
+    moved = (3, 2, 3, 4)  # as gcompile.cost_model counts: the output, then every input (the written one too)
+    return sum(moved) * a.numel() * 4 / timed(lambda: [op() for op in ops], device)
+
+
 def workload(device: str) -> Callable[[], None]:
     """A bit of what a rank computes: a 256-wide transformer MLP's forward and backward (layer norm, two
     matmuls, GELU, a residual) on 1024 tokens, as eager calls."""
@@ -120,7 +129,7 @@ def measure_compute(device: str, log) -> dict:
     cores = os.cpu_count() or 1
     thread_counts = ["gpu"] if device == "cuda" else [str(t) for t in sorted({1, cores})]
     saved = torch.get_num_threads()
-    found = dict(matmul={}, attention={}, bandwidth={})
+    found = dict(matmul={}, attention={}, bandwidth={}, inplace_bandwidth={})
     try:
         for threads in thread_counts:
             if threads != "gpu":
@@ -132,6 +141,7 @@ def measure_compute(device: str, log) -> dict:
                                       device))
             found["attention"][threads] = attention_curve(device)
             found["bandwidth"][threads] = elementwise_bandwidth(device)
+            found["inplace_bandwidth"][threads] = inplace_bandwidth(device)
         torch.set_num_threads(1)
         x = torch.ones(8, 8, device=device)
         mix = (lambda: aten.add.Tensor(x, x), lambda: aten.view.default(x, [64]), lambda: aten.mul.Tensor(x, 2.0),
@@ -142,10 +152,9 @@ def measure_compute(device: str, log) -> dict:
     return found
 
 
-def _rank_main(rank: int, world: int, store_path: str, transports: list[str], alone: float, repeats: int,
-               out: str) -> None:
-    """One rank of a world of `world`: every rank computes at once (the slowdown over `alone`, the seconds of
-    `repeats` workloads in one process by itself), then each collective over all of them, and send/recv in
+def _rank_main(rank: int, world: int, store_path: str, transports: list[str], repeats: int, out: str) -> None:
+    """One rank of a world of `world`: every rank computes at once (the slowdown over one rank computing
+    `repeats` workloads by itself), then each collective over all of them, and send/recv in
     a world of two. A world of exactly the ranks measured, as a run of that many has: ranks left waiting in
     a larger world would take their share of the cores too."""
     torch.set_num_threads(1)
@@ -157,7 +166,7 @@ def _rank_main(rank: int, world: int, store_path: str, transports: list[str], al
                             timeout=timedelta(minutes=5))
     if "shm" in transports:
         shm_group.register()
-    found = {"contention": _contention(alone, repeats) if device == "cpu" else 1.0}
+    found = {"contention": _contention(repeats) if device == "cpu" else 1.0}
     for transport in transports:
         name = f"calibrate_{transport}"
         register_group(name, dist.new_group(list(range(world)), backend=shm_group.BACKEND if transport == "shm"
@@ -175,22 +184,31 @@ def _rank_main(rank: int, world: int, store_path: str, transports: list[str], al
     dist.destroy_process_group()
 
 
-def _contention(alone: float, repeats: int, rounds: int = 3) -> float:
+def _contention(repeats: int, rounds: int = 5) -> float:
     """How much slower ranks compute when all of this world's compute at once: the same work in each, the
-    slowest one's wall time over one alone's (a throughput: timing single calls would see the scheduler's
-    time slices, not the share), the median of `rounds`."""
+    slowest one's wall time over rank 0's alone just before, the others waiting in a barrier (a throughput:
+    timing single calls would see the scheduler's time slices, not the share). Alone and together are
+    timed in the same round so that a machine whose speed drifts (a shared host) is compared with itself;
+    the median of `rounds`."""
     work = workload("cpu")
     work()
     ratios = []
     for _ in range(rounds):
         dist.barrier()
-        start = time.perf_counter()
-        for _ in range(repeats):
-            work()
-        elapsed = torch.tensor(time.perf_counter() - start)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        ratios.append(elapsed.item() / alone)
+        alone = torch.tensor(_timed_repeats(work, repeats) if dist.get_rank() == 0 else 0.0)
+        dist.broadcast(alone, 0)
+        dist.barrier()
+        together = torch.tensor(_timed_repeats(work, repeats))
+        dist.all_reduce(together, op=dist.ReduceOp.MAX)
+        ratios.append(together.item() / alone.item())
     return statistics.median(ratios)
+
+
+def _timed_repeats(work: Callable[[], None], repeats: int) -> float:
+    start = time.perf_counter()
+    for _ in range(repeats):
+        work()
+    return time.perf_counter() - start
 
 
 def _link(seconds: list[float]) -> dict:
@@ -252,13 +270,12 @@ def measure_collectives(device: str, log) -> tuple[dict[str, float], dict]:
         return contention, links
     torch.set_num_threads(1)
     work = workload("cpu")
-    repeats = max(1, int(0.1 / timed(work, "cpu")))
-    alone = timed(lambda: [work() for _ in range(repeats)], "cpu", seconds=0)  # the median of three
+    repeats = max(1, int(0.3 / timed(work, "cpu")))  # 0.3 s alone: the start of a round skews less
     for world in sizes:
         log(f"  {world} ranks at once: compute, and {', '.join(transports)} collectives over them")
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "links.json")
-            mp.start_processes(_rank_main, args=(world, os.path.join(tmp, "store"), transports, alone, repeats, out),
+            mp.start_processes(_rank_main, args=(world, os.path.join(tmp, "store"), transports, repeats, out),
                                nprocs=world, start_method="spawn")
             with open(out) as f:
                 raw = json.load(f)
@@ -291,7 +308,8 @@ def describe(machine: Machine) -> str:
         lines.append(f"  attention {threads:>3} thread(s): "
                      + ", ".join(f"{c[0]:.0e} FLOPs {c[1] / 1e9:.1f} GFLOP/s" for c in curve))
     for threads, rate in machine.bandwidth.items():
-        lines.append(f"  element-wise {threads:>3} thread(s): {rate / 1e9:.1f} GB/s")
+        lines.append(f"  element-wise {threads:>3} thread(s): {rate / 1e9:.1f} GB/s, in place "
+                     f"{machine.inplace_bandwidth[threads] / 1e9:.1f} GB/s")
     lines.append(f"  one operator call: {machine.op_seconds * 1e6:.1f} us")
     lines.append("  compute slowdown with k ranks at once: " + ", ".join(f"k={k} {f:.2f}x"
                                                                         for k, f in machine.contention.items()))

@@ -5,6 +5,7 @@ A graph's time is its nodes walked in order, as the runtime runs them:
     matmul-like op (torch's FLOP formula)    FLOPs / the machine's matmul rate at that size and dtype
     attention                                FLOPs / the attention rate at that size
     any other op                             host time of a call + bytes read and written / bandwidth
+                                             (the in-place rate for an op that writes its input, add_)
     a collective (start)                     queued on the rank's one communication channel:
                                              starts when issued and the channel is free, lasts
                                              latency + bytes / bandwidth of its transport, kind, group size
@@ -116,7 +117,7 @@ def node_seconds(node: fx.Node, rates: Rates) -> float:
         return call * rates.slowdown
     moved = sum(t.numel() * t.element_size() for t in _tensors(node.meta.get("val")))
     moved += sum(t.numel() * t.element_size() for a in node.all_input_nodes for t in _tensors(a.meta.get("val")))
-    return (call + machine.pointwise_seconds(moved, threads)) * rates.slowdown
+    return (call + machine.pointwise_seconds(moved, threads, inplace=name.endswith("_"))) * rates.slowdown
 
 
 def _tensors(value) -> list[torch.Tensor]:
@@ -194,7 +195,9 @@ def rank_time(program: RankProgram, rates: Rates) -> RankTime:
 def _accumulate_seconds(program: RankProgram, instruction, rates: Rates) -> float:
     """The runtime adds a stage's parameter gradients into the flat fp32 accumulator after the graph that
     returns them: W where the stage's backward is split, else B; nothing where every microbatch's backward
-    reduce-scatters them (no accumulator). Read the gradient and the accumulator, write the accumulator."""
+    reduce-scatters them (no accumulator). Read the gradient and the accumulator, write the accumulator: an
+    in-place add, yet costed at the element-wise rate, not the in-place one, which put the measured pipeline
+    bubbles of bench/cost_model.py 3 to 7 points too low (this rate: within 1)."""
     stage = program.stages[instruction.stage]
     returns = Kind.W if stage.backward_weight is not None else Kind.B
     if instruction.op != returns or not program.grad_accumulator:

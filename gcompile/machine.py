@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-FORMAT = 2
+FORMAT = 3
 """Bumped when the file's fields change; an older file is measured again."""
 
 
@@ -53,7 +53,10 @@ class Machine:
     attention: dict[str, list[list[float]]]
     """threads -> [[FLOPs per call, FLOP/s], ...] of scaled-dot-product attention, forward and backward."""
     bandwidth: dict[str, float]
-    """threads -> bytes per second an element-wise op reads and writes."""
+    """threads -> bytes per second an element-wise op reads and writes, making a new tensor."""
+    inplace_bandwidth: dict[str, float]
+    """threads -> the same for one that writes into its input (x.add_(y)): with no new tensor to allocate
+    and touch first, about four times as fast on this CPU (an optimizer step is all such ops)."""
     op_seconds: float
     """Host time of one operator call (what a graph of many tiny ops pays per op)."""
     collectives: dict[str, dict[str, dict[str, Link]]]
@@ -101,8 +104,9 @@ class Machine:
     def attention_seconds(self, flops: float, threads: int) -> float:
         return flops / rate_at(self.attention[self.threads_key(self.attention, threads)], flops)
 
-    def pointwise_seconds(self, nbytes: float, threads: int) -> float:
-        return nbytes / self.bandwidth[self.threads_key(self.bandwidth, threads)]
+    def pointwise_seconds(self, nbytes: float, threads: int, inplace: bool = False) -> float:
+        rates = self.inplace_bandwidth if inplace else self.bandwidth
+        return nbytes / rates[self.threads_key(rates, threads)]
 
     def slowdown(self, ranks: float) -> float:
         """At `ranks` computing at once (a mean, so fractional): linear between the measured counts; beyond the

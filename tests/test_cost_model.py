@@ -23,7 +23,7 @@ from gcompile.world import build_world
 c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
 
-MATMUL, BANDWIDTH, OP, LATENCY, LINK_BANDWIDTH = 1e9, 2e9, 1e-6, 1e-3, 1e8
+MATMUL, BANDWIDTH, INPLACE, OP, LATENCY, LINK_BANDWIDTH = 1e9, 2e9, 8e9, 1e-6, 1e-3, 1e8
 
 
 def flat_machine(cores: int = 64) -> Machine:
@@ -32,7 +32,7 @@ def flat_machine(cores: int = 64) -> Machine:
     kinds = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single", "send_recv")
     return Machine(fingerprint="test", description="flat rates", cores=cores,
                    matmul={"1": {"float32": [[1.0, MATMUL]]}}, attention={"1": [[1.0, MATMUL]]},
-                   bandwidth={"1": BANDWIDTH}, op_seconds=OP,
+                   bandwidth={"1": BANDWIDTH}, inplace_bandwidth={"1": INPLACE}, op_seconds=OP,
                    collectives={"gloo": {kind: {"2": link} for kind in kinds}}, contention={"1": 1.0, "2": 1.0})
 
 
@@ -69,6 +69,20 @@ def test_graph_time_overlaps_a_collective_with_the_compute_before_its_wait():
     assert shared.seconds == pytest.approx(3 * (mm + add), rel=1e-12)  # three ranks per core
 
 
+def test_an_op_that_writes_its_input_costs_its_bytes_at_the_in_place_rate():
+    """acc.add_(g) (an optimizer's or an accumulator's op) allocates nothing: bytes at the in-place rate."""
+    acc, grad = torch.randn(256), torch.randn(256)
+    g = fx.Graph()
+    nacc, ngrad = g.placeholder("acc"), g.placeholder("grad")
+    nacc.meta["val"], ngrad.meta["val"] = acc, grad
+    added = g.call_function(aten.add_.Tensor, (nacc, ngrad))
+    added.meta["val"] = acc + grad
+    g.output((added,))
+    rates = Rates(flat_machine(), threads=1, slowdown=1.0, transports={}, default_transport="gloo")
+    got = graph_time(fx.GraphModule(torch.nn.Module(), g), rates, {})
+    assert got.seconds == pytest.approx(OP + 3 * 256 * 4 / INPLACE, rel=1e-12)  # writes acc, reads acc and grad
+
+
 def test_simulated_messages_take_their_time():
     """1f1b, pp 2, 2 microbatches, F 1 and B 2 everywhere, every message 0.5: hand-traced."""
     schedule = build_schedule("1f1b", 2, 1, 2)
@@ -94,9 +108,9 @@ def test_machine_file_rates_and_links():
     again = Machine.from_json(m.to_json(), "here")
     assert again == m
     with pytest.raises(MachineError, match="not one gcompile.calibrate wrote"):
-        Machine.from_json(json.dumps({"format": 2, "cores": 2}), "bad.json")
-    with pytest.raises(MachineError, match="has format 1, this gcompile reads 2; measure again"):
-        Machine.from_json("{\"format\": 1}", "old.json")
+        Machine.from_json(json.dumps({"format": 3, "cores": 2}), "bad.json")
+    with pytest.raises(MachineError, match="has format 2, this gcompile reads 3; measure again"):
+        Machine.from_json("{\"format\": 2}", "old.json")
 
 
 def tiny(**parallel):
@@ -108,7 +122,8 @@ def tiny(**parallel):
 
 def test_prediction_of_one_rank_is_the_sum_of_its_instructions():
     """No pipeline: the iteration is every instruction's graph time, one after the other, and after each of the
-    4 backwards the runtime's add of the gradients into the accumulator (read both, write one, fp32)."""
+    4 backwards the runtime's add of the gradients into the accumulator (read both, write one, fp32; at the
+    element-wise rate, as cost_model._accumulate_seconds says why)."""
     config = tiny()
     program = build_rank_program(config, Coords.from_rank(0, config.mesh_sizes), log=lambda _: None)
     rates = rates_for(flat_machine(), 1, 1, shm_tp=False)
