@@ -13,7 +13,7 @@ transpose and sum on 8 x 8). On a GPU the same on the device, synchronized.
 Ranks at once, in a world of 2, 4 and 8 spawned ranks each (on GPUs: one per
 GPU): how much slower each computes while all do (the cores shared), and all-reduce,
 all-gather, reduce-scatter and all-to-all over them, each at 8 KiB, 1 MiB and
-4 MiB, a line through them giving latency and bandwidth; in the world of two,
+4 MiB (the latency from the smallest, the bandwidth from the two largest); in the world of two,
 send/recv (half a round trip). Transports: gloo, and on CPU the shared-memory tp
 group (gcompile/shm_group.py); on GPUs nccl.
 """
@@ -47,7 +47,7 @@ KINDS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_t
 SHM_KINDS = KINDS[:3]
 """What the shared-memory tp group does (tensor parallelism asks no more; other groups use gloo)."""
 SIZES = (8 << 10, 1 << 20, 4 << 20)
-"""Message bytes measured: a line through the three gives latency (where it meets 0 bytes) and bandwidth."""
+"""Message bytes measured: the smallest gives the latency, the two largest the bandwidth (_link)."""
 
 
 def timed(fn, device: str, seconds: float = 0.05) -> float:
@@ -212,13 +212,15 @@ def _timed_repeats(work: Callable[[], None], repeats: int) -> float:
 
 
 def _link(seconds: list[float]) -> dict:
-    """Least-squares line through (bytes, seconds); a slope that noise made flat or negative falls back to
-    the largest call's average rate, a negative intercept to none."""
-    mean_x, mean_y = sum(SIZES) / len(SIZES), sum(seconds) / len(seconds)
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(SIZES, seconds)) / sum((x - mean_x) ** 2 for x in SIZES)
+    """Latency and bandwidth from the seconds of SIZES: the bandwidth the slope between the two largest calls,
+    the latency what the smallest one takes beyond it. A least-squares line through all three let noise in
+    the largest call move the latency by milliseconds (a 2-rank gloo all-reduce: 0.4 ms in one calibration,
+    3.1 ms in the next), and small messages, which a line's latency prices, are the most frequent. A slope
+    that noise made flat or negative falls back to the largest call's average rate."""
+    slope = (seconds[-1] - seconds[-2]) / (SIZES[-1] - SIZES[-2])
     if slope <= 0:
         slope = seconds[-1] / SIZES[-1]
-    return dict(latency=max(mean_y - slope * mean_x, 1e-6), bandwidth=1 / slope)
+    return dict(latency=max(seconds[0] - slope * SIZES[0], 1e-6), bandwidth=1 / slope)
 
 
 def _collective_seconds(kind: str, nbytes: int, size: int, name: str, device: str) -> float:

@@ -11,6 +11,7 @@ import torch
 import torch.fx as fx
 
 from gcompile.axes import Coords
+from gcompile.calibrate import SIZES, _link
 from gcompile.check import check_plan
 from gcompile.config import build_config
 from gcompile.cost_model import Rates, graph_time, predict, rates_for
@@ -92,6 +93,16 @@ def test_simulated_messages_take_their_time():
         [("1F0", 1.5, 2.5), ("1B0", 2.5, 4.5), ("1F1", 4.5, 5.5), ("1B1", 5.5, 7.5)],
     ]
     assert result.makespan == 10
+
+
+def test_a_link_prices_small_messages_by_the_smallest_call():
+    """Calls that lie on latency + bytes / bandwidth give back exactly those; noise in the largest call moves the
+    bandwidth, not the latency small messages pay."""
+    exact = _link([LATENCY + n / LINK_BANDWIDTH for n in SIZES])
+    assert exact["latency"] == pytest.approx(LATENCY, rel=1e-9)
+    assert exact["bandwidth"] == pytest.approx(LINK_BANDWIDTH, rel=1e-9)
+    noisy = _link([LATENCY + n / LINK_BANDWIDTH for n in SIZES[:-1]] + [2 * (LATENCY + SIZES[-1] / LINK_BANDWIDTH)])
+    assert noisy["latency"] + SIZES[0] / noisy["bandwidth"] == pytest.approx(LATENCY + SIZES[0] / LINK_BANDWIDTH)
 
 
 def test_machine_file_rates_and_links():
