@@ -112,13 +112,13 @@ def inplace_bandwidth(device: str) -> float:
     return sum(moved) * a.numel() * 4 / timed(lambda: [op() for op in ops], device)
 
 
-def workload(device: str) -> Callable[[], None]:
+def workload(device: str, tokens: int = 1024) -> Callable[[], None]:
     """A bit of what a rank computes: a 256-wide transformer MLP's forward and backward (layer norm, two
-    matmuls, GELU, a residual) on 1024 tokens, as eager calls."""
+    matmuls, GELU, a residual) on `tokens` tokens, as eager calls (16 tokens: almost only operator calls)."""
     torch.manual_seed(0)
     mlp = torch.nn.Sequential(torch.nn.LayerNorm(256), torch.nn.Linear(256, 1024), torch.nn.GELU(),
                               torch.nn.Linear(1024, 256)).to(device)
-    x = torch.randn(1024, 256, device=device, requires_grad=True)
+    x = torch.randn(tokens, 256, device=device, requires_grad=True)
 
     def step():
         (x + mlp(x)).sum().backward()
@@ -152,7 +152,8 @@ def measure_compute(device: str, log) -> dict:
     return found
 
 
-def _rank_main(rank: int, world: int, store_path: str, transports: list[str], repeats: int, out: str) -> None:
+def _rank_main(rank: int, world: int, store_path: str, transports: list[str], repeats: dict[int, int],
+               out: str) -> None:
     """One rank of a world of `world`: every rank computes at once (the slowdown over one rank computing
     `repeats` workloads by itself), then each collective over all of them, and send/recv in
     a world of two. A world of exactly the ranks measured, as a run of that many has: ranks left waiting in
@@ -166,7 +167,8 @@ def _rank_main(rank: int, world: int, store_path: str, transports: list[str], re
                             timeout=timedelta(minutes=5))
     if "shm" in transports:
         shm_group.register()
-    found = {"contention": _contention(repeats) if device == "cpu" else 1.0}
+    found = {"contention": {tokens: _contention(tokens, n) for tokens, n in repeats.items()} if device == "cpu"
+             else {}}
     for transport in transports:
         name = f"calibrate_{transport}"
         register_group(name, dist.new_group(list(range(world)), backend=shm_group.BACKEND if transport == "shm"
@@ -184,13 +186,13 @@ def _rank_main(rank: int, world: int, store_path: str, transports: list[str], re
     dist.destroy_process_group()
 
 
-def _contention(repeats: int, rounds: int = 5) -> float:
+def _contention(tokens: int, repeats: int, rounds: int = 5) -> float:
     """How much slower ranks compute when all of this world's compute at once: the same work in each, the
     slowest one's wall time over rank 0's alone just before, the others waiting in a barrier (a throughput:
     timing single calls would see the scheduler's time slices, not the share). Alone and together are
     timed in the same round so that a machine whose speed drifts (a shared host) is compared with itself;
     the median of `rounds`."""
-    work = workload("cpu")
+    work = workload("cpu", tokens)
     work()
     ratios = []
     for _ in range(rounds):
@@ -262,17 +264,22 @@ def _lined_up(call, group, device: str, reps: int = 9) -> float:
     return statistics.median(times[1:])
 
 
-def measure_collectives(device: str, log) -> tuple[dict[str, float], dict]:
-    """(compute slowdown by ranks at once, links by transport, kind and group size), from a world of 2, 4
-    and 8 ranks each (on GPUs: one of every GPU)."""
+COMPUTE_TOKENS, HOST_TOKENS = 1024, 16
+"""The contention workloads: mostly arithmetic (slowed 2.1x by 4 ranks on 2 cores here), and mostly
+operator calls, host work (2.4x: time slices cost such work more)."""
+
+
+def measure_collectives(device: str, log) -> tuple[dict[str, float], dict[str, float], dict]:
+    """(compute slowdown by ranks at once, the same for operator calls, links by transport, kind and group
+    size), from a world of 2, 4 and 8 ranks each (on GPUs: one of every GPU)."""
     sizes = [torch.cuda.device_count()] if device == "cuda" else [2, 4, 8]
     transports = ["nccl"] if device == "cuda" else ["gloo"] + (["shm"] if shm_group.available() else [])
-    contention, links = {"1": 1.0}, {}
+    contention, host_contention, links = {"1": 1.0}, {"1": 1.0}, {}
     if sizes[0] < 2:
-        return contention, links
+        return contention, host_contention, links
     torch.set_num_threads(1)
-    work = workload("cpu")
-    repeats = max(1, int(0.3 / timed(work, "cpu")))  # 0.3 s alone: the start of a round skews less
+    repeats = {tokens: max(1, int(0.3 / timed(workload("cpu", tokens), "cpu")))  # 0.3 s: round starts skew less
+               for tokens in (COMPUTE_TOKENS, HOST_TOKENS)}
     for world in sizes:
         log(f"  {world} ranks at once: compute, and {', '.join(transports)} collectives over them")
         with tempfile.TemporaryDirectory() as tmp:
@@ -281,11 +288,13 @@ def measure_collectives(device: str, log) -> tuple[dict[str, float], dict]:
                                nprocs=world, start_method="spawn")
             with open(out) as f:
                 raw = json.load(f)
-        contention[str(world)] = raw.pop("contention")
+        slowdowns = raw.pop("contention")
+        contention[str(world)] = slowdowns.get(str(COMPUTE_TOKENS), 1.0)
+        host_contention[str(world)] = slowdowns.get(str(HOST_TOKENS), 1.0)
         for transport, kinds in raw.items():
             for kind, link in kinds.items():
                 links.setdefault(transport, {}).setdefault(kind, {})[str(world)] = Link(**link)
-    return contention, links
+    return contention, host_contention, links
 
 
 def calibrate(log=print) -> Machine:
@@ -294,10 +303,10 @@ def calibrate(log=print) -> Machine:
     log(f"calibrating {description}")
     start = time.perf_counter()
     compute = measure_compute(device, log)
-    contention, collectives = measure_collectives(device, log)
+    contention, host_contention, collectives = measure_collectives(device, log)
     log(f"measured in {time.perf_counter() - start:.0f} s")
     return Machine(fingerprint=key, description=description, cores=os.cpu_count() or 1, collectives=collectives,
-                   contention=contention, **compute)
+                   contention=contention, host_contention=host_contention, **compute)
 
 
 def describe(machine: Machine) -> str:
@@ -313,6 +322,8 @@ def describe(machine: Machine) -> str:
         lines.append(f"  element-wise {threads:>3} thread(s): {rate / 1e9:.1f} GB/s, in place "
                      f"{machine.inplace_bandwidth[threads] / 1e9:.1f} GB/s")
     lines.append(f"  one operator call: {machine.op_seconds * 1e6:.1f} us")
+    lines.append("  operator-call slowdown with k ranks at once: " + ", ".join(
+        f"k={k} {f:.2f}x" for k, f in machine.host_contention.items()))
     lines.append("  compute slowdown with k ranks at once: " + ", ".join(f"k={k} {f:.2f}x"
                                                                         for k, f in machine.contention.items()))
     for transport, kinds in machine.collectives.items():

@@ -14,7 +14,8 @@ A graph's time is its nodes walked in order, as the runtime runs them:
 so a collective waited at once costs its whole time, and one the overlap passes
 start early (tp_comm_overlap, bucket overlap) costs only what compute between its
 start and its wait does not cover. Ranks that share cores compute slower, by what
-the machine file measured for as many ranks computing at once.
+the machine file measured for as many ranks computing at once (operator calls by
+the slowdown measured for host work, the rest by that for arithmetic).
 
 A rank's iteration is its pipeline schedule simulated (gcompile.schedule.simulate)
 with every F, B and W costed from the graph its instruction runs, each message
@@ -62,6 +63,8 @@ class Rates:
     """CPU threads per rank (the cores shared evenly); on a GPU unused."""
     slowdown: float
     """Compute is this much slower because ranks share cores (1 when each thread has its own)."""
+    host_slowdown: float
+    """The same for operator calls (host work), which sharing cores slows more."""
     transports: dict[str, str]
     """Group role -> transport ("gloo", "shm", "nccl"); roles not named use `default_transport`."""
     default_transport: str
@@ -76,9 +79,9 @@ def rates_for(machine: Machine, world_size: int, threads: int, shm_tp: bool) -> 
     """A rank's share: `threads` each, all ranks of the world on this machine's cores (a GPU each on a GPU
     machine)."""
     if machine.on_gpu:
-        return Rates(machine, threads, 1.0, {}, "nccl")
-    return Rates(machine, threads, machine.slowdown(world_size), {"tp": "shm"} if shm_tp else {}, "gloo",
-                 world_size)
+        return Rates(machine, threads, 1.0, 1.0, {}, "nccl")
+    return Rates(machine, threads, machine.slowdown(world_size), machine.slowdown(world_size, host=True),
+                 {"tp": "shm"} if shm_tp else {}, "gloo", world_size)
 
 
 def rates_of(config: RunConfig, machine: Machine) -> Rates:
@@ -107,17 +110,17 @@ def node_seconds(node: fx.Node, rates: Rates) -> float:
     machine, threads = rates.machine, rates.threads
     name = getattr(node.target, "__name__", str(node.target)).split(".")[0]
     packet = getattr(node.target, "overloadpacket", None)
-    flops, call = node_flops(node), machine.op_seconds
+    flops, call = node_flops(node), machine.op_seconds * rates.host_slowdown
     if flops is not None:
         dtype = str(_tensors(node.meta["val"])[0].dtype).removeprefix("torch.")
         if SAME_FLOPS_AS.get(packet, packet) in ATTENTION:
-            return (call + machine.attention_seconds(flops, threads)) * rates.slowdown
-        return (call + machine.matmul_seconds(flops, dtype, threads)) * rates.slowdown
+            return call + machine.attention_seconds(flops, threads) * rates.slowdown
+        return call + machine.matmul_seconds(flops, dtype, threads) * rates.slowdown
     if name in FREE:
-        return call * rates.slowdown
+        return call
     moved = sum(t.numel() * t.element_size() for t in _tensors(node.meta.get("val")))
     moved += sum(t.numel() * t.element_size() for a in node.all_input_nodes for t in _tensors(a.meta.get("val")))
-    return (call + machine.pointwise_seconds(moved, threads, inplace=name.endswith("_"))) * rates.slowdown
+    return call + machine.pointwise_seconds(moved, threads, inplace=name.endswith("_")) * rates.slowdown
 
 
 def _tensors(value) -> list[torch.Tensor]:
@@ -236,7 +239,8 @@ def predict(column: list[RankProgram], rates: Rates) -> Prediction:
         computing = rates.ranks * (1 - prediction.bubble_fraction)
         if rates.machine.on_gpu or abs(rates.machine.slowdown(computing) - rates.slowdown) < 1e-3:
             break
-        rates = dataclasses.replace(rates, slowdown=rates.machine.slowdown(computing))
+        rates = dataclasses.replace(rates, slowdown=rates.machine.slowdown(computing),
+                                    host_slowdown=rates.machine.slowdown(computing, host=True))
         prediction = _predict(column, rates)
     return prediction
 

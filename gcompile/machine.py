@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-FORMAT = 3
+FORMAT = 4
 """Bumped when the file's fields change; an older file is measured again."""
 
 
@@ -63,6 +63,8 @@ class Machine:
     """transport ("gloo", "shm", "nccl") -> kind (all_reduce, ..., send_recv) -> group size ("2", ...) -> Link."""
     contention: dict[str, float]
     """ranks computing at once ("1", "2", ...) -> how many times slower each computes than one alone (CPU)."""
+    host_contention: dict[str, float]
+    """The same for operator calls (host work between kernels), which time slices slow more."""
     format: int = FORMAT
 
     def to_json(self) -> str:
@@ -108,10 +110,10 @@ class Machine:
         rates = self.inplace_bandwidth if inplace else self.bandwidth
         return nbytes / rates[self.threads_key(rates, threads)]
 
-    def slowdown(self, ranks: float) -> float:
+    def slowdown(self, ranks: float, host: bool = False) -> float:
         """At `ranks` computing at once (a mean, so fractional): linear between the measured counts; beyond the
-        largest, grown in proportion."""
-        points = sorted((int(k), f) for k, f in self.contention.items())
+        largest, grown in proportion. `host`: of operator calls, not of the arithmetic."""
+        points = sorted((int(k), f) for k, f in (self.host_contention if host else self.contention).items())
         if ranks <= points[0][0]:
             return points[0][1]
         for (k0, f0), (k1, f1) in zip(points, points[1:]):

@@ -34,7 +34,8 @@ def flat_machine(cores: int = 64) -> Machine:
     return Machine(fingerprint="test", description="flat rates", cores=cores,
                    matmul={"1": {"float32": [[1.0, MATMUL]]}}, attention={"1": [[1.0, MATMUL]]},
                    bandwidth={"1": BANDWIDTH}, inplace_bandwidth={"1": INPLACE}, op_seconds=OP,
-                   collectives={"gloo": {kind: {"2": link} for kind in kinds}}, contention={"1": 1.0, "2": 1.0})
+                   collectives={"gloo": {kind: {"2": link} for kind in kinds}}, contention={"1": 1.0, "2": 1.0},
+                   host_contention={"1": 1.0, "2": 1.0})
 
 
 def hand_graph() -> fx.GraphModule:
@@ -56,7 +57,7 @@ def hand_graph() -> fx.GraphModule:
 
 
 def test_graph_time_overlaps_a_collective_with_the_compute_before_its_wait():
-    rates = Rates(flat_machine(), threads=1, slowdown=1.0, transports={}, default_transport="gloo")
+    rates = Rates(flat_machine(), threads=1, slowdown=1.0, host_slowdown=1.0, transports={}, default_transport="gloo")
     got = graph_time(hand_graph(), rates, {"tp": 2})
     mm = OP + 2 * 64 * 32 * 16 / MATMUL
     add = OP + 2 * 64 * 32 * 4 / BANDWIDTH  # reads x (one tensor, counted once), writes z
@@ -66,8 +67,9 @@ def test_graph_time_overlaps_a_collective_with_the_compute_before_its_wait():
     assert got.seconds == pytest.approx(mm + max(add, reduce), rel=1e-12)  # the add runs under the all-reduce
     alone = graph_time(hand_graph(), rates, {"tp": 1})  # a group of one rank: no collective
     assert alone.seconds == pytest.approx(mm + add, rel=1e-12)
-    shared = graph_time(hand_graph(), Rates(flat_machine(), 1, 3.0, {}, "gloo"), {"tp": 1})
-    assert shared.seconds == pytest.approx(3 * (mm + add), rel=1e-12)  # three ranks per core
+    shared = graph_time(hand_graph(), Rates(flat_machine(), 1, 3.0, 5.0, {}, "gloo"), {"tp": 1})
+    assert shared.seconds == pytest.approx(5 * 2 * OP + 3 * (mm + add - 2 * OP), rel=1e-12)  # sharing cores:
+    # arithmetic 3x slower, operator calls 5x
 
 
 def test_an_op_that_writes_its_input_costs_its_bytes_at_the_in_place_rate():
@@ -79,7 +81,7 @@ def test_an_op_that_writes_its_input_costs_its_bytes_at_the_in_place_rate():
     added = g.call_function(aten.add_.Tensor, (nacc, ngrad))
     added.meta["val"] = acc + grad
     g.output((added,))
-    rates = Rates(flat_machine(), threads=1, slowdown=1.0, transports={}, default_transport="gloo")
+    rates = Rates(flat_machine(), threads=1, slowdown=1.0, host_slowdown=1.0, transports={}, default_transport="gloo")
     got = graph_time(fx.GraphModule(torch.nn.Module(), g), rates, {})
     assert got.seconds == pytest.approx(OP + 3 * 256 * 4 / INPLACE, rel=1e-12)  # writes acc, reads acc and grad
 
@@ -119,9 +121,9 @@ def test_machine_file_rates_and_links():
     again = Machine.from_json(m.to_json(), "here")
     assert again == m
     with pytest.raises(MachineError, match="not one gcompile.calibrate wrote"):
-        Machine.from_json(json.dumps({"format": 3, "cores": 2}), "bad.json")
-    with pytest.raises(MachineError, match="has format 2, this gcompile reads 3; measure again"):
-        Machine.from_json("{\"format\": 2}", "old.json")
+        Machine.from_json(json.dumps({"format": 4, "cores": 2}), "bad.json")
+    with pytest.raises(MachineError, match="has format 3, this gcompile reads 4; measure again"):
+        Machine.from_json("{\"format\": 3}", "old.json")
 
 
 def tiny(**parallel):
@@ -211,12 +213,13 @@ def test_ranks_in_a_bubble_leave_the_cores_to_the_others():
     cache = BuildCache()
     origin = Coords.from_rank(0, config.mesh_sizes)
     column = [build_rank_program(config, origin.moved(pp=r), log=lambda _: None, cache=cache) for r in range(2)]
-    machine = dataclasses.replace(flat_machine(), contention={"1": 1.0, "2": 2.0})
+    machine = dataclasses.replace(flat_machine(), contention={"1": 1.0, "2": 2.0}, host_contention={"1": 1.0, "2": 2.0})
     got = predict(column, rates_for(machine, 2, 1, shm_tp=False))
 
     def fixed(slowdown: float):  # a machine where any number of ranks at once computes `slowdown` times slower
-        return predict(column, rates_for(dataclasses.replace(machine, contention={"1": slowdown, "2": slowdown}), 2,
-                                         1, shm_tp=False))
+        every = {"1": slowdown, "2": slowdown}
+        return predict(column, rates_for(dataclasses.replace(machine, contention=every, host_contention=every), 2, 1,
+                                         shm_tp=False))
     computing = 2 * (1 - got.bubble_fraction)
     assert 1 < computing < 2
     assert fixed(1.0).step_seconds < got.step_seconds < fixed(2.0).step_seconds
