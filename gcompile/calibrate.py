@@ -167,8 +167,8 @@ def _rank_main(rank: int, world: int, store_path: str, transports: list[str], re
                             timeout=timedelta(minutes=5))
     if "shm" in transports:
         shm_group.register()
-    found = {"contention": {tokens: _contention(tokens, n) for tokens, n in repeats.items()} if device == "cpu"
-             else {}}
+    found = {"contention": {str(tokens): _contention(tokens, n) for tokens, n in repeats.items()}
+             if device == "cpu" else {}}
     for transport in transports:
         name = f"calibrate_{transport}"
         register_group(name, dist.new_group(list(range(world)), backend=shm_group.BACKEND if transport == "shm"

@@ -74,14 +74,18 @@ class Rates:
     def transport(self, role: str) -> str:
         return self.transports.get(role, self.default_transport)
 
+    def sharing(self, ranks: float) -> "Rates":
+        """These rates with `ranks` computing at once on the machine's cores (both slowdowns)."""
+        return dataclasses.replace(self, slowdown=self.machine.slowdown(ranks),
+                                   host_slowdown=self.machine.slowdown(ranks, host=True))
+
 
 def rates_for(machine: Machine, world_size: int, threads: int, shm_tp: bool) -> Rates:
     """A rank's share: `threads` each, all ranks of the world on this machine's cores (a GPU each on a GPU
     machine)."""
     if machine.on_gpu:
         return Rates(machine, threads, 1.0, 1.0, {}, "nccl")
-    return Rates(machine, threads, machine.slowdown(world_size), machine.slowdown(world_size, host=True),
-                 {"tp": "shm"} if shm_tp else {}, "gloo", world_size)
+    return Rates(machine, threads, 1.0, 1.0, {"tp": "shm"} if shm_tp else {}, "gloo", world_size).sharing(world_size)
 
 
 def rates_of(config: RunConfig, machine: Machine) -> Rates:
@@ -239,8 +243,7 @@ def predict(column: list[RankProgram], rates: Rates) -> Prediction:
         computing = rates.ranks * (1 - prediction.bubble_fraction)
         if rates.machine.on_gpu or abs(rates.machine.slowdown(computing) - rates.slowdown) < 1e-3:
             break
-        rates = dataclasses.replace(rates, slowdown=rates.machine.slowdown(computing),
-                                    host_slowdown=rates.machine.slowdown(computing, host=True))
+        rates = rates.sharing(computing)
         prediction = _predict(column, rates)
     return prediction
 
