@@ -196,11 +196,14 @@ def main() -> int:
         return 2
     chosen = [int(i) for i in args.only.split(",")] if args.only else range(len(LAYOUTS))
     cache = BuildCache()
+    waits = ", ".join(f"k={k} {w.get(k, 0) * 1e3:.1f}/{w.get('send_recv', 0) * 1e3:.1f} ms"
+                      for k, w in machine.waits.get("gloo", {}).items())
     print(f"model: {args.n_layer} layers, {args.n_embd} wide, {args.n_head} heads, T={args.seq_length}, global batch "
           f"{GLOBAL_BATCH}; FX graphs; median of {args.iters} steps after {args.warmup}; machine "
           f"{machine.description}; slowdown with k ranks computing at once: "
           f"{', '.join(f'k={k} {f:.2f}x' for k, f in machine.contention.items())} (operator calls: "
-          f"{', '.join(f'{f:.2f}x' for f in machine.host_contention.values())})")
+          f"{', '.join(f'{f:.2f}x' for f in machine.host_contention.values())}); a gloo rank's wait (all-reduce of "
+          f"all / a message): {waits}")
     print(f"{'#':>2} {'layout':<34} {'ranks':>5} {'step ms':>8} {'pred':>8} {'err':>6} {'mem MiB':>8} {'pred':>8} "
           f"{'err':>6} {'bubble':>7} {'pred':>7} {'opt ms':>7} {'pred':>7}")
     rows = []

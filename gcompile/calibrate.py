@@ -15,7 +15,10 @@ GPU): how much slower each computes while all do (the cores shared), and all-red
 all-gather, reduce-scatter and all-to-all over them, each at 8 KiB, 1 MiB and
 4 MiB (the latency from the smallest, the bandwidth from the two largest); in the world of two,
 send/recv (half a round trip). Transports: gloo, and on CPU the shared-memory tp
-group (gcompile/shm_group.py); on GPUs nccl.
+group (gcompile/shm_group.py); on GPUs nccl. Last, on CPU, what a gloo rank loses
+each time it waits on the others while every rank computes between waits (an
+all-reduce of pairs and of all, a message): it gives up its core and waits to be
+run again.
 """
 
 import argparse
@@ -179,6 +182,8 @@ def _rank_main(rank: int, world: int, store_path: str, transports: list[str], re
         if transport != "shm" and world == 2:
             seconds = [_send_recv_seconds(nbytes, rank, dist.group.WORLD, device) for nbytes in SIZES]
             found[transport]["send_recv"] = _link(seconds)
+    if device == "cpu":
+        found["waits"] = _waits(transports, rank, world)
     if rank == 0:
         with open(out, "w") as f:
             json.dump(found, f)
@@ -204,6 +209,62 @@ def _contention(tokens: int, repeats: int, rounds: int = 5) -> float:
         dist.all_reduce(together, op=dist.ReduceOp.MAX)
         ratios.append(together.item() / alone.item())
     return statistics.median(ratios)
+
+
+WAIT_TOKENS, WAIT_ROUNDS, WAIT_BLOCKS = 128, 8, 4
+"""The work between two waits (about 3 ms alone here), waits per timed block, and blocks per wait."""
+
+
+def _waits(transports: list[str], rank: int, world: int) -> dict[str, dict[str, float]]:
+    """transport -> what a rank waits on ("2": an all-reduce of pairs of ranks, "<world>": of every rank,
+    "send_recv": one message of a round trip between pairs) -> the seconds it loses beyond the call itself when
+    every rank computes between waits, as ranks of a run do: a rank that waits gives up its core, and while the
+    cores are shared it gets one back only when the scheduler next runs it. A block of rounds of work alone,
+    then a block of rounds of work and the wait, in turn (runs of consecutive waits, as a graph's are: a wait
+    after work alone, which lets the ranks drift apart, costs more); a wait costs the median over the blocks of
+    the difference per round (each block's time its slowest rank's), less what the same call takes with the
+    ranks lined up and idle (what the link measured)."""
+    work = workload("cpu", WAIT_TOKENS)
+    work()
+    x = torch.ones(SIZES[0] // 4)
+    peer = rank ^ 1
+
+    def round_trip():
+        first, second = (dist.send, dist.recv) if rank % 2 == 0 else (dist.recv, dist.send)
+        first(x, peer)
+        second(x, peer)
+
+    calls = {}
+    for transport in transports:
+        if transport == "shm":
+            continue  # its ranks poll, keeping their cores: gcompile.cost_model.predict counts them computing
+        pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)] if world > 2 else []
+        if pairs:
+            register_group(f"calibrate_{transport}_pair", pairs[rank // 2])
+        groups = {str(world): f"calibrate_{transport}", **({"2": f"calibrate_{transport}_pair"} if pairs else {})}
+        for what, name in groups.items():
+            calls[(transport, what)] = lambda name=name: collectives.all_reduce(x, name)
+        calls[(transport, "send_recv")] = round_trip
+    lost = {key: [] for key in calls}
+    for key, call in calls.items():
+        for _ in range(WAIT_BLOCKS):
+            blocks = []
+            for waits in (False, True):
+                dist.barrier()
+                start = time.perf_counter()
+                for _ in range(WAIT_ROUNDS):
+                    work()
+                    if waits:
+                        call()
+                blocks.append(torch.tensor(time.perf_counter() - start))
+                dist.all_reduce(blocks[-1], op=dist.ReduceOp.MAX)
+            lost[key].append((blocks[1] - blocks[0]).item() / WAIT_ROUNDS)
+    idle = torch.tensor([_lined_up(call, dist.group.WORLD, "cpu") for call in calls.values()])
+    dist.all_reduce(idle)
+    found = {}
+    for (transport, what), seconds in zip(calls, torch.tensor([statistics.median(lost[key]) for key in calls]) - idle / world):
+        found.setdefault(transport, {})[what] = max(seconds.item(), 0.0) / (2 if what == "send_recv" else 1)
+    return found
 
 
 def _timed_repeats(work: Callable[[], None], repeats: int) -> float:
@@ -269,14 +330,15 @@ COMPUTE_TOKENS, HOST_TOKENS = 1024, 16
 operator calls, host work (2.4x: time slices cost such work more)."""
 
 
-def measure_collectives(device: str, log) -> tuple[dict[str, float], dict[str, float], dict]:
+def measure_collectives(device: str, log) -> tuple[dict[str, float], dict[str, float], dict, dict]:
     """(compute slowdown by ranks at once, the same for operator calls, links by transport, kind and group
-    size), from a world of 2, 4 and 8 ranks each (on GPUs: one of every GPU)."""
+    size, waits by transport, ranks and what is waited), from a world of 2, 4 and 8 ranks each (on GPUs: one
+    of every GPU, and no waits: each rank has its own)."""
     sizes = [torch.cuda.device_count()] if device == "cuda" else [2, 4, 8]
     transports = ["nccl"] if device == "cuda" else ["gloo"] + (["shm"] if shm_group.available() else [])
-    contention, host_contention, links = {"1": 1.0}, {"1": 1.0}, {}
+    contention, host_contention, links, waits = {"1": 1.0}, {"1": 1.0}, {}, {}
     if sizes[0] < 2:
-        return contention, host_contention, links
+        return contention, host_contention, links, waits
     torch.set_num_threads(1)
     repeats = {tokens: max(1, int(0.3 / timed(workload("cpu", tokens), "cpu")))  # 0.3 s: round starts skew less
                for tokens in (COMPUTE_TOKENS, HOST_TOKENS)}
@@ -289,12 +351,14 @@ def measure_collectives(device: str, log) -> tuple[dict[str, float], dict[str, f
             with open(out) as f:
                 raw = json.load(f)
         slowdowns = raw.pop("contention")
+        for transport, what in raw.pop("waits", {}).items():
+            waits.setdefault(transport, {})[str(world)] = what
         contention[str(world)] = slowdowns.get(str(COMPUTE_TOKENS), 1.0)
         host_contention[str(world)] = slowdowns.get(str(HOST_TOKENS), 1.0)
         for transport, kinds in raw.items():
             for kind, link in kinds.items():
                 links.setdefault(transport, {}).setdefault(kind, {})[str(world)] = Link(**link)
-    return contention, host_contention, links
+    return contention, host_contention, links, waits
 
 
 def calibrate(log=print) -> Machine:
@@ -303,10 +367,10 @@ def calibrate(log=print) -> Machine:
     log(f"calibrating {description}")
     start = time.perf_counter()
     compute = measure_compute(device, log)
-    contention, host_contention, collectives = measure_collectives(device, log)
+    contention, host_contention, collectives, waits = measure_collectives(device, log)
     log(f"measured in {time.perf_counter() - start:.0f} s")
     return Machine(fingerprint=key, description=description, cores=os.cpu_count() or 1, collectives=collectives,
-                   contention=contention, host_contention=host_contention, **compute)
+                   contention=contention, host_contention=host_contention, waits=waits, **compute)
 
 
 def describe(machine: Machine) -> str:
@@ -326,6 +390,11 @@ def describe(machine: Machine) -> str:
         f"k={k} {f:.2f}x" for k, f in machine.host_contention.items()))
     lines.append("  compute slowdown with k ranks at once: " + ", ".join(f"k={k} {f:.2f}x"
                                                                         for k, f in machine.contention.items()))
+    for transport, worlds in machine.waits.items():
+        for world, waited in worlds.items():
+            lines.append(f"  {transport:<5} waits with {world} ranks sharing the cores: " + ", ".join(
+                f"{'a message' if what == 'send_recv' else f'all-reduce of {what}'} {seconds * 1e3:.1f} ms"
+                for what, seconds in waited.items()))
     for transport, kinds in machine.collectives.items():
         for kind, sizes in kinds.items():
             lines.append(f"  {transport:<5} {kind:<23} " + ", ".join(

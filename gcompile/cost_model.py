@@ -9,21 +9,26 @@ A graph's time is its nodes walked in order, as the runtime runs them:
     a collective (start)                     queued on the rank's one communication channel:
                                              starts when issued and the channel is free, lasts
                                              latency + bytes / bandwidth of its transport, kind, group size
+                                             (+ on shared cores, the measured wait to be run again)
     wait_tensor                              the graph's clock moves to the collective's end
 
 so a collective waited at once costs its whole time, and one the overlap passes
 start early (tp_comm_overlap, bucket overlap) costs only what compute between its
 start and its wait does not cover. Ranks that share cores compute slower, by what
 the machine file measured for as many ranks computing at once (operator calls by
-the slowdown measured for host work, the rest by that for arithmetic).
+the slowdown measured for host work, the rest by that for arithmetic), and a gloo
+rank that waits loses the measured time to be run again (`predict` says how).
 
 A rank's iteration is its pipeline schedule simulated (gcompile.schedule.simulate)
-with every F, B and W costed from the graph its instruction runs, each message
-arriving latency + bytes / bandwidth after its send, then the optimizer step
-(the slowest rank's: its gradient-norm all-reduce lines the ranks up).
+with every F, B and W costed from the graph its instruction runs, at the slowdown
+of the ranks computing while it runs, each message arriving latency + bytes /
+bandwidth (+ the wait) after its send, then the optimizer step (the slowest rank's:
+its gradient-norm all-reduce lines the ranks up).
 """
 
+import bisect
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -38,7 +43,7 @@ from gcompile.comm_summary import collective_bytes
 from gcompile.flops import SAME_FLOPS_AS, node_flops
 from gcompile.machine import Machine
 from gcompile.rank_program import RankProgram
-from gcompile.schedule import Action, Kind, simulate
+from gcompile.schedule import Action, Kind, Span, simulate
 
 aten = torch.ops.aten
 
@@ -132,9 +137,19 @@ def _tensors(value) -> list[torch.Tensor]:
 
 
 def collective_seconds(kind: str, group: str, nbytes: int, size: int, rates: Rates) -> float:
+    """The link's time, and on shared cores what waiting for the group's ranks to be run again costs."""
     if size <= 1:
         return 0.0
-    return rates.machine.link(rates.transport(group), SAME_LINK_AS.get(kind, kind), size).seconds(nbytes)
+    transport = rates.transport(group)
+    return rates.machine.link(transport, SAME_LINK_AS.get(kind, kind), size).seconds(nbytes) + \
+        rates.machine.wait_seconds(transport, rates.ranks, size)
+
+
+def message_seconds(nbytes: int, group: str, rates: Rates) -> float:
+    """A pipeline message, sent until received, waiting on shared cores included."""
+    transport = rates.transport(group)
+    return rates.machine.link(transport, "send_recv", 2).seconds(nbytes) + \
+        rates.machine.wait_seconds(transport, rates.ranks, "send_recv")
 
 
 def graph_time(gm: fx.GraphModule, rates: Rates, group_sizes: dict[str, int]) -> GraphTime:
@@ -194,8 +209,7 @@ def rank_time(program: RankProgram, rates: Rates) -> RankTime:
                 compute[instruction.action] = graphs[name].seconds + _accumulate_seconds(program, instruction, rates)
         elif instruction.op in (Kind.SEND_F, Kind.SEND_B):
             nbytes = message_bytes(next(sends_in_order))
-            sends[instruction.action] = rates.machine.link(rates.transport(instruction.group), "send_recv", 2) \
-                .seconds(nbytes)
+            sends[instruction.action] = message_seconds(nbytes, instruction.group, rates)
     return RankTime(compute, busy, sends, graphs["optimizer"].seconds, graphs)
 
 
@@ -223,7 +237,9 @@ class Prediction:
     bubble_fraction: float
     """The simulated share of pipeline rank-time not inside a graph (waiting, or adding up gradients)."""
     ranks: tuple[RankTime, ...]
-    """Per pipeline rank."""
+    """Per pipeline rank, every rank of the world computing at once."""
+    spans: tuple[tuple[Span, ...], ...] = ()
+    """Per pipeline rank, its F, B and W placed in time."""
 
     def __str__(self) -> str:
         return (f"predicted {self.step_seconds * 1e3:.1f} ms per iteration = pipeline {self.pipeline_seconds * 1e3:.1f} "
@@ -232,40 +248,80 @@ class Prediction:
 
 def predict(column: list[RankProgram], rates: Rates) -> Prediction:
     """The iteration of a world from one program per pipeline rank (`column[r]` at pp position r; ranks that
-    differ only in tp, cp or dp position cost the same). On CPU cores the ranks share, a rank in a bubble
-    computes nothing: compute slows by the machine's slowdown for the ranks that compute at once on average,
-    world x (1 - bubble), found by simulating again until it settles. Not with shared-memory tp groups:
-    their ranks wait by polling and yielding (gcompile/shm_group.py), which keeps taking a share of the
+    differ only in tp, cp or dp position cost the same). On CPU cores the ranks share, a rank that waits in a
+    pipeline bubble computes nothing, so an action computes at the slowdown of the ranks computing while it
+    runs: in 1f1b's steady state every rank computes, in its warm-up and cool-down few do. Each action's cost
+    lies between its cost with one rank computing and with all of them, by the slowdown for the ranks busy
+    during its span in the previous simulation (a pipeline rank's busy spans count its world / pp replicas),
+    simulated again until it settles. The optimizer step runs on every rank at once. Not with shared-memory tp
+    groups: their ranks wait by polling and yielding (gcompile/shm_group.py), which keeps taking a share of the
     cores (measured here: tp2 pp2 ran as if all four ranks computed throughout)."""
-    prediction = _predict(column, rates)
+    full = [rank_time(program, rates) for program in column]
     polls = rates.transport("tp") == "shm" and column[0].coords.size("tp") > 1
-    for _ in range(0 if polls else 3):  # ranks waiting in a pipeline bubble leave the cores to the others
-        computing = rates.ranks * (1 - prediction.bubble_fraction)
-        if rates.machine.on_gpu or abs(rates.machine.slowdown(computing) - rates.slowdown) < 1e-3:
+    if rates.machine.on_gpu or polls or rates.ranks <= 1:
+        return _predict(column, full, full, lambda a: 1.0, full)
+    alone = [rank_time(program, rates.sharing(1)) for program in column]
+    low, high = rates.machine.slowdown(1), rates.slowdown
+    replicas = rates.ranks / len(column)
+    computing = {}  # action -> ranks of the world computing during it, from the last simulation (first: all)
+
+    def share(a: Action) -> float:
+        k = computing.get(a, rates.ranks)
+        return 1.0 if high <= low else (rates.machine.slowdown(k) - low) / (high - low)
+    for _ in range(6):
+        prediction = _predict(column, alone, full, share, full)
+        found = _concurrency(prediction.spans, replicas)
+        if computing and all(abs(k - computing[a]) < 0.05 for a, k in found.items()):
             break
-        rates = rates.sharing(computing)
-        prediction = _predict(column, rates)
+        computing = {a: (k + computing[a]) / 2 if computing else k for a, k in found.items()}  # then halfway:
+        # an action made cheaper overlaps less with the others, which would make it dearer again
     return prediction
 
 
-def _predict(column: list[RankProgram], rates: Rates) -> Prediction:
+def _concurrency(spans: tuple[tuple[Span, ...], ...], replicas: float) -> dict[Action, float]:
+    """Each span's action -> the mean number of the world's ranks computing while it runs."""
+    edges = sorted({t for rank in spans for s in rank for t in (s.start, s.end)})
+    count = [0] * len(edges)
+    for rank in spans:
+        for s in rank:
+            for i in range(bisect.bisect_left(edges, s.start), bisect.bisect_left(edges, s.end)):
+                count[i] += 1
+    area = [0.0]
+    for i in range(len(edges) - 1):
+        area.append(area[-1] + count[i] * (edges[i + 1] - edges[i]))
+    found = {}
+    for rank in spans:
+        for s in rank:
+            if s.end > s.start:
+                inside = area[bisect.bisect_left(edges, s.end)] - area[bisect.bisect_left(edges, s.start)]
+                found[s.action] = replicas * inside / (s.end - s.start)
+    return found
+
+
+def _predict(column: list[RankProgram], alone: list[RankTime], full: list[RankTime],
+             share: Callable[[Action], float], optimizer: list[RankTime]) -> Prediction:
+    """The pipeline simulated with each action's cost `share(action)` of the way from `alone` to `full`."""
     schedule = column[0].schedule
-    times = [rank_time(program, rates) for program in column]
+
+    def between(table: str, a: Action) -> float:
+        rank = schedule.stage_rank(a.stage)
+        low, high = getattr(alone[rank], table).get(a, 0.0), getattr(full[rank], table).get(a, 0.0)
+        return low + share(a) * (high - low)
 
     def cost(a: Action) -> float:
-        return times[schedule.stage_rank(a.stage)].compute.get(a, 0.0)
+        return between("compute", a)
 
     def whole_backward(a: Action) -> float:  # simulate() takes B as the whole backward and W as its share
         return cost(a) + (cost(Action(a.stage, Kind.W, a.mb)) if schedule.splits_backward else 0.0)
 
     def send(a: Action) -> float:
-        return times[schedule.stage_rank(a.stage)].sends.get(a, 0.0)
+        return full[schedule.stage_rank(a.stage)].sends.get(a, 0.0)
 
     result = simulate(schedule, f_time=cost, b_time=whole_backward, w_time=cost, send_time=send)
-    optimizer = max(t.optimizer for t in times)
-    busy = sum(sum(t.busy.values()) for t in times)
-    return Prediction(result.makespan + optimizer, result.makespan, optimizer,
-                      1 - busy / (schedule.pp * result.makespan), tuple(times))
+    step = max(t.optimizer for t in optimizer)
+    busy = sum(between("busy", s.action) for rank in result.spans for s in rank)
+    return Prediction(result.makespan + step, result.makespan, step, 1 - busy / (schedule.pp * result.makespan),
+                      tuple(full), result.spans)
 
 
 def pipeline_column(programs: dict[int, RankProgram]) -> list[RankProgram]:

@@ -17,11 +17,11 @@ import json
 import math
 import os
 import platform
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
-FORMAT = 4
+FORMAT = 5
 """Bumped when the file's fields change; an older file is measured again."""
 
 
@@ -65,6 +65,11 @@ class Machine:
     """ranks computing at once ("1", "2", ...) -> how many times slower each computes than one alone (CPU)."""
     host_contention: dict[str, float]
     """The same for operator calls (host work between kernels), which time slices slow more."""
+    waits: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
+    """transport -> ranks sharing the cores ("2", "4", "8") -> what a rank waits on ("2": an all-reduce of two
+    ranks, "4": of four, ..., "send_recv": a message) -> seconds it loses beyond the call's own time, because
+    a rank that waits gives up its core and gets one back only when the scheduler next runs it (CPU gloo only:
+    shm ranks poll, and on GPUs each rank has its own)."""
     format: int = FORMAT
 
     def to_json(self) -> str:
@@ -121,6 +126,31 @@ class Machine:
                 return f0 + (ranks - k0) / (k1 - k0) * (f1 - f0)
         k, f = points[-1]
         return f * ranks / k
+
+    def wait_seconds(self, transport: str, ranks: int, waited: str | int) -> float:
+        """What a wait on `waited` (a group size, or "send_recv") costs with `ranks` sharing the cores: linear
+        between the measured rank counts, grown in proportion beyond the largest; a group size between the
+        measured two and all ranks, linear between those. A transport never measured (shm, whose ranks poll
+        and keep their cores; nccl, a GPU each) costs no wait."""
+        worlds = self.waits.get(transport, {})
+        points = sorted((int(k), self._waited(measured, waited, int(k))) for k, measured in worlds.items())
+        if not points or ranks < points[0][0]:
+            return 0.0
+        for (k0, s0), (k1, s1) in zip(points, points[1:]):
+            if ranks <= k1:
+                return s0 + (ranks - k0) / (k1 - k0) * (s1 - s0)
+        k, seconds = points[-1]
+        return seconds * ranks / k
+
+    @staticmethod
+    def _waited(measured: dict[str, float], waited: str | int, ranks: int) -> float:
+        if waited == "send_recv":
+            return measured.get("send_recv", 0.0)
+        size = min(int(waited), ranks)
+        if size < 2:
+            return 0.0
+        pair, everyone = measured.get("2", 0.0), measured.get(str(ranks), 0.0)
+        return pair if ranks == 2 else pair + (size - 2) / (ranks - 2) * (everyone - pair)
 
     def link(self, transport: str, kind: str, size: int) -> Link:
         """The measured link, or for a group larger than any measured one the largest, scaled as a ring scales:

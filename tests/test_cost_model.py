@@ -14,11 +14,11 @@ from gcompile.axes import Coords
 from gcompile.calibrate import SIZES, _link
 from gcompile.check import check_plan
 from gcompile.config import build_config
-from gcompile.cost_model import Rates, graph_time, predict, rates_for
+from gcompile.cost_model import Rates, _concurrency, graph_time, predict, rates_for
 from gcompile.machine import Link, Machine, MachineError, rate_at
 from gcompile.pipeline import BuildCache, build_rank_program
 from gcompile.plan import configure, evaluate, search
-from gcompile.schedule import build_schedule, simulate
+from gcompile.schedule import Action, Kind, Span, build_schedule, simulate
 from gcompile.world import build_world
 
 c10d = torch.ops._c10d_functional
@@ -67,6 +67,9 @@ def test_graph_time_overlaps_a_collective_with_the_compute_before_its_wait():
     assert got.seconds == pytest.approx(mm + max(add, reduce), rel=1e-12)  # the add runs under the all-reduce
     alone = graph_time(hand_graph(), rates, {"tp": 1})  # a group of one rank: no collective
     assert alone.seconds == pytest.approx(mm + add, rel=1e-12)
+    waiting = dataclasses.replace(flat_machine(), waits={"gloo": {"2": {"2": 7e-3}}})
+    slow = graph_time(hand_graph(), Rates(waiting, 1, 1.0, 1.0, {}, "gloo", ranks=2), {"tp": 2})
+    assert slow.seconds == pytest.approx(mm + reduce + 7e-3, rel=1e-12)  # on shared cores: the wait too
     shared = graph_time(hand_graph(), Rates(flat_machine(), 1, 3.0, 5.0, {}, "gloo"), {"tp": 1})
     assert shared.seconds == pytest.approx(5 * 2 * OP + 3 * (mm + add - 2 * OP), rel=1e-12)  # sharing cores:
     # arithmetic 3x slower, operator calls 5x
@@ -118,12 +121,20 @@ def test_machine_file_rates_and_links():
     assert m.link("shm", "all_reduce", 2) == m.link("gloo", "all_reduce", 2)  # unmeasured transport: gloo's
     shared = dataclasses.replace(m, contention={"1": 1.0, "2": 1.5})
     assert (shared.slowdown(1.5), shared.slowdown(2), shared.slowdown(4)) == (1.25, 1.5, 3.0)  # beyond: in proportion
+    waits = dataclasses.replace(m, waits={"gloo": {"2": {"2": 1.0, "send_recv": 0.5},
+                                                    "4": {"2": 2.0, "4": 6.0, "send_recv": 1.5}}})
+    assert waits.wait_seconds("gloo", 1, 2) == 0.0  # no core shared
+    assert waits.wait_seconds("gloo", 4, 3) == 4.0  # a group between the pairs and all four: linear
+    assert waits.wait_seconds("gloo", 3, 2) == 1.5  # between measured worlds: linear
+    assert waits.wait_seconds("gloo", 8, "send_recv") == 3.0  # beyond: in proportion
+    assert waits.wait_seconds("shm", 2, 2) == 0.0  # its ranks poll: nothing measured, no wait
+    assert Machine.from_json(waits.to_json(), "here") == waits
     again = Machine.from_json(m.to_json(), "here")
     assert again == m
     with pytest.raises(MachineError, match="not one gcompile.calibrate wrote"):
-        Machine.from_json(json.dumps({"format": 4, "cores": 2}), "bad.json")
-    with pytest.raises(MachineError, match="has format 3, this gcompile reads 4; measure again"):
-        Machine.from_json("{\"format\": 3}", "old.json")
+        Machine.from_json(json.dumps({"format": 5, "cores": 2}), "bad.json")
+    with pytest.raises(MachineError, match="has format 4, this gcompile reads 5; measure again"):
+        Machine.from_json("{\"format\": 4}", "old.json")
 
 
 def tiny(**parallel):
@@ -206,24 +217,30 @@ def test_plan_command_needs_a_machine_file(tmp_path):
         f"--out {missing}"]
 
 
-def test_ranks_in_a_bubble_leave_the_cores_to_the_others():
-    """pp 2 on a machine where 2 ranks computing at once each run 2x slower (1 alone: 1x): the prediction
-    settles where the slowdown is the one for world x (1 - bubble) ranks computing on average."""
-    config = tiny(pp=2, micro_batch_size=1)
-    cache = BuildCache()
-    origin = Coords.from_rank(0, config.mesh_sizes)
-    column = [build_rank_program(config, origin.moved(pp=r), log=lambda _: None, cache=cache) for r in range(2)]
+def test_an_action_computes_at_the_slowdown_of_the_ranks_computing_while_it_runs():
+    """Spans by hand: the mean number of ranks busy over each span, each pipeline rank's count times its
+    replicas. Then pp 2 on a machine where 2 ranks computing at once each run 2x slower (1 alone: 1x): with one
+    microbatch no action overlaps another, so the pipeline costs what it costs alone and only the optimizer
+    step, every rank at once, pays the slowdown; with 8, the steady state does."""
+    spans = ((Span(Action(0, Kind.F, 0), 0.0, 2.0),), (Span(Action(1, Kind.F, 0), 1.0, 3.0),
+                                                        Span(Action(1, Kind.B, 0), 3.0, 4.0)))
+    assert _concurrency(spans, replicas=2) == {Action(0, Kind.F, 0): 3.0, Action(1, Kind.F, 0): 3.0,
+                                               Action(1, Kind.B, 0): 2.0}
     machine = dataclasses.replace(flat_machine(), contention={"1": 1.0, "2": 2.0}, host_contention={"1": 1.0, "2": 2.0})
-    got = predict(column, rates_for(machine, 2, 1, shm_tp=False))
 
-    def fixed(slowdown: float):  # a machine where any number of ranks at once computes `slowdown` times slower
-        every = {"1": slowdown, "2": slowdown}
-        return predict(column, rates_for(dataclasses.replace(machine, contention=every, host_contention=every), 2, 1,
-                                         shm_tp=False))
-    computing = 2 * (1 - got.bubble_fraction)
-    assert 1 < computing < 2
-    assert fixed(1.0).step_seconds < got.step_seconds < fixed(2.0).step_seconds
-    assert got.step_seconds == pytest.approx(fixed(machine.slowdown(computing)).step_seconds, rel=1e-2)
+    def predicted(microbatches: int, slowdown: float | None = None):
+        config = dataclasses.replace(tiny(pp=2, micro_batch_size=1), train=dataclasses.replace(
+            tiny().train, micro_batch_size=1, global_batch_size=microbatches))
+        origin, cache = Coords.from_rank(0, config.mesh_sizes), BuildCache()
+        column = [build_rank_program(config, origin.moved(pp=r), log=lambda _: None, cache=cache) for r in range(2)]
+        every = {"1": slowdown, "2": slowdown}  # a machine where any number of ranks computes this much slower
+        used = machine if slowdown is None else dataclasses.replace(machine, contention=every, host_contention=every)
+        return predict(column, rates_for(used, 2, 1, shm_tp=False))
+    one = predicted(1)
+    assert one.pipeline_seconds == pytest.approx(predicted(1, 1.0).pipeline_seconds, rel=1e-12)
+    assert one.optimizer_seconds == pytest.approx(predicted(1, 2.0).optimizer_seconds, rel=1e-12)
+    eight = predicted(8)
+    assert predicted(8, 1.0).pipeline_seconds * 1.2 < eight.pipeline_seconds < predicted(8, 2.0).pipeline_seconds
 
 
 def test_planner_saves_memory_only_for_a_layout_over_the_budget():
