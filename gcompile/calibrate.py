@@ -1,6 +1,6 @@
 """Measure this machine for the cost model and write its machine file (gcompile/machine.py).
 
-    python -m gcompile.calibrate                 # measure (about a minute on 2 cores), write, print
+    python -m gcompile.calibrate                 # measure (about 75 s on 2 cores), write, print
     python -m gcompile.calibrate --show          # print the file in use, measure nothing
     python -m gcompile.calibrate --out FILE      # write FILE too (a GPU's file kept in the repo)
 
@@ -217,24 +217,42 @@ WAIT_TOKENS, WAIT_ROUNDS, WAIT_BLOCKS = 128, 8, 4
 
 def _waits(transports: list[str], rank: int, world: int) -> dict[str, dict[str, float]]:
     """transport -> what a rank waits on ("2": an all-reduce of pairs of ranks, "<world>": of every rank,
-    "send_recv": one message of a round trip between pairs) -> the seconds it loses beyond the call itself when
-    every rank computes between waits, as ranks of a run do: a rank that waits gives up its core, and while the
-    cores are shared it gets one back only when the scheduler next runs it. A block of rounds of work alone,
-    then a block of rounds of work and the wait, in turn (runs of consecutive waits, as a graph's are: a wait
-    after work alone, which lets the ranks drift apart, costs more); a wait costs the median over the blocks of
-    the difference per round (each block's time its slowest rank's), less what the same call takes with the
-    ranks lined up and idle (what the link measured)."""
+    "send_recv": a pipeline message) -> the seconds it loses beyond the call itself while the cores are
+    shared: a rank that waits gives up its core and gets one back only when the scheduler next runs it.
+    An all-reduce: a block of rounds of work alone against one of work and the all-reduce (consecutive
+    waits, as a graph's are), every rank computing. A message: the pair's ranks compute in turn, each message
+    waking the other from its receive (a pipeline's hand-over), against each computing all its rounds in one
+    go while the other sleeps. A wait costs the median over blocks of the difference per wait (a block's time
+    its slowest rank's), less what the call takes with the ranks lined up and idle (what the link measured)."""
     work = workload("cpu", WAIT_TOKENS)
     work()
     x = torch.ones(SIZES[0] // 4)
-    peer = rank ^ 1
+    peer, first = rank ^ 1, rank % 2 == 0
 
     def round_trip():
-        first, second = (dist.send, dist.recv) if rank % 2 == 0 else (dist.recv, dist.send)
-        first(x, peer)
-        second(x, peer)
+        for step in (dist.send, dist.recv) if first else (dist.recv, dist.send):
+            step(x, peer)
 
-    calls = {}
+    def hand_overs(waits: bool) -> None:
+        turns, rounds = (WAIT_ROUNDS, 1) if waits else (1, WAIT_ROUNDS)
+        for _ in range(turns):
+            if not first:
+                dist.recv(x, peer)
+            for _ in range(rounds):
+                work()
+            dist.send(x, peer)
+            if first:
+                dist.recv(x, peer)
+
+    def all_reduces(name: str) -> Callable[[bool], None]:
+        def block(waits: bool) -> None:
+            for _ in range(WAIT_ROUNDS):
+                work()
+                if waits:
+                    collectives.all_reduce(x, name)
+        return block
+
+    measured = {}  # (transport, what) -> (a block with or without the waits, waits more with, one idle call per wait)
     for transport in transports:
         if transport == "shm":
             continue  # its ranks poll, keeping their cores: gcompile.cost_model.predict counts them computing
@@ -243,27 +261,28 @@ def _waits(transports: list[str], rank: int, world: int) -> dict[str, dict[str, 
             register_group(f"calibrate_{transport}_pair", pairs[rank // 2])
         groups = {str(world): f"calibrate_{transport}", **({"2": f"calibrate_{transport}_pair"} if pairs else {})}
         for what, name in groups.items():
-            calls[(transport, what)] = lambda name=name: collectives.all_reduce(x, name)
-        calls[(transport, "send_recv")] = round_trip
-    lost = {key: [] for key in calls}
-    for key, call in calls.items():
+            measured[(transport, what)] = (all_reduces(name), WAIT_ROUNDS,
+                                           _lined_up(lambda: collectives.all_reduce(x, name), dist.group.WORLD, "cpu"))
+        measured[(transport, "send_recv")] = (hand_overs, 2 * WAIT_ROUNDS - 2,
+                                              _lined_up(round_trip, dist.group.WORLD, "cpu") / 2)
+    lost = []
+    for block, waits, _ in measured.values():
+        per_wait = []
         for _ in range(WAIT_BLOCKS):
-            blocks = []
-            for waits in (False, True):
+            seconds = []
+            for with_waits in (False, True):
                 dist.barrier()
                 start = time.perf_counter()
-                for _ in range(WAIT_ROUNDS):
-                    work()
-                    if waits:
-                        call()
-                blocks.append(torch.tensor(time.perf_counter() - start))
-                dist.all_reduce(blocks[-1], op=dist.ReduceOp.MAX)
-            lost[key].append((blocks[1] - blocks[0]).item() / WAIT_ROUNDS)
-    idle = torch.tensor([_lined_up(call, dist.group.WORLD, "cpu") for call in calls.values()])
+                block(with_waits)
+                seconds.append(torch.tensor(time.perf_counter() - start))
+                dist.all_reduce(seconds[-1], op=dist.ReduceOp.MAX)
+            per_wait.append((seconds[1] - seconds[0]).item() / waits)
+        lost.append(statistics.median(per_wait))
+    idle = torch.tensor([call for _, _, call in measured.values()])
     dist.all_reduce(idle)
     found = {}
-    for (transport, what), seconds in zip(calls, torch.tensor([statistics.median(lost[key]) for key in calls]) - idle / world):
-        found.setdefault(transport, {})[what] = max(seconds.item(), 0.0) / (2 if what == "send_recv" else 1)
+    for (transport, what), seconds in zip(measured, (torch.tensor(lost) - idle / world).clamp(min=0).tolist()):
+        found.setdefault(transport, {})[what] = seconds
     return found
 
 

@@ -259,7 +259,7 @@ def predict(column: list[RankProgram], rates: Rates) -> Prediction:
     full = [rank_time(program, rates) for program in column]
     polls = rates.transport("tp") == "shm" and column[0].coords.size("tp") > 1
     if rates.machine.on_gpu or polls or rates.ranks <= 1:
-        return _predict(column, full, full, lambda a: 1.0, full)
+        return _predict(column, full, full, lambda a: 1.0)
     alone = [rank_time(program, rates.sharing(1)) for program in column]
     low, high = rates.machine.slowdown(1), rates.slowdown
     replicas = rates.ranks / len(column)
@@ -269,7 +269,7 @@ def predict(column: list[RankProgram], rates: Rates) -> Prediction:
         k = computing.get(a, rates.ranks)
         return 1.0 if high <= low else (rates.machine.slowdown(k) - low) / (high - low)
     for _ in range(6):
-        prediction = _predict(column, alone, full, share, full)
+        prediction = _predict(column, alone, full, share)
         found = _concurrency(prediction.spans, replicas)
         if computing and all(abs(k - computing[a]) < 0.05 for a, k in found.items()):
             break
@@ -299,8 +299,9 @@ def _concurrency(spans: tuple[tuple[Span, ...], ...], replicas: float) -> dict[A
 
 
 def _predict(column: list[RankProgram], alone: list[RankTime], full: list[RankTime],
-             share: Callable[[Action], float], optimizer: list[RankTime]) -> Prediction:
-    """The pipeline simulated with each action's cost `share(action)` of the way from `alone` to `full`."""
+             share: Callable[[Action], float]) -> Prediction:
+    """The pipeline simulated with each action's cost `share(action)` of the way from `alone` to `full`, then
+    the optimizer step at `full`."""
     schedule = column[0].schedule
 
     def between(table: str, a: Action) -> float:
@@ -318,7 +319,7 @@ def _predict(column: list[RankProgram], alone: list[RankTime], full: list[RankTi
         return full[schedule.stage_rank(a.stage)].sends.get(a, 0.0)
 
     result = simulate(schedule, f_time=cost, b_time=whole_backward, w_time=cost, send_time=send)
-    step = max(t.optimizer for t in optimizer)
+    step = max(t.optimizer for t in full)
     busy = sum(between("busy", s.action) for rank in result.spans for s in rank)
     return Prediction(result.makespan + step, result.makespan, step, 1 - busy / (schedule.pp * result.makespan),
                       tuple(full), result.spans)

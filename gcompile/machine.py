@@ -202,7 +202,7 @@ def default_path() -> str:
 def missing() -> str:
     """What to say when this machine was never measured."""
     return (f"this machine has no machine file ({default_path()}); measure it once with: "
-            f"python -m gcompile.calibrate (about 40 s)")
+            f"python -m gcompile.calibrate (about 75 s)")
 
 
 def load(path: str | None = None) -> Machine | None:

@@ -228,14 +228,18 @@ def test_an_action_computes_at_the_slowdown_of_the_ranks_computing_while_it_runs
                                                Action(1, Kind.B, 0): 2.0}
     machine = dataclasses.replace(flat_machine(), contention={"1": 1.0, "2": 2.0}, host_contention={"1": 1.0, "2": 2.0})
 
-    def predicted(microbatches: int, slowdown: float | None = None):
+    cache, columns = BuildCache(), {}
+    for microbatches in (1, 8):
         config = dataclasses.replace(tiny(pp=2, micro_batch_size=1), train=dataclasses.replace(
             tiny().train, micro_batch_size=1, global_batch_size=microbatches))
-        origin, cache = Coords.from_rank(0, config.mesh_sizes), BuildCache()
-        column = [build_rank_program(config, origin.moved(pp=r), log=lambda _: None, cache=cache) for r in range(2)]
+        origin = Coords.from_rank(0, config.mesh_sizes)
+        columns[microbatches] = [build_rank_program(config, origin.moved(pp=r), log=lambda _: None, cache=cache)
+                                 for r in range(2)]
+
+    def predicted(microbatches: int, slowdown: float | None = None):
         every = {"1": slowdown, "2": slowdown}  # a machine where any number of ranks computes this much slower
         used = machine if slowdown is None else dataclasses.replace(machine, contention=every, host_contention=every)
-        return predict(column, rates_for(used, 2, 1, shm_tp=False))
+        return predict(columns[microbatches], rates_for(used, 2, 1, shm_tp=False))
     one = predicted(1)
     assert one.pipeline_seconds == pytest.approx(predicted(1, 1.0).pipeline_seconds, rel=1e-12)
     assert one.optimizer_seconds == pytest.approx(predicted(1, 2.0).optimizer_seconds, rel=1e-12)
