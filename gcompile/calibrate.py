@@ -439,6 +439,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"python -m gcompile.calibrate: error: {machine_file.missing()}", file=sys.stderr)
             return 2
         print(describe(found))
+        print(f"read from {args.out or path}")
         return 0
     measured = calibrate()
     for target in [path] + ([args.out] if args.out else []):

@@ -186,11 +186,11 @@ class MemoryEstimate:
         return self.weights + self.grads + self.optimizer + self.activations + self.gathered + self.messages
 
     def __str__(self) -> str:
-        gib = 2 ** 30
-        gathered = f" + gathered {self.gathered / gib:.3f}" if self.gathered else ""
-        messages = f" + messages {self.messages / gib:.3f}" if self.messages else ""
-        return (f"{self.total / gib:8.3f} GiB = weights {self.weights / gib:.3f} + grads {self.grads / gib:.3f} "
-                f"+ optimizer {self.optimizer / gib:.3f} + activations {self.activations / gib:.3f}{gathered}"
+        mib = 2 ** 20  # as MeasuredMemory's, which the plan checker prints beside it
+        gathered = f" + gathered {self.gathered / mib:.3f}" if self.gathered else ""
+        messages = f" + messages {self.messages / mib:.3f}" if self.messages else ""
+        return (f"{self.total / mib:10.3f} MiB = weights {self.weights / mib:.3f} + grads {self.grads / mib:.3f} "
+                f"+ optimizer {self.optimizer / mib:.3f} + activations {self.activations / mib:.3f}{gathered}"
                 f"{messages}")
 
 
@@ -219,7 +219,7 @@ class MeasuredMemory:
     def __str__(self) -> str:
         mib = 2 ** 20
         step = f" (+ accumulator {self.during_step / mib:.3f} during a step)" if self.during_step else ""
-        return (f"measured {(self.weights + self.grads + self.optimizer) / mib:.3f} MiB = weights "
+        return (f"allocated {(self.weights + self.grads + self.optimizer) / mib:.3f} MiB = weights "
                 f"{self.weights / mib:.3f} + grads {self.grads / mib:.3f} + optimizer {self.optimizer / mib:.3f}"
                 f"{step}")
 

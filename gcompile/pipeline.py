@@ -161,7 +161,7 @@ def build_rank_program(config: RunConfig, coords: Coords, device: str = "cpu",
     if key not in cache.schedules:
         cache.schedules[key] = build_schedule(*key)
         if cache.schedules[key].num_stages > 1:
-            log(f"schedule {key[0]} pp={p.pp} vpp={p.virtual_pipeline_size} m={key[3]}: predicted bubble "
+            log(f"schedule {key[0]} pp={p.pp} vpp={p.virtual_pipeline_size} m={key[3]}: bubble at unit costs "
                 f"{simulate(cache.schedules[key]).bubble_fraction:.1%} (forward 1, backward 2"
                 f"{', of it W 1' if cache.schedules[key].splits_backward else ''})")
     schedule = cache.schedules[key]

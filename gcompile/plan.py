@@ -22,6 +22,7 @@ refusal; its time is gcompile.cost_model.predict with this machine's file (or
 
 import argparse
 import dataclasses
+import re
 import sys
 import time
 from collections import Counter
@@ -173,11 +174,14 @@ def format_search(found: Search, world: int, top: int, refused: int) -> str:
         lines.append(f"{i + 1:>3} {c.prediction.step_seconds * 1e3:9.1f} {c.memory / 2 ** 30:9.3f} "
                      f"{c.prediction.bubble_fraction:7.1%}  {describe(c.layout)}")
     if found.refused:
-        reasons = Counter(why.split(";")[0] for _, why in found.refused)
+        reasons = Counter(re.sub(r"needs about \S+ GiB", "needs more", why.split(";")[0]) for _, why in found.refused)
         shown = f"the first {min(refused, len(found.refused))}, then counts by reason" if refused else "by reason"
         lines.append(f"refused ({len(found.refused)}; {shown}):")
         lines += [f"  {describe(layout)}: {why}" for layout, why in found.refused[:refused]]
         lines += [f"  {n:4d} x {why}" for why, n in reasons.most_common(5)]
+        if len(reasons) > 5:
+            rest = sum(n for _, n in reasons.most_common()[5:])
+            lines.append(f"  {rest:4d} x {len(reasons) - 5} other reasons (--refused {len(found.refused)} lists each)")
     return "\n".join(lines)
 
 
