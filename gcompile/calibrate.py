@@ -252,7 +252,7 @@ def _waits(transports: list[str], rank: int, world: int) -> dict[str, dict[str, 
                     collectives.all_reduce(x, name)
         return block
 
-    measured = {}  # (transport, what) -> (a block with or without the waits, waits more with, one idle call per wait)
+    measured = {}  # (transport, what) -> (a block with or without its waits, how many waits, one wait's idle call)
     for transport in transports:
         if transport == "shm":
             continue  # its ranks poll, keeping their cores: gcompile.cost_model.predict counts them computing
@@ -266,7 +266,7 @@ def _waits(transports: list[str], rank: int, world: int) -> dict[str, dict[str, 
         measured[(transport, "send_recv")] = (hand_overs, 2 * WAIT_ROUNDS - 2,
                                               _lined_up(round_trip, dist.group.WORLD, "cpu") / 2)
     lost = []
-    for block, waits, _ in measured.values():
+    for block, count, _ in measured.values():
         per_wait = []
         for _ in range(WAIT_BLOCKS):
             seconds = []
@@ -276,7 +276,7 @@ def _waits(transports: list[str], rank: int, world: int) -> dict[str, dict[str, 
                 block(with_waits)
                 seconds.append(torch.tensor(time.perf_counter() - start))
                 dist.all_reduce(seconds[-1], op=dist.ReduceOp.MAX)
-            per_wait.append((seconds[1] - seconds[0]).item() / waits)
+            per_wait.append((seconds[1] - seconds[0]).item() / count)
         lost.append(statistics.median(per_wait))
     idle = torch.tensor([call for _, _, call in measured.values()])
     dist.all_reduce(idle)
