@@ -238,7 +238,7 @@ class Prediction:
     """The simulated share of pipeline rank-time not inside a graph (waiting, or adding up gradients)."""
     ranks: tuple[RankTime, ...]
     """Per pipeline rank, every rank of the world computing at once."""
-    spans: tuple[tuple[Span, ...], ...] = ()
+    spans: tuple[tuple[Span, ...], ...]
     """Per pipeline rank, its F, B and W placed in time."""
 
     def __str__(self) -> str:

@@ -119,13 +119,7 @@ class Machine:
         """At `ranks` computing at once (a mean, so fractional): linear between the measured counts; beyond the
         largest, grown in proportion. `host`: of operator calls, not of the arithmetic."""
         points = sorted((int(k), f) for k, f in (self.host_contention if host else self.contention).items())
-        if ranks <= points[0][0]:
-            return points[0][1]
-        for (k0, f0), (k1, f1) in zip(points, points[1:]):
-            if ranks <= k1:
-                return f0 + (ranks - k0) / (k1 - k0) * (f1 - f0)
-        k, f = points[-1]
-        return f * ranks / k
+        return points[0][1] if ranks <= points[0][0] else by_ranks(points, ranks)
 
     def wait_seconds(self, transport: str, ranks: int, waited: str | int) -> float:
         """What a wait on `waited` (a group size, or "send_recv") costs with `ranks` sharing the cores: linear
@@ -134,13 +128,7 @@ class Machine:
         and keep their cores; nccl, a GPU each) costs no wait."""
         worlds = self.waits.get(transport, {})
         points = sorted((int(k), self._waited(measured, waited, int(k))) for k, measured in worlds.items())
-        if not points or ranks < points[0][0]:
-            return 0.0
-        for (k0, s0), (k1, s1) in zip(points, points[1:]):
-            if ranks <= k1:
-                return s0 + (ranks - k0) / (k1 - k0) * (s1 - s0)
-        k, seconds = points[-1]
-        return seconds * ranks / k
+        return 0.0 if not points or ranks < points[0][0] else by_ranks(points, ranks)
 
     @staticmethod
     def _waited(measured: dict[str, float], waited: str | int, ranks: int) -> float:
@@ -164,6 +152,16 @@ class Machine:
         steps = (size - 1) / (measured - 1)
         share = ((size - 1) / size) / ((measured - 1) / measured)
         return Link(base.latency * steps, base.bandwidth / share)
+
+
+def by_ranks(points: list[tuple[int, float]], ranks: float) -> float:
+    """A figure measured at sorted rank counts, at `ranks` from the first count on: linear between the
+    measured counts, grown in proportion beyond the largest."""
+    for (k0, f0), (k1, f1) in zip(points, points[1:]):
+        if ranks <= k1:
+            return f0 + (ranks - k0) / (k1 - k0) * (f1 - f0)
+    k, f = points[-1]
+    return f * ranks / k
 
 
 def rate_at(curve: list[list[float]], flops: float) -> float:

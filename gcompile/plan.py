@@ -22,7 +22,6 @@ refusal; its time is gcompile.cost_model.predict with this machine's file (or
 
 import argparse
 import dataclasses
-import re
 import sys
 import time
 from collections import Counter
@@ -159,8 +158,8 @@ def search(base: RunConfig, world: int, machine: Machine, budget_gb: float | Non
             if budget_gb is None or memory <= budget_gb * 2 ** 30:
                 result.ranked.append(Candidate(tried, config, prediction, memory))
                 break
-            result.refused.append((tried, f"needs about {memory / 2 ** 30:.3g} GiB on its largest rank, over the "
-                                          f"budget of {budget_gb} GiB"))
+            result.refused.append((tried, f"over the budget of {budget_gb} GiB; needs about {memory / 2 ** 30:.3g} "
+                                          f"GiB on its largest rank"))
     result.ranked.sort(key=lambda c: c.prediction.step_seconds)
     result.seconds = time.perf_counter() - start
     return result
@@ -174,7 +173,7 @@ def format_search(found: Search, world: int, top: int, refused: int) -> str:
         lines.append(f"{i + 1:>3} {c.prediction.step_seconds * 1e3:9.1f} {c.memory / 2 ** 30:9.3f} "
                      f"{c.prediction.bubble_fraction:7.1%}  {describe(c.layout)}")
     if found.refused:
-        reasons = Counter(re.sub(r"needs about \S+ GiB", "needs more", why.split(";")[0]) for _, why in found.refused)
+        reasons = Counter(why.split(";")[0] for _, why in found.refused)
         shown = f"the first {min(refused, len(found.refused))}, then counts by reason" if refused else "by reason"
         lines.append(f"refused ({len(found.refused)}; {shown}):")
         lines += [f"  {describe(layout)}: {why}" for layout, why in found.refused[:refused]]
