@@ -33,7 +33,7 @@ from gcompile import machine as machine_file
 from gcompile.cost_model import format_rank_time, pipeline_column, predict, rates_of
 from gcompile.machine import MachineError
 from gcompile.pipeline import load_passes
-from gcompile.plan import format_search, load_machine, no_layout, search
+from gcompile.plan import cores, format_search, load_machine, no_layout, search
 from gcompile.program import dump_text
 from gcompile.stop import RunStopped
 from gcompile.train import dump_schedule, train
@@ -116,7 +116,7 @@ def auto_layout(config: RunConfig, flags, argv: list[str]) -> list[str]:
         elif arg != "--auto-layout" and not arg.startswith(("--world-size=", "--machine=")):
             kept.append(arg)
     found = search(config, flags.world_size, load_machine(flags.machine), config.parallel.memory_budget_gb,
-                   progress=print)
+                   progress=print, workers=cores())
     if not found.ranked:
         raise PlanError(f"--auto-layout: {no_layout(found, flags.world_size)}; see them with: python -m "
                         f"gcompile.plan --world-size {flags.world_size} {' '.join(kept)}")

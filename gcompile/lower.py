@@ -40,8 +40,7 @@ from gcompile.program import Stage, ancestors, descendants, drop_dead_nodes
 from gcompile.rank_program import LoweredStage
 
 
-def lower_stage(stage: Stage, recompute: bool = False, split: bool = False) -> LoweredStage:
-    """`split`: backward as B then W, for zero-bubble schedules."""
+def lower_stage(stage: Stage, recompute: bool = False) -> LoweredStage:
     placeholders = stage.placeholders()
     vals = [n.meta["val"] for n in placeholders]
     fake_mode = vals[0].fake_mode
@@ -67,10 +66,15 @@ def lower_stage(stage: Stage, recompute: bool = False, split: bool = False) -> L
             if not isinstance(node.meta.get("val"), torch.Tensor):
                 raise NotImplementedError(f"stage {stage.index}: non-tensor graph input {node.name} "
                                           f"(dynamic shapes are not supported)")
-    lowered = LoweredStage(index=stage.index, forward=forward, backward=backward, params=list(stage.params),
-                           inputs=list(stage.inputs), outputs=list(stage.outputs), num_saved=num_saved,
-                           rank_constants=dict(stage.rank_constants))
-    parts = split_backward(backward, len(stage.params)) if split else None
+    return LoweredStage(index=stage.index, forward=forward, backward=backward, params=list(stage.params),
+                        inputs=list(stage.inputs), outputs=list(stage.outputs), num_saved=num_saved,
+                        rank_constants=dict(stage.rank_constants))
+
+
+def split_lowered(lowered: LoweredStage) -> LoweredStage:
+    """Its backward as B then W, for zero-bubble schedules (gcompile.backward_split): the same autograd and
+    partition as the whole backward, so a build lowers once for both and splits a copy."""
+    parts = split_backward(lowered.backward, len(lowered.params))
     if parts is None:
         return lowered
     return replace(lowered, backward=parts.backward_input, backward_weight=parts.backward_weight,

@@ -30,7 +30,8 @@ from gcompile.capture import capture
 from gcompile.comm_summary import format_summary
 from gcompile.config import POINTS, RunConfig
 from gcompile.compile import graph_key
-from gcompile.lower import lower_stage
+from gcompile.lower import lower_stage, split_lowered
+from gcompile.lowering_line import Lines
 from gcompile.axes import Coords
 from gcompile.flat import flat_layout
 from gcompile.lower_rank import lower_rank
@@ -118,12 +119,17 @@ class BuildCache:
     """What ranks of one world share while their programs are built in one process."""
 
     captured: dict = field(default_factory=dict)
+    forward: dict = field(default_factory=dict)
+    """A rank's program after the forward passes, with its reports (_forward_program)."""
     whole_model: dict = field(default_factory=dict)
     """The program after the passes that see the whole model, and their dump files (_forward_passes)."""
     lowered: dict = field(default_factory=dict)
     schedules: dict = field(default_factory=dict)
     seconds: Counter = field(default_factory=Counter)
     """Time spent in capture, passes and lowering, over all ranks built: what the launcher reports."""
+    lines: Lines | None = None
+    """Where given (the planner), a stage on the line of two lowered ones is not lowered but derived from
+    them (gcompile.lowering_line): its program is costed, never run."""
 
 
 def build_rank_program(config: RunConfig, coords: Coords, device: str = "cpu",
@@ -151,12 +157,8 @@ def build_rank_program(config: RunConfig, coords: Coords, device: str = "cpu",
         cache.seconds["capture"] += seconds
         log(f"captured {spec.name} with torch.export in {seconds:.1f} s")
     start = time.perf_counter()
-    program = _forward_passes(cache.captured[key], forward_passes, ctx, cache, key, log)
-    reports = reported(cache.captured[key].stages[0].graph)  # the whole model's, for every rank alike
+    program, reports = _forward_program(cache.captured[key], forward_passes, ctx, cache, key, log)
     cache.seconds["passes"] += time.perf_counter() - start
-    for stage in program.stages:  # what the model reports leaves as extra outputs (gcompile.report)
-        stage.outputs = to_outputs(stage.graph, stage.outputs)
-        refresh_meta(stage)
     key = (p.pipeline_schedule, p.pp, p.virtual_pipeline_size, config.num_microbatches)
     if key not in cache.schedules:
         cache.schedules[key] = build_schedule(*key)
@@ -200,6 +202,25 @@ def build_rank_program(config: RunConfig, coords: Coords, device: str = "cpu",
     return rank_program
 
 
+def _forward_program(captured: Program, forward_passes: list[str], ctx: PassContext, cache: BuildCache,
+                     captured_key: tuple, log: Callable[[str], None]) -> tuple[Program, list[str]]:
+    """The rank's stages after the forward passes, what the model reports (gcompile.report) as extra outputs,
+    and the names of those reports. Builds that differ only in what no forward pass reads (UNREAD_BY_FORWARD)
+    share it: the planner's candidates do, many times over."""
+    key = (captured_key, _without(ctx.config, UNREAD_BY_FORWARD), ctx.coords, tuple(forward_passes))
+    shared = ctx.dump_dir is None and not ctx.config.parallel.passes  # a user pass may read anything
+    if shared and key in cache.forward:
+        return cache.forward[key]
+    program = _forward_passes(captured, forward_passes, ctx, cache, captured_key, log)
+    reports = reported(captured.stages[0].graph)  # the whole model's, for every rank alike
+    for stage in program.stages:
+        stage.outputs = to_outputs(stage.graph, stage.outputs)
+        refresh_meta(stage)
+    if shared:
+        cache.forward[key] = program, reports
+    return program, reports
+
+
 def _forward_passes(captured: Program, forward_passes: list[str], ctx: PassContext, cache: BuildCache,
                     captured_key: tuple, log: Callable[[str], None]) -> Program:
     """Run the forward passes. The built-in ones before pipeline_split see the whole model and read no pp
@@ -209,7 +230,8 @@ def _forward_passes(captured: Program, forward_passes: list[str], ctx: PassConte
     whole, per_rank = forward_passes[:split], forward_passes[split:]
     if not whole or ctx.config.parallel.passes:
         return run_passes(captured.clone(), forward_passes, ctx, log)
-    key = (captured_key, ctx.config, ctx.coords.moved(pp=0), tuple(whole), ctx.dump_dir is not None)
+    key = (captured_key, _without(ctx.config, UNREAD_BY_WHOLE_MODEL), ctx.coords.moved(pp=0), tuple(whole),
+           ctx.dump_dir is not None)
     if key not in cache.whole_model:
         program = run_passes(captured.clone(), whole, ctx, log)
         dumped = {} if ctx.dump_dir is None else {  # what it wrote into the folder build_rank_program cleared
@@ -223,14 +245,35 @@ def _forward_passes(captured: Program, forward_passes: list[str], ctx: PassConte
     return run_passes(program, per_rank, ctx, log, first_number=len(whole) + 1)
 
 
+UNREAD_BY_FORWARD = {"parallel": ("pipeline_schedule",), "train": ("recompute_activations", "global_batch_size")}
+"""Config fields only the schedule, lowering and the rank's program read (the microbatch count among them)."""
+UNREAD_BY_WHOLE_MODEL = {"parallel": ("pipeline_schedule", "data_parallel_sharding_strategy"),
+                         "train": ("recompute_activations", "global_batch_size")}
+"""The same for the passes before pipeline_split: how dp shards, too."""
+
+
+def _without(config: RunConfig, fields: dict[str, tuple[str, ...]]) -> RunConfig:
+    """`config` as a cache key for work that does not read `fields` (section -> names): they are blanked."""
+    return replace(config, **{section: replace(getattr(config, section), **dict.fromkeys(names))
+                              for section, names in fields.items()})
+
+
 def _lower(stage: Stage, recompute: bool, split: bool, cache: BuildCache, log: Callable[[str], None]) -> LoweredStage:
-    """Lower a stage, or reuse the lowering of an identical one (same code over the same input values)."""
-    key = (graph_key(stage.graph), recompute, split, stage.recompute_from_params)
-    if key not in cache.lowered:
+    """Lower a stage, or reuse the lowering of an identical one (same code over the same input values); its
+    backward split for zero bubble is a copy of the whole backward's lowering split."""
+    whole = (graph_key(stage.graph), recompute, stage.recompute_from_params)
+    key = (*whole, "split") if split else whole
+    if whole not in cache.lowered:
         start = time.perf_counter()
-        cache.lowered[key] = lower_stage(stage, recompute, split)
+        derived = cache.lines and cache.lines.derive(stage, whole[1:])
+        cache.lowered[whole] = derived or lower_stage(stage, recompute)
         seconds = time.perf_counter() - start
-        cache.seconds["lowering"] += seconds
-        log(f"lowered stage {stage.index} with autograd (forward and backward graphs) in {seconds:.1f} s")
+        cache.seconds["derived" if derived else "lowering"] += seconds
+        if cache.lines is not None and not derived:
+            cache.lines.add(stage, whole[1:], cache.lowered[whole])
+        log(f"derived stage {stage.index} from two lowerings on its line in {seconds:.1f} s" if derived else
+            f"lowered stage {stage.index} with autograd (forward and backward graphs) in {seconds:.1f} s")
+    if key not in cache.lowered:
+        cache.lowered[key] = split_lowered(cache.lowered[whole])
     return replace(cache.lowered[key], index=stage.index, params=list(stage.params), inputs=list(stage.inputs),
                    outputs=list(stage.outputs), rank_constants=dict(stage.rank_constants))

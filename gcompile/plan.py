@@ -12,19 +12,26 @@ that divides the per-rank batch; the dp sharding strategies no_shard and optim
 cheaper ones do not fit (each alone, then both): neither is faster here, both save memory.
 
 Each candidate is checked as a run would be (gcompile.config.validate: its one
-line is the refusal), then built: one program per pipeline rank, in one process
-(ranks that differ only in tp, cp or dp position cost the same; captures and
-lowerings are shared between candidates, gcompile.pipeline.BuildCache). Its
-memory is gcompile.check.estimate_memory's largest rank, over the budget is a
+line is the refusal), then built: one program per pipeline rank (ranks that
+differ only in tp, cp or dp position cost the same). Candidates share what they
+can (gcompile.pipeline.BuildCache: captures, the forward passes' results,
+lowerings); a stage graph on the line of two lowered ones (the same stage at other
+micro-batch sizes) is derived from them, not lowered (gcompile.lowering_line).
+Families of candidates (same tp, cp, ep and pp) are built in --workers processes.
+Its memory is gcompile.check.estimate_memory's largest rank, over the budget is a
 refusal; its time is gcompile.cost_model.predict with this machine's file (or
 --machine FILE). The ranking is by predicted time per iteration.
 """
 
 import argparse
 import dataclasses
+import functools
+import multiprocessing
+import os
 import sys
 import time
 from collections import Counter
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 
 from gcompile.axes import Coords
@@ -34,6 +41,7 @@ from gcompile.models.moe_config import MoEConfig
 from gcompile.cost_model import Prediction, predict, rates_of
 from gcompile.machine import Machine, MachineError
 from gcompile import machine as machine_file
+from gcompile.lowering_line import Lines
 from gcompile.pipeline import BuildCache, build_rank_program
 
 TRAIN_FIELDS = ("micro_batch_size", "recompute_activations")
@@ -133,15 +141,56 @@ def evaluate(config: RunConfig, machine: Machine, cache) -> tuple[Prediction, in
 
 
 def search(base: RunConfig, world: int, machine: Machine, budget_gb: float | None = None, cache=None,
-           progress=lambda line: None, schedules=SCHEDULES, micro_batch_sizes=MICRO_BATCH_SIZES) -> Search:
-    """Every layout of `layouts`, refused with its reason or predicted; `ranked` fastest first."""
-    cache = cache or BuildCache()
+           progress=lambda line: None, schedules=SCHEDULES, micro_batch_sizes=MICRO_BATCH_SIZES,
+           workers: int = 1) -> Search:
+    """Every layout of `layouts`, refused with its reason or predicted; `ranked` fastest first. `workers` > 1
+    builds in that many processes, each a family of layouts at a time (`_family`: what shares lowerings)."""
     result, start = Search(), time.perf_counter()
     shapes = layouts(base, world, schedules, micro_batch_sizes)
-    seen = set()
-    for n, layout in enumerate(shapes):
-        if n % 10 == 0:
-            progress(f"planning: {n}/{len(shapes)} layouts ({time.perf_counter() - start:.0f} s)")
+    families = {}
+    for layout in shapes:
+        families.setdefault(_family(layout), []).append(layout)
+    outcomes, done = {}, 0
+
+    def finished(family: tuple, found: list) -> None:
+        nonlocal done
+        outcomes[family] = found
+        done += len(families[family])
+        progress(f"planning: {done}/{len(shapes)} layouts ({time.perf_counter() - start:.0f} s)")
+    if workers > 1 and len(families) > 1:
+        with ProcessPoolExecutor(min(workers, len(families)), mp_context=multiprocessing.get_context("spawn")) as pool:
+            running = {pool.submit(_search_family, base, machine, budget_gb, members): family
+                       for family, members in families.items()}
+            for future in as_completed(running):
+                finished(running[future], future.result())
+    else:
+        cache = cache or BuildCache(lines=Lines())
+        for family, members in families.items():
+            finished(family, _search_family(base, machine, budget_gb, members, cache))
+    tried = {family: iter(found) for family, found in outcomes.items()}
+    for layout in shapes:  # in the order of `layouts`, however the processes finished
+        for kept, outcome in next(tried[_family(layout)]):
+            (result.ranked if kept else result.refused).append(outcome)
+    result.ranked.sort(key=lambda c: c.prediction.step_seconds)
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def _family(layout: dict) -> tuple:
+    """Layouts whose stage graphs lower alike: they differ only in the schedule, how dp shards and the
+    micro-batch size (whose stages are derived from two lowered ones, gcompile.lowering_line)."""
+    return layout["tp"], layout.get("cp", 1), layout.get("ep", 1), layout["pp"]
+
+
+def _search_family(base: RunConfig, machine: Machine, budget_gb: float | None, members: list[dict],
+                   cache: BuildCache | None = None) -> list[list[tuple[bool, Candidate | tuple[dict, str]]]]:
+    """Per member, (True, candidate) or (False, (layout, why)) for each layout tried, in order: one over the
+    budget is tried again with each memory saver until one fits."""
+    cache = cache or _process_cache()
+    everything, seen = [], set()
+    for layout in members:
+        found = []
+        everything.append(found)
         for saver in ({},) + SAVING:
             if "data_parallel_sharding_strategy" in saver and layout["dp"] * layout.get("cp", 1) == 1:
                 continue  # nothing to shard over
@@ -152,17 +201,21 @@ def search(base: RunConfig, world: int, machine: Machine, budget_gb: float | Non
             try:
                 config = configure(base, tried)
             except ConfigError as e:
-                result.refused.append((tried, str(e)))
+                found.append((False, (tried, str(e))))
                 break
             prediction, memory = evaluate(config, machine, cache)
             if budget_gb is None or memory <= budget_gb * 2 ** 30:
-                result.ranked.append(Candidate(tried, config, prediction, memory))
+                found.append((True, Candidate(tried, config, prediction, memory)))
                 break
-            result.refused.append((tried, f"over the budget of {budget_gb} GiB; needs about {memory / 2 ** 30:.3g} "
-                                          f"GiB on its largest rank"))
-    result.ranked.sort(key=lambda c: c.prediction.step_seconds)
-    result.seconds = time.perf_counter() - start
-    return result
+            found.append((False, (tried, f"over the budget of {budget_gb} GiB; needs about {memory / 2 ** 30:.3g} "
+                                         f"GiB on its largest rank")))
+    return everything
+
+
+@functools.cache
+def _process_cache() -> BuildCache:
+    """A planning process's builds, kept from one family to the next (captures are shared across them)."""
+    return BuildCache(lines=Lines())
 
 
 def format_search(found: Search, world: int, top: int, refused: int) -> str:
@@ -206,6 +259,11 @@ def search_space(schedules: str, micro_batch_sizes: str) -> tuple[tuple[str, ...
     return names, sizes
 
 
+def cores() -> int:
+    """The cores this process may run on: planning builds in as many processes."""
+    return len(os.sched_getaffinity(0))
+
+
 def load_machine(path: str | None) -> Machine:
     """The machine file to predict with; MachineError naming the fix when there is none."""
     found = machine_file.load(path)
@@ -225,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--schedules", default=",".join(SCHEDULES), help="pipeline schedules to try (comma-separated)")
     p.add_argument("--micro-batch-sizes", default=",".join(map(str, MICRO_BATCH_SIZES)),
                    help="micro-batch sizes to try (comma-separated)")
+    p.add_argument("--workers", type=int, default=cores(),
+                   help=f"processes that build layouts at once (default: this machine's cores, {cores()})")
     p.add_argument("--top", type=int, default=10, help="rows to print (default: 10)")
     p.add_argument("--refused", type=int, default=5,
                    help="refused layouts to print, each with its reason (default: 5)")
@@ -232,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.world_size < 1:
             raise ConfigError(f"--world-size {args.world_size} must be at least 1")
+        if args.workers < 1:
+            raise ConfigError(f"--workers {args.workers} must be at least 1")
         schedules, sizes = search_space(args.schedules, args.micro_batch_sizes)
         base, _ = parse_args(rest)
         machine = load_machine(args.machine)
@@ -240,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     budget = args.memory_budget_gb if args.memory_budget_gb is not None else base.parallel.memory_budget_gb
     found = search(base, args.world_size, machine, budget, progress=lambda line: print(line, file=sys.stderr),
-                   schedules=schedules, micro_batch_sizes=sizes)
+                   schedules=schedules, micro_batch_sizes=sizes, workers=args.workers)
     print(format_search(found, args.world_size, args.top, args.refused))
     if not found.ranked:
         print(f"python -m gcompile.plan: error: {no_layout(found, args.world_size)}", file=sys.stderr)

@@ -20,6 +20,7 @@ Rewrite (backward of a column-parallel linear):
 """
 
 import copy
+import weakref
 from dataclasses import replace
 
 import torch
@@ -46,7 +47,18 @@ def tp_comm_overlap_pass(program: RankProgram, ctx: PassContext) -> RankProgram:
 
 
 def overlap_tp_comm(gm: fx.GraphModule, stage: int) -> fx.GraphModule:
-    """A copy of `gm` (lowered graphs are shared between ranks) with its tp collectives moved."""
+    """A copy of `gm` (lowered graphs are shared between ranks) with its tp collectives moved; made once per
+    lowered graph, as the copy is shared in turn (no rank pass edits a graph in place: run_rank_passes)."""
+    if gm not in _MOVED:
+        _MOVED[gm] = _moved_copy(gm, stage)
+    return _MOVED[gm]
+
+
+_MOVED = weakref.WeakKeyDictionary()
+"""Lowered graph -> its copy with the collectives moved, while the lowered graph lives (in a build cache)."""
+
+
+def _moved_copy(gm: fx.GraphModule, stage: int) -> fx.GraphModule:
     gm = copy.deepcopy(gm)
     started = [node for node, _, args in collective_nodes(gm) if args.get("group_name") == "tp"]
     for node in started:

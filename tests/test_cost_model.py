@@ -202,6 +202,16 @@ def test_planner_refuses_with_reasons_and_proposes_layouts_that_pass_the_checker
     assert all("over the budget of 0.0001 GiB" in why for _, why in tight.refused)
 
 
+def test_planning_in_worker_processes_finds_what_one_process_finds():
+    base, machine = tiny(), flat_machine()
+    here = search(base, 2, machine, schedules=("1f1b",), micro_batch_sizes=(2,))
+    spawned = search(base, 2, machine, schedules=("1f1b",), micro_batch_sizes=(2,), workers=2)
+    assert len(here.ranked) == 6  # dp2 and cp2 each with no_shard and optim, tp2, pp2
+    assert [(c.layout, c.prediction.step_seconds, c.memory) for c in spawned.ranked] == \
+        [(c.layout, c.prediction.step_seconds, c.memory) for c in here.ranked]
+    assert spawned.refused == here.refused
+
+
 def test_configure_refuses_in_one_line():
     with pytest.raises(ValueError, match="global_batch_size=8 is not divisible"):
         configure(tiny(), dict(dp=4, micro_batch_size=4))
