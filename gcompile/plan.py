@@ -151,6 +151,7 @@ def search(base: RunConfig, world: int, machine: Machine, budget_gb: float | Non
     for layout in shapes:
         families.setdefault(_family(layout), []).append(layout)
     outcomes, done = {}, 0
+    progress(f"planning: 0/{len(shapes)} layouts (0 s)")
 
     def finished(family: tuple, found: list) -> None:
         nonlocal done
