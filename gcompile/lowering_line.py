@@ -96,10 +96,10 @@ def _on_line(a: fx.GraphModule, first: Outline, second: Outline, t: Fraction,
     if first.structure != second.structure or \
             placeholders is not None and len(placeholders) != len(a.graph.find_nodes(op="placeholder")):
         return None
-    ints = [x + t * (y - x) for x, y in zip(first.ints, second.ints)]
-    if any(i.denominator != 1 for i in ints):
+    line = [x + t * (y - x) for x, y in zip(first.ints, second.ints)]
+    if any(i.denominator != 1 for i in line):
         return None
-    ints = iter(int(i) for i in ints)
+    ints = iter(int(i) for i in line)
     graph = fx.Graph()
     returned, output = graph.graph_copy(a.graph, {}, return_output_node=True)
     graph.output(returned).meta = dict(output.meta)
@@ -118,8 +118,7 @@ def _on_line(a: fx.GraphModule, first: Outline, second: Outline, t: Fraction,
         propagate_shapes(gm)
     except RuntimeError:
         return None
-    expected = [x + t * (y - x) for x, y in zip(first.ints, second.ints)]
-    return gm if list(outline(gm).ints) == expected else None
+    return gm if list(outline(gm).ints) == line else None
 
 
 def _fake_like(value: torch.Tensor, shape: tuple, stride: tuple, offset: int) -> torch.Tensor:

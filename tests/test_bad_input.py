@@ -277,6 +277,7 @@ CASES = [
     ("auto-layout machine missing", "run_gpt", ["--auto-layout", "--world-size", "2", "--machine", "{tmp}/m.json"],
      None, "no machine file {tmp}/m.json; make one with: python -m gcompile.calibrate --out {tmp}/m.json"),
     ("plan world-size 0", "plan", ["--world-size", "0"], None, "--world-size 0 must be at least 1"),
+    ("plan workers 0", "plan", ["--world-size", "2", "--workers", "0"], None, "--workers 0 must be at least 1"),
     ("plan schedules", "plan", ["--world-size", "2", "--schedules", "1f2b"], None,
      "--schedules '1f2b': choose from 1f1b, zb1f1b, interleaved"),
     ("plan micro-batch sizes", "plan", ["--world-size", "2", "--micro-batch-sizes", "0,2"], None,
