@@ -4,11 +4,15 @@ For numerics alone, gcompile.harness runs the same layouts in this process, much
 these launches are for what only real ranks show: transports, launch, compile, checkpoints.
 
 Several cases of the same world size share one launch, so the cost of starting
-ranks is paid once per test.
+ranks is paid once per test. Ranks are forked from a server that imported torch and
+gcompile once for the whole session (multiprocessing's forkserver): each is still a
+process of its own with its own gloo, but skips the seconds of imports a fresh
+interpreter pays, which over the suite's launches add up to minutes on two cores.
 """
 
+import multiprocessing
 import os
-import subprocess
+import runpy
 import sys
 
 import torch
@@ -38,22 +42,37 @@ def launch(tmp_path, worker: str, job: dict, world: int, timeout: float = 900) -
     job_path = os.path.join(tmp_path, "job.pt")
     torch.save(job, job_path)
     store = os.path.join(tmp_path, "store")
-    procs = []
-    for rank in range(world):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-        log = open(os.path.join(tmp_path, f"rank{rank}.log"), "w")
-        procs.append(subprocess.Popen([sys.executable, worker, job_path, store], env=env, stdout=log,
-                                      stderr=subprocess.STDOUT))
+    procs = [_FORKS.Process(target=_run_rank, args=(worker, [job_path, store], rank, world,
+                                                    os.path.join(tmp_path, f"rank{rank}.log")))
+             for rank in range(world)]
+    for proc in procs:
+        proc.start()
     codes = []
     for proc in procs:
-        try:
-            codes.append(proc.wait(timeout=timeout))
-        except subprocess.TimeoutExpired:
-            codes.append(None)
+        proc.join(timeout)
+        codes.append(proc.exitcode)
     if any(code != 0 for code in codes):
         for proc in procs:
             proc.kill()
+    for proc in procs:
+        proc.join()
     return codes
+
+
+_FORKS = multiprocessing.get_context("forkserver")
+_FORKS.set_forkserver_preload(["torch", "torch.distributed.checkpoint", "torch.export", "torch._functorch.aot_autograd",
+                               "gcompile.train", "gcompile.harness"])
+
+
+def _run_rank(worker: str, argv: list[str], rank: int, world: int, log_path: str) -> None:
+    """In a forked rank: its environment and output file, then the worker script as __main__."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    with open(log_path, "w") as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+    sys.argv = [worker, *argv]
+    runpy.run_path(worker, run_name="__main__")
 
 
 def assert_succeeded(tmp_path, codes: list[int | None]) -> None:
