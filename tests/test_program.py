@@ -1,0 +1,55 @@
+"""Shape propagation after a rewrite (gcompile.program.propagate_shapes): a node whose op, arguments and
+input values did not change keeps its value, every other gets what a propagation from scratch gives."""
+
+import copy
+
+import torch
+import torch.fx as fx
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+from gcompile.program import propagate_shapes
+from gcompile.torch_api import FakeTensorMode
+
+aten = torch.ops.aten
+
+
+def program(x, w):
+    product = aten.view.default(aten.mm.default(x, w), [2, 8])
+    return aten.relu.default(product), aten.sin.default(x)
+
+
+def values(gm: fx.GraphModule) -> dict[str, torch.Tensor]:
+    return {n.name: n.meta["val"] for n in gm.graph.nodes if n.op == "call_function"}
+
+
+def from_scratch(gm: fx.GraphModule) -> dict[str, tuple]:
+    """Each node's (shape, stride) by torch's own propagation, on a copy that remembers nothing."""
+    fresh = fx.GraphModule(torch.nn.Module(), copy.deepcopy(gm.graph))
+    vals = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")]
+    mode = vals[0].fake_mode
+    with mode:
+        FakeTensorProp(fresh, mode).propagate_dont_convert_inputs(*vals)
+    return {name: (v.shape, v.stride()) for name, v in values(fresh).items()}
+
+
+def test_unchanged_nodes_keep_their_values_and_changed_ones_match_a_fresh_propagation():
+    gm = fx.symbolic_trace(program)
+    mode = FakeTensorMode()
+    x, w = gm.graph.find_nodes(op="placeholder")
+    with mode:
+        x.meta["val"], w.meta["val"] = torch.empty(4, 4), torch.empty(4, 4)
+    propagate_shapes(gm)
+    first = values(gm)
+    propagate_shapes(gm)
+    assert all(values(gm)[name] is val for name, val in first.items()), "nothing changed: every value is kept"
+
+    with mode:
+        w.meta["val"] = torch.empty(4, 2)  # a new input shape (a pass sharding a weight)
+    view = next(n for n in gm.graph.nodes if n.target is aten.view.default)
+    view.args = (view.args[0], [1, 8])  # and a rewritten argument
+    propagate_shapes(gm)
+    now = values(gm)
+    assert {name: (v.shape, v.stride()) for name, v in now.items()} == from_scratch(gm)
+    assert now["sin_default"] is first["sin_default"], "sin reads only x, which did not change"
+    assert all(now[name] is not first[name] for name in ("mm_default", "view_default", "relu_default")), "downstream of w: recomputed"
+    assert now["relu_default"].shape == (1, 8)
