@@ -5,5 +5,5 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-python -m pytest -q -m gpu tests/test_gpu.py
+python -m pytest -o addopts="" -q -m gpu tests/test_gpu.py  # in this process: pytest-xdist may not be installed there
 python bench/gpu_check.py "$@"
