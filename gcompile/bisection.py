@@ -21,13 +21,13 @@ mean over dp of the last stage's. One line per pass; exit status 1 at the first 
 `--tol`, naming the rank and the parameter.
 """
 
-import argparse
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
 
+from gcompile.arguments import ArgumentParser
 from gcompile.config import ConfigError, RunConfig, parse_args
 from gcompile.harness import World
 from gcompile.layout import local_value
@@ -193,7 +193,7 @@ def reduced_over_dp(param) -> bool:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(add_help=False)
+    p = ArgumentParser(prog="python -m gcompile.inspect bisect", add_help=False)
     p.add_argument("--tol", type=float, default=TOL, help="relative error a pass may add (default 1e-5)")
     known, rest = p.parse_known_args(argv)
     try:

@@ -21,7 +21,6 @@ all-reduce of pairs and of all, a message): it gives up its core and waits to be
 run again.
 """
 
-import argparse
 import json
 import os
 import statistics
@@ -40,6 +39,7 @@ from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 from gcompile import collectives
 from gcompile import machine as machine_file
 from gcompile import shm_group
+from gcompile.arguments import ArgumentParser
 from gcompile.machine import Link, Machine
 from gcompile.mesh import register_group
 from gcompile.torch_api import resolve_process_group
@@ -423,7 +423,7 @@ def describe(machine: Machine) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m gcompile.calibrate", description=__doc__.split("\n")[0])
+    p = ArgumentParser(prog="python -m gcompile.calibrate", description=__doc__.split("\n")[0])
     p.add_argument("--out", help="also write the machine file here (default: only this machine's cache file)")
     p.add_argument("--show", action="store_true",
                    help="print the machine file in use (or the one --out names); measure nothing")

@@ -37,7 +37,6 @@ module's own names (GPT-2: nanoGPT's, the tied head included); it does not say w
 it holds, so `generate --model` does.
 """
 
-import argparse
 import contextlib
 import dataclasses
 import json
@@ -54,7 +53,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from gcompile import hf
-
+from gcompile.arguments import ArgumentParser
 from gcompile.checkpoint_files import (CHECKSUMS, GCOMPILE_JSON, CheckpointError, MetadataReader, read_checked,
                                        write_checksums)
 from gcompile.config import RunConfig
@@ -453,9 +452,9 @@ def load_exported(path: str, spec: ModelSpec) -> tuple[torch.nn.Module, object]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gcompile.checkpoint",
-                                     description="Export a distributed checkpoint, sample from an export, or convert "
-                                                 "to and from Hugging Face.")
+    parser = ArgumentParser(prog="python -m gcompile.checkpoint",
+                            description="Export a distributed checkpoint, sample from an export, or convert "
+                                        "to and from Hugging Face.")
     commands = parser.add_subparsers(dest="command", required=True)
     ex = commands.add_parser("export", help="write a single-device state dict with the model's names")
     ex.add_argument("checkpoint", help="SAVE folder (its latest checkpoint) or one SAVE/iter_N folder")

@@ -13,12 +13,12 @@ A --dump-only writes one folder per distinct program and DIR/index.txt naming th
 (`rank1: ranks 1,9,...,505`); a rank without a folder of its own is read from its program's folder.
 """
 
-import argparse
 import difflib
 import os
 import re
 import sys
 
+from gcompile.arguments import ArgumentParser
 from gcompile.log import parse_rank_ranges, rank_ranges
 
 
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["bisect"]:  # takes run_gpt.py's flags, not a dump folder
         from gcompile.bisection import main as bisect_main  # builds and runs programs: torch only when asked
         return bisect_main(argv[1:])
-    p = argparse.ArgumentParser(prog="python -m gcompile.inspect", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="python -m gcompile.inspect", description=__doc__.splitlines()[0])
     p.add_argument("dir")
     sub = p.add_subparsers(dest="command")
     s = sub.add_parser("show", help="a rank's files, or one of them")

@@ -23,7 +23,6 @@ refusal; its time is gcompile.cost_model.predict with this machine's file (or
 --machine FILE). The ranking is by predicted time per iteration.
 """
 
-import argparse
 import dataclasses
 import functools
 import multiprocessing
@@ -34,6 +33,7 @@ from collections import Counter
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 
+from gcompile.arguments import ArgumentParser
 from gcompile.axes import Coords
 from gcompile.check import estimate_memory
 from gcompile.config import ConfigError, RunConfig, parse_args, validate
@@ -275,9 +275,9 @@ def load_machine(path: str | None) -> Machine:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    p = argparse.ArgumentParser(prog="python -m gcompile.plan", description=__doc__.split("\n")[0],
-                                epilog="Every run_gpt.py flag (--config, --global-batch-size, --seq-length, ...) sets "
-                                       "the run the layouts are planned for; its layout flags are replaced.")
+    p = ArgumentParser(prog="python -m gcompile.plan", description=__doc__.split("\n")[0],
+                       epilog="Every run_gpt.py flag (--config, --global-batch-size, --seq-length, ...) sets "
+                              "the run the layouts are planned for; its layout flags are replaced.")
     p.add_argument("--world-size", type=int, required=True, help="ranks to plan for")
     p.add_argument("--memory-budget-gb", type=float, help="refuse layouts whose largest rank needs more")
     p.add_argument("--machine", help="machine file (default: this machine's, from python -m gcompile.calibrate)")

@@ -29,6 +29,7 @@ import time
 import numpy as np
 
 from gcompile import tokenizer as tok
+from gcompile.arguments import ArgumentParser
 from gcompile.indexed_dataset import DataError, IndexedDataset, IndexedDatasetWriter, temp_name
 from gcompile.paths import path_error
 
@@ -175,7 +176,7 @@ def prepare(inputs: list[str], output: str, pattern: str = "*", skip_dirs: tuple
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m gcompile.data", description="Prepare token data.")
+    parser = ArgumentParser(prog="python -m gcompile.data", description="Prepare token data.")
     commands = parser.add_subparsers(dest="command", required=True)
     prep = commands.add_parser("prepare", help="tokenize files, one document each, into PREFIX.bin/.idx")
     prep.add_argument("--input", nargs="+", required=True, help="files, or folders searched recursively")
