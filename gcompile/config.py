@@ -474,6 +474,7 @@ def parser() -> argparse.ArgumentParser:
         prog="run_gpt.py",
         description="Train a GPT: one single-device program compiled into one program per rank.",
         argument_default=argparse.SUPPRESS,
+        allow_abbrev=False,  # as Megatron's: --auto-layout strips layout flags by their whole names
     )
     p.add_argument("--config", help="TOML preset (configs/*.toml); flags override its keys")
     p.add_argument("--dump-only", action="store_true",

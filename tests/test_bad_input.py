@@ -158,6 +158,7 @@ SPEC = spec_with_defaults("masked", MaskedConfig, Masked)
 # `saved()` is the `saved_run` fixture's folder, made when a case first asks for it
 CASES = [
     ("log-interval 0", "run_gpt", ["--log-interval", "0"], None, "log-interval=0 must be at least 1"),
+    ("abbreviated flag", "run_gpt", ["--pipeline-sched", "1f1b"], None, "unrecognized arguments: --pipeline-sched"),
     ("eval-iters 0", "run_gpt", ["--eval-interval", "1", "--eval-iters", "0"], None,
      "eval-iters=0 must be at least 1 while evaluation is on"),
     ("seed -1", "run_gpt", ["--seed", "-1"], None, "seed=-1 must be in [0, 2^63)"),
@@ -281,6 +282,8 @@ CASES = [
     ("plan workers not a number", "plan", ["--world-size", "2", "--workers", "two"], None,
      "argument --workers: invalid int value: 'two' (python -m gcompile.plan --help lists the flags)"),
     ("plan no world size", "plan", [], None, "the following arguments are required: --world-size"),
+    ("plan run flag is not a prefix of a plan flag", "plan", ["--world-size", "2", "--micro-batch-size", "0"], None,
+     "micro-batch-size=0 must be at least 1"),  # not --micro-batch-sizes: flags are never abbreviated
     ("calibrate unknown flag", "calibrate", ["--bogus"], None, "unrecognized arguments: --bogus"),
     ("inspect no folder", "inspect", [], None, "the following arguments are required: dir"),
     ("export no output", "checkpoint", ["export", "{tmp}"], None,
