@@ -52,6 +52,10 @@ SHARDING = ("no_shard", "optim")
 SAVING = ({"data_parallel_sharding_strategy": "optim_grads_params"}, {"recompute_activations": True},
           {"data_parallel_sharding_strategy": "optim_grads_params", "recompute_activations": True})
 """Memory savers tried, in order, only for a candidate over the budget."""
+LAYOUTS_PER_WORKER = 10
+"""A worker process starts only for this many layouts: each imports torch and captures the model again first,
+seconds that a small search does not win back (tiny on 2 ranks here: 8 layouts, one process 10.2 s, two
+12.0 s; 30 layouts, 18.1 s and 16.8 s)."""
 
 
 @dataclass(frozen=True)
@@ -144,7 +148,8 @@ def search(base: RunConfig, world: int, machine: Machine, budget_gb: float | Non
            progress=lambda line: None, schedules=SCHEDULES, micro_batch_sizes=MICRO_BATCH_SIZES,
            workers: int = 1) -> Search:
     """Every layout of `layouts`, refused with its reason or predicted; `ranked` fastest first. `workers` > 1
-    builds in that many processes, each a family of layouts at a time (`_family`: what shares lowerings)."""
+    builds in up to that many processes (one per LAYOUTS_PER_WORKER layouts), each a family of layouts at a
+    time (`_family`: what shares lowerings)."""
     result, start = Search(), time.perf_counter()
     shapes = layouts(base, world, schedules, micro_batch_sizes)
     families = {}
@@ -158,8 +163,9 @@ def search(base: RunConfig, world: int, machine: Machine, budget_gb: float | Non
         outcomes[family] = found
         done += len(families[family])
         progress(f"planning: {done}/{len(shapes)} layouts ({time.perf_counter() - start:.0f} s)")
-    if workers > 1 and len(families) > 1:
-        with ProcessPoolExecutor(min(workers, len(families)), mp_context=multiprocessing.get_context("spawn")) as pool:
+    workers = min(workers, len(families), -(-len(shapes) // LAYOUTS_PER_WORKER))
+    if workers > 1:
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
             running = {pool.submit(_search_family, base, machine, budget_gb, members): family
                        for family, members in families.items()}
             for future in as_completed(running):

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.fx as fx
 
+from gcompile import plan
 from gcompile.axes import Coords
 from gcompile.calibrate import SIZES, _link
 from gcompile.check import check_plan
@@ -202,9 +203,14 @@ def test_planner_refuses_with_reasons_and_proposes_layouts_that_pass_the_checker
     assert all("over the budget of 0.0001 GiB" in why for _, why in tight.refused)
 
 
-def test_planning_in_worker_processes_finds_what_one_process_finds():
+def test_planning_in_worker_processes_finds_what_one_process_finds(monkeypatch):
+    """A search this small (8 layouts) stays in this process even with workers; given a worker per layout,
+    it finds the same."""
     base, machine = tiny(), flat_machine()
-    here = search(base, 2, machine, schedules=("1f1b",), micro_batch_sizes=(2,))
+    with monkeypatch.context() as patched:
+        patched.setattr(plan, "ProcessPoolExecutor", None)  # calling it fails the test
+        here = search(base, 2, machine, schedules=("1f1b",), micro_batch_sizes=(2,), workers=2)
+    monkeypatch.setattr(plan, "LAYOUTS_PER_WORKER", 1)
     spawned = search(base, 2, machine, schedules=("1f1b",), micro_batch_sizes=(2,), workers=2)
     assert len(here.ranked) == 6  # dp2 and cp2 each with no_shard and optim, tp2, pp2
     assert [(c.layout, c.prediction.step_seconds, c.memory) for c in spawned.ranked] == \
