@@ -77,6 +77,8 @@ class Search:
     refused: list[tuple[dict, str]] = field(default_factory=list)
     """(layout, why) of every candidate left out."""
     seconds: float = 0.0
+    layouts: int = 0
+    """How many `layouts` gave; the tries are more where one over the budget was tried again with savers."""
 
 
 def layout_flags(layout: dict) -> list[str]:
@@ -152,6 +154,7 @@ def search(base: RunConfig, world: int, machine: Machine, budget_gb: float | Non
     time (`_family`: what shares lowerings)."""
     result, start = Search(), time.perf_counter()
     shapes = layouts(base, world, schedules, micro_batch_sizes)
+    result.layouts = len(shapes)
     families = {}
     for layout in shapes:
         families.setdefault(_family(layout), []).append(layout)
@@ -226,8 +229,9 @@ def _process_cache() -> BuildCache:
 
 
 def format_search(found: Search, world: int, top: int, refused: int) -> str:
-    lines = [f"{len(found.ranked)} layouts of {world} ranks fit, {len(found.refused)} refused "
-             f"({found.seconds:.1f} s); fastest first:",
+    retries = len(found.ranked) + len(found.refused) - found.layouts
+    tried = f"{found.layouts} layouts of {world} ranks" + (f" and {retries} retries with memory savers" if retries else "")
+    lines = [f"{tried}: {len(found.ranked)} fit, {len(found.refused)} refused ({found.seconds:.1f} s); fastest first:",
              f"{'#':>3} {'ms/iter':>9} {'GiB/rank':>9} {'bubble':>7}  layout (run_gpt.py flags)"]
     for i, c in enumerate(found.ranked[:top]):
         lines.append(f"{i + 1:>3} {c.prediction.step_seconds * 1e3:9.1f} {c.memory / 2 ** 30:9.3f} "
