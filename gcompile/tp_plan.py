@@ -19,6 +19,7 @@ the tensor_parallel pass checks it against the captured graph.
 """
 
 import fnmatch
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -56,14 +57,16 @@ def module_of(param_name: str) -> str:
     return param_name.rpartition(".")[0]
 
 
-def plan_errors(spec: ModelSpec, config, entries: tuple[str, ...], tp: int, written: bool = True) -> list[str]:
+@functools.lru_cache(maxsize=64)
+def plan_errors(spec: ModelSpec, config, entries: tuple[str, ...], tp: int, written: bool = True) -> tuple[str, ...]:
     """Every reason this plan cannot shard the model of `spec` and `config` over tp ranks. An entry that
     matches no module is one when the user wrote the plan (a typo); a model's default plan may name modules
-    a config lacks (GPT-2's MLP entries under MoE)."""
+    a config lacks (GPT-2's MLP entries under MoE). Kept per arguments: building the model, even on meta,
+    was 6% of planning 1024 ranks, which validates thousands of layouts of one model."""
     try:
         plan = parse_plan(entries)
     except ValueError as e:
-        return [str(e)]
+        return (str(e),)
     with torch.device("meta"):
         model = spec.module(config)
     modules = dict(model.named_modules())
@@ -81,7 +84,7 @@ def plan_errors(spec: ModelSpec, config, entries: tuple[str, ...], tp: int, writ
                           f"or the output head's Linear")
         elif placement in ("column", "row"):
             errors += spec.tp_errors(model, name, placement, tp)
-    return list(dict.fromkeys(errors))
+    return tuple(dict.fromkeys(errors))
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
