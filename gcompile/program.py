@@ -100,6 +100,12 @@ def propagate_shapes(gm: fx.GraphModule) -> None:
         _ReusingFakeTensorProp(gm, mode).propagate_dont_convert_inputs(*vals)
 
 
+SHAPE_FUNCTIONS: dict = {}
+"""Python functions a pass calls in a graph -> a function of the same arguments that makes only the fake output:
+what propagation runs instead of the function (a custom op's register_fake, for a call that must stay
+traceable Python because aot_autograd differentiates through it, e.g. context parallel's ring)."""
+
+
 class _ReusingFakeTensorProp(FakeTensorProp):
     """Shape propagation that keeps a node's value when its op, arguments and input values are the very
     ones it was last computed from: a pass rewrites some nodes, yet the whole graph is propagated again
@@ -114,6 +120,10 @@ class _ReusingFakeTensorProp(FakeTensorProp):
         computed_from = (n.target, self.fetch_args_kwargs_from_env(n))
         last = n.meta.get(_COMPUTED_FROM)
         if last is not None and "val" in n.meta and last[2] is n.meta["val"] and _same(last[:2], computed_from):
+            return n.meta["val"]
+        if n.target in SHAPE_FUNCTIONS:
+            n.meta["val"] = SHAPE_FUNCTIONS[n.target](*computed_from[1][0], **computed_from[1][1])
+            n.meta[_COMPUTED_FROM] = (*computed_from, n.meta["val"])
             return n.meta["val"]
         result = super().run_node(n)
         if "val" not in n.meta:

@@ -9,14 +9,16 @@ must give each token its global position in both without naming either model.
 import pytest
 import torch
 
-from gcompile import harness
+from gcompile import cp_ops, harness, ring_attention
 from gcompile.axes import Coords
 from gcompile.check import estimate_memory
 from gcompile.config import build_config
 from gcompile.collectives import collective_nodes
 from gcompile.cp_ops import positions
 from gcompile.pipeline import build_rank_program, builtin_passes
+from gcompile.program import SHAPE_FUNCTIONS
 from gcompile.ring_attention import BLOCK, BLOCK_BACKWARD, block_backward_by_formula, block_by_formula
+from gcompile.torch_api import FakeTensorMode
 from gcompile.train import train
 from tests import test_llama
 from tests.multirank import assert_succeeded, launch, run_layouts
@@ -156,3 +158,16 @@ def test_ring_blocks_by_formula_match_the_fused_kernels(causal):
     for fused, formula in zip(BLOCK_BACKWARD(dout, q, k, v, other_out, both_lse, 0.3, causal),
                               block_backward_by_formula(dout, q, k, v, other_out, both_lse, 0.3, causal)):
         assert rel_err(formula, fused) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_shape_propagation_gives_the_ring_output_the_ring_gives(dtype):
+    """Propagation makes the ring's output from its shape function (gcompile.program.SHAPE_FUNCTIONS), not by
+    walking the ring: the two agree in shape, strides, offset and dtype."""
+    with FakeTensorMode():
+        q, k, v = (torch.empty(2, 4, 8, 16, dtype=dtype) for _ in range(3))
+        args = (q, k, v, 2, torch.tensor(1), True, None, cp_ops.GROUP)
+        walked, shaped = ring_attention.attention(*args), ring_attention.output_like(*args)
+    assert [(t.shape, t.stride(), t.storage_offset(), t.dtype) for t in (walked, shaped)] == \
+        [(walked.shape, walked.stride(), walked.storage_offset(), dtype)] * 2
+    assert SHAPE_FUNCTIONS[ring_attention.attention] is ring_attention.output_like
