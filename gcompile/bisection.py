@@ -193,14 +193,19 @@ def reduced_over_dp(param) -> bool:
 
 
 def main(argv: list[str]) -> int:
-    p = ArgumentParser(prog="python -m gcompile.inspect bisect", add_help=False)
+    p = ArgumentParser(prog="python -m gcompile.inspect bisect", add_help=False,
+                       description="The first pass after which a rank's numbers leave single-device eager. "
+                                   "Takes every run_gpt.py flag too (python run_gpt.py --help lists them).")
     p.add_argument("--tol", type=float, default=TOL, help="relative error a pass may add (default 1e-5)")
+    if {"-h", "--help"} & set(argv):
+        p.print_help()
+        return 0
     known, rest = p.parse_known_args(argv)
     try:
         config, _ = parse_args(rest)
         diverged = bisect(config, known.tol)
     except ConfigError as e:
-        print(f"gcompile.inspect bisect: error: {e}", file=sys.stderr)
+        print(f"{p.prog}: error: {e}", file=sys.stderr)
         return 2
     if diverged is None:
         print(f"all passes within {known.tol:.0e} of single-device eager")

@@ -41,3 +41,9 @@ def test_the_pass_that_scales_one_gradient_on_one_rank_is_named(capsys):
     assert re.fullmatch(rf"first divergent pass: {fault} \(rank 1, parameter {re.escape(SCALED)}, "
                         rf"rel err 1\.0e-02 > tol 1e-05\)", lines[3]), lines[3]
     assert len(lines) == 4, "the bisection stops at the first divergent pass"
+
+
+def test_help_lists_the_tolerance(capsys):
+    assert inspect.main(["bisect", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--tol TOL" in out and "run_gpt.py --help" in out, out
