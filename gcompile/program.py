@@ -123,11 +123,10 @@ class _ReusingFakeTensorProp(FakeTensorProp):
             return n.meta["val"]
         if n.target in SHAPE_FUNCTIONS:
             n.meta["val"] = SHAPE_FUNCTIONS[n.target](*computed_from[1][0], **computed_from[1][1])
-            n.meta[_COMPUTED_FROM] = (*computed_from, n.meta["val"])
-            return n.meta["val"]
-        result = super().run_node(n)
-        if "val" not in n.meta:
-            return result
+        else:
+            result = super().run_node(n)
+            if "val" not in n.meta:
+                return result
         n.meta[_COMPUTED_FROM] = (*computed_from, n.meta["val"])
         return n.meta["val"]
 
