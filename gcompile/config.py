@@ -21,6 +21,7 @@ import types
 import typing
 from dataclasses import dataclass, field, fields
 
+from gcompile.arguments import ArgumentParser
 from gcompile.data import DataConfig, DataError, parse_split
 from gcompile.models import CONFIGS, DEFAULT_MODEL, register_user_model, spec_of
 from gcompile.models.moe_config import MoEConfig
@@ -464,7 +465,7 @@ def _derive_interleaving(p: ParallelConfig, n_layer: int, given: dict) -> Parall
     return p
 
 
-class _ArgumentParser(argparse.ArgumentParser):
+class _ArgumentParser(ArgumentParser):
     def error(self, message):
         raise ConfigError(message)
 
@@ -474,7 +475,6 @@ def parser() -> argparse.ArgumentParser:
         prog="run_gpt.py",
         description="Train a GPT: one single-device program compiled into one program per rank.",
         argument_default=argparse.SUPPRESS,
-        allow_abbrev=False,  # as Megatron's: --auto-layout strips layout flags by their whole names
     )
     p.add_argument("--config", help="TOML preset (configs/*.toml); flags override its keys")
     p.add_argument("--dump-only", action="store_true",
