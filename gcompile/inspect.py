@@ -150,7 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["bisect"]:  # takes run_gpt.py's flags, not a dump folder
         from gcompile.bisection import main as bisect_main  # builds and runs programs: torch only when asked
         return bisect_main(argv[1:])
-    p = ArgumentParser(prog="python -m gcompile.inspect", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="python -m gcompile.inspect", description=__doc__.splitlines()[0],
+                       epilog="python -m gcompile.inspect bisect [run_gpt.py flags] [--tol TOL]: the first pass "
+                              "whose numbers leave single-device eager (its --help says more)")
     p.add_argument("dir")
     sub = p.add_subparsers(dest="command")
     s = sub.add_parser("show", help="a rank's files, or one of them")

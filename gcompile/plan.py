@@ -295,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--micro-batch-sizes", default=",".join(map(str, MICRO_BATCH_SIZES)),
                    help="micro-batch sizes to try (comma-separated)")
     p.add_argument("--workers", type=int, default=cores(),
-                   help=f"processes that build layouts at once (default: this machine's cores, {cores()})")
+                   help=f"processes that build layouts at once, one per {LAYOUTS_PER_WORKER} layouts at most "
+                        f"(default: this machine's cores, {cores()})")
     p.add_argument("--top", type=int, default=10, help="rows to print (default: 10)")
     p.add_argument("--refused", type=int, default=5,
                    help="refused layouts to print, each with its reason (default: 5)")
