@@ -14,7 +14,7 @@ import os
 import torch
 
 from gcompile import collectives
-from gcompile.axes import Coords, all_groups, group_members
+from gcompile.axes import GROUP_ROLES, Coords, all_groups, group_members, role_size
 from gcompile.check import check_plan
 from gcompile.config import build_config
 from gcompile.world import build_world
@@ -48,6 +48,15 @@ def test_group_roles():
     assert group_members(c, "embd") == (5, 13)
     assert group_members(c, "world") == tuple(range(16))
     assert all_groups(c, "dp_cp") == [(0, 2, 4, 6), (1, 3, 5, 7), (8, 10, 12, 14), (9, 11, 13, 15)]
+
+
+def test_role_size_counts_the_members():
+    for sizes in ({"tp": 2, "cp": 2, "dp": 4, "pp": 3}, {"tp": 1, "cp": 2, "dp": 4, "pp": 1, "ep": 4},
+                  {"tp": 2, "dp": 4, "pp": 2, "dp_shard": 2, "ep": 2}, {"pp": 1}):
+        for rank in range(Coords.from_rank(0, sizes).world_size):
+            c = Coords.from_rank(rank, sizes)
+            for role in GROUP_ROLES:
+                assert role_size(c, role) == len(group_members(c, role)), (sizes, rank, role)
 
 
 def test_expert_parallel_folds_into_dp_cp():
