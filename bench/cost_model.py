@@ -29,6 +29,12 @@ Each layout runs as its own world, one process per rank, the cores shared evenly
     opt ms          the slowest rank's time from the end of its forward-backward to the
                     end of its optimizer step (waiting for the other ranks included),
                     against the predicted optimizer step
+    in graphs       with a pipeline: how many of the world's ranks are inside a stage graph
+                    at once, on average over the time they are (the spans of every rank,
+                    one clock, median over the steps), against the predicted spans' (a
+                    pipeline rank's count for its world / pp replicas). On shared cores a
+                    graph is slower the more run at once, so this tells how the bubble's
+                    share of the time split from the graphs' where the step is right
 
 Prints each row, then the median and worst absolute step-time error, Spearman's rank
 correlation of predicted against measured, and the planner's (gcompile.plan) first
@@ -117,7 +123,7 @@ def worker(args: argparse.Namespace) -> None:
     tokens = torch.randint(0, config.model.vocab_size, (per_rank, config.train.seq_length + 1),
                            generator=torch.Generator().manual_seed(rank))
     micro = split_microbatches(tokens, config.train.micro_batch_size)
-    steps, walls, busy, optimizer = [], [], [], []
+    steps, walls, busy, optimizer, spans = [], [], [], [], []
     for i in range(args.warmup + args.iters):
         if i == args.warmup - 1:
             runtime.start_measuring()
@@ -137,9 +143,10 @@ def worker(args: argparse.Namespace) -> None:
             walls.append(wall)
             busy.append(times.busy())
             optimizer.append(stepped)
+            spans.append(list(times.spans))
     mine = dict(rank=rank, column=coords == coords.moved(**{axis: 0 for axis, _ in coords.ranks if axis != "pp"}),
                 wall=statistics.median(walls), busy=statistics.median(busy), peak=peak,
-                optimizer=statistics.median(optimizer),
+                optimizer=statistics.median(optimizer), spans=spans,
                 estimate=estimate_memory(program).total)
     every = [None] * world
     dist.all_gather_object(every, mine)
@@ -159,6 +166,12 @@ def measured(args: argparse.Namespace, layout: dict, world: int) -> dict:
     argv = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in ("n_layer", "n_embd", "n_head", "seq_length",
                                                                        "arch", "warmup", "iters")]
     return spawn_ranks(__file__, argv + [f"--variant={json.dumps(layout)}"], world)
+
+
+def inside_graphs(spans: list[tuple[float, float]]) -> float:
+    """How many of `spans` run at once, on average over the time inside them."""
+    overlap = sum(max(0.0, min(end, e) - max(start, s)) for start, end in spans for s, e in spans)
+    return overlap / sum(end - start for start, end in spans)
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
@@ -205,7 +218,7 @@ def main() -> int:
           f"{', '.join(f'{f:.2f}x' for f in machine.host_contention.values())}); a gloo rank's wait (all-reduce of "
           f"all / a message): {waits}")
     print(f"{'#':>2} {'layout':<34} {'ranks':>5} {'step ms':>8} {'pred':>8} {'err':>6} {'mem MiB':>8} {'pred':>8} "
-          f"{'err':>6} {'bubble':>7} {'pred':>7} {'opt ms':>7} {'pred':>7}")
+          f"{'err':>6} {'bubble':>7} {'pred':>7} {'opt ms':>7} {'pred':>7} {'in graphs':>9}")
     rows = []
     for i in chosen:
         layout = LAYOUTS[i]
@@ -215,6 +228,10 @@ def main() -> int:
         column = [r for r in result["ranks"] if r["column"]]
         pp = config.parallel.pp
         bubble = 1 - sum(r["busy"] for r in column) / (pp * max(r["wall"] for r in column)) if pp > 1 else None
+        together = statistics.median(inside_graphs([s for r in result["ranks"] for s in r["spans"][i]])
+                                     for i in range(args.iters))
+        replicas = config.world_size / pp  # ranks a pipeline rank's spans stand for
+        predicted_together = replicas * inside_graphs([(s.start, s.end) for rank in prediction.spans for s in rank])
         row = dict(step=result["step"], predicted=prediction.step_seconds, peak=worst["peak"],
                    estimate=worst["estimate"], bubble=bubble, predicted_bubble=prediction.bubble_fraction,
                    layout=layout, world=config.world_size)
@@ -225,7 +242,8 @@ def main() -> int:
         print(f"{i:>2} {describe(layout):<34} {config.world_size:>5} {row['step'] * 1e3:8.1f} "
               f"{row['predicted'] * 1e3:8.1f} {row['predicted'] / row['step'] - 1:+6.1%} {worst['peak'] / mib:8.1f} "
               f"{worst['estimate'] / mib:8.1f} {worst['estimate'] / worst['peak'] - 1:+6.1%} {bubbles} "
-              f"{optimizer * 1e3:7.1f} {prediction.optimizer_seconds * 1e3:7.1f}", flush=True)
+              f"{optimizer * 1e3:7.1f} {prediction.optimizer_seconds * 1e3:7.1f} "
+              f"{f'{together:.2f}/{predicted_together:.2f}' if pp > 1 else '':>9}", flush=True)
     errors = [abs(r["predicted"] / r["step"] - 1) for r in rows]
     rank_order = f"{spearman([r['predicted'] for r in rows], [r['step'] for r in rows]):.2f}" if len(rows) > 1 else "n/a"
     print(f"step time: median |error| {statistics.median(errors):.1%}, worst {max(errors):.1%}; Spearman "

@@ -69,12 +69,16 @@ class StageTimes:
     forward: dict[int, list[float]] = field(default_factory=dict)
     backward: dict[int, list[float]] = field(default_factory=dict)
     weight: dict[int, list[float]] = field(default_factory=dict)
+    spans: list[tuple[float, float]] = field(default_factory=list)
+    """(start, end) of every call, by time.perf_counter: one clock for every process of the machine."""
 
     def timed(self, stage: int, fn, table: dict):
         def call(*args):
             start = time.perf_counter()
             out = fn(*args)
-            table.setdefault(stage, []).append(time.perf_counter() - start)
+            end = time.perf_counter()
+            table.setdefault(stage, []).append(end - start)
+            self.spans.append((start, end))
             return out
         return call
 
@@ -85,6 +89,7 @@ class StageTimes:
         self.forward.clear()
         self.backward.clear()
         self.weight.clear()
+        self.spans.clear()
 
 
 class Gcompile:
