@@ -29,7 +29,6 @@ import torch
 from gcompile.capture import capture
 from gcompile.comm_summary import format_summary
 from gcompile.config import POINTS, RunConfig
-from gcompile.compile import graph_key
 from gcompile.lower import lower_stage, split_lowered
 from gcompile.lowering_line import Lines
 from gcompile.axes import Coords
@@ -39,7 +38,7 @@ from gcompile.optimizer import tied_reductions
 import passes  # noqa: F401  registers the built-in passes
 from gcompile.pass_manager import (DUMP_FILE, PassContext, PassError, clear_rank_dump, rank_dump_dir, resolve_pass,
                                    run_passes, run_rank_passes)
-from gcompile.program import Program, Stage, dump_text, format_graph, refresh_meta
+from gcompile.program import Program, Stage, dump_text, format_graph, refresh_meta, structure_key
 from gcompile.report import reported, to_outputs
 from gcompile.rank_program import AdamWSettings, LoweredStage, LossScaling, RankProgram, StepSettings
 from gcompile.schedule import build_schedule, simulate
@@ -259,9 +258,10 @@ def _without(config: RunConfig, fields: dict[str, tuple[str, ...]]) -> RunConfig
 
 
 def _lower(stage: Stage, recompute: bool, split: bool, cache: BuildCache, log: Callable[[str], None]) -> LoweredStage:
-    """Lower a stage, or reuse the lowering of an identical one (same code over the same input values); its
-    backward split for zero bubble is a copy of the whole backward's lowering split."""
-    whole = (graph_key(stage.graph), recompute, stage.recompute_from_params)
+    """Lower a stage, or reuse the lowering of an identical one (the same ops over the same input values, the
+    names aside: a pipeline's middle stages); its backward split for zero bubble is a copy of the whole
+    backward's lowering split."""
+    whole = (structure_key(stage.graph), recompute, stage.recompute_from_params)
     key = (*whole, "split") if split else whole
     if whole not in cache.lowered:
         start = time.perf_counter()

@@ -17,6 +17,7 @@ Before pipeline_split a program has one stage holding the whole model.
 """
 
 import copy
+import hashlib
 import os
 import re
 from collections import Counter
@@ -144,6 +145,31 @@ def _same(a, b) -> bool:
     if isinstance(a, dict):
         return type(a) is type(b) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
     return type(a) is type(b) and a == b
+
+
+def structure_key(gm: fx.GraphModule) -> str:
+    """Same key <=> the same ops wired the same way over the same input shapes, dtypes and strides, whatever
+    the nodes are named: a pipeline's middle stages (layers 3-5 and 6-8, say) differ only in their names,
+    and lowering gives them the very same graphs, so a build lowers one of them."""
+    index, parts = {}, []
+    for i, node in enumerate(gm.graph.nodes):
+        index[node] = i
+        if node.op == "placeholder":
+            v = node.meta["val"]
+            parts.append((node.op, tuple(v.shape), v.dtype, v.stride(), v.device))
+        else:
+            wiring = fx.node.map_arg((node.args, node.kwargs), lambda n: _Wire(index[n]))
+            parts.append((node.op, str(node.target), repr(wiring)))
+    return hashlib.sha256(repr(parts).encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class _Wire:
+    """An argument that is another node, by its position in the graph."""
+    source: int
+
+    def __repr__(self) -> str:
+        return f"%{self.source}"
 
 
 def ancestors(nodes: list[fx.Node]) -> set[fx.Node]:

@@ -25,7 +25,7 @@ import run_gpt
 from gcompile import harness
 from gcompile.capture import capture
 from gcompile.check import check_plan, estimate_memory
-from gcompile.compile import Compiler, compile_rank_program
+from gcompile.compile import Compiler, compile_rank_program, graph_key
 from gcompile.config import build_config
 from gcompile.layout import Param
 from gcompile.axes import Coords
@@ -291,6 +291,22 @@ def test_split_stages_compute_the_model():
     assert rel_err(loss.detach(), expected.detach()) < 1e-6
     for name, p in eager.named_parameters():
         assert rel_err(params[name].grad, p.grad) < TOL, name
+
+
+def test_identical_middle_stages_are_lowered_once():
+    """pp4 of 8 layers: stages 1 and 2 (layers 2-3, 4-5) differ only in their names; a build lowers one of them
+    and gives the other the very graphs its own lowering gives (numerics: the pp4 cases above, whose middle
+    stages share a lowering this way)."""
+    cfg, logs = config(pp=4, n_layer=8, m=4), []
+    origin = Coords.from_rank(0, cfg.mesh_sizes)
+    cache = BuildCache()
+    shared = [build_rank_program(cfg, origin.moved(pp=r), log=logs.append, cache=cache) for r in range(4)]
+    assert [line.split(" with")[0] for line in logs if line.startswith("lowered")] == \
+        ["lowered stage 0", "lowered stage 1", "lowered stage 3"]
+    alone = build_rank_program(cfg, origin.moved(pp=2), log=lambda _: None)
+    for graph in ("forward", "backward"):
+        assert graph_key(getattr(shared[2].stages[2], graph)) == graph_key(getattr(alone.stages[2], graph))
+    assert shared[2].stages[2].params == alone.stages[2].params != shared[1].stages[1].params
 
 
 def test_zero_bubble_backward_split():

@@ -1,5 +1,6 @@
 """Shape propagation after a rewrite (gcompile.program.propagate_shapes): a node whose op, arguments and
-input values did not change keeps its value, every other gets what a propagation from scratch gives."""
+input values did not change keeps its value, every other gets what a propagation from scratch gives. And
+a graph's structure key (gcompile.program.structure_key): its names aside, everything that lowering reads."""
 
 import copy
 
@@ -7,7 +8,7 @@ import torch
 import torch.fx as fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from gcompile.program import propagate_shapes
+from gcompile.program import propagate_shapes, structure_key
 from gcompile.torch_api import FakeTensorMode
 
 aten = torch.ops.aten
@@ -53,3 +54,30 @@ def test_unchanged_nodes_keep_their_values_and_changed_ones_match_a_fresh_propag
     assert now["sin_default"] is first["sin_default"], "sin reads only x, which did not change"
     assert all(now[name] is not first[name] for name in ("mm_default", "view_default", "relu_default")), "downstream of w: recomputed"
     assert now["relu_default"].shape == (1, 8)
+
+
+def traced(fn, *shapes) -> fx.GraphModule:
+    gm = fx.symbolic_trace(fn)
+    with FakeTensorMode():
+        for node, shape in zip(gm.graph.find_nodes(op="placeholder"), shapes):
+            node.meta["val"] = torch.empty(shape)
+    return gm
+
+
+def test_structure_key_sees_all_but_names():
+    def renamed(a, b):  # program's ops, other names
+        mm = aten.view.default(aten.mm.default(a, b), [2, 8])
+        return aten.relu.default(mm), aten.sin.default(a)
+
+    def rewired(x, w):  # the same ops, the matmul's operands swapped
+        product = aten.view.default(aten.mm.default(w, x), [2, 8])
+        return aten.relu.default(product), aten.sin.default(x)
+
+    key = structure_key(traced(program, (4, 4), (4, 4)))
+    assert structure_key(traced(renamed, (4, 4), (4, 4))) == key
+    assert structure_key(traced(rewired, (4, 4), (4, 4))) != key
+    assert structure_key(traced(program, (4, 4), (4, 2))) != key  # an input shape
+    changed = traced(program, (4, 4), (4, 4))
+    view = next(n for n in changed.graph.nodes if n.target is aten.view.default)
+    view.args = (view.args[0], [1, 16])
+    assert structure_key(changed) != key  # an argument
