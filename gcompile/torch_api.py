@@ -1,14 +1,15 @@
 """Every private torch API gcompile uses, in one place, so that a torch upgrade touches one file.
 
 Each entry says which torch versions it was checked on: 2.13 (CPU, this repo's CI) and
-2.11 (the GPU machine's torch) where the code that uses it ran there. Public torch
+2.11 (the GPU machine's torch): the whole test suite, which runs every entry, passed on
+torch 2.11.0 on CPU (2026-12-05; README, Tests). Public torch
 (`torch.export`, `torch.fx`, `torch.distributed`) is imported where it is used.
 """
 
 import torch
-from torch._dynamo.utils import counters  # 2.13
-from torch._functorch.aot_autograd import aot_export_joint_with_descriptors  # 2.13
-from torch._functorch.partitioners import min_cut_rematerialization_partition  # 2.13
+from torch._dynamo.utils import counters  # 2.11, 2.13
+from torch._functorch.aot_autograd import aot_export_joint_with_descriptors  # 2.11, 2.13
+from torch._functorch.partitioners import min_cut_rematerialization_partition  # 2.11, 2.13
 from torch._subclasses.fake_tensor import FakeTensorMode  # 2.11, 2.13
 
 __all__ = ["FakeTensorMode", "aot_export_joint_with_descriptors", "min_cut_rematerialization_partition",
@@ -26,67 +27,67 @@ DCP_METADATA_GLOBALS = frozenset({
     ("pathlib", "PosixPath"),  # StorageMeta.checkpoint_id
 })
 """Every global (module, name) in a `.metadata` that DCP's FileSystemWriter writes for a dict of plain
-tensors, torch dtypes aside (2.13: listed by unpickling a saved checkpoint with a recording find_class).
+tensors, torch dtypes aside (2.11, 2.13: listed by unpickling a saved checkpoint with a recording find_class).
 Constructing any of them runs no user code."""
 
 
 def activation_memory_budget(budget: float):
-    """The min-cut partitioner's activation memory budget, as a context manager (2.13)."""
+    """The min-cut partitioner's activation memory budget, as a context manager (2.11, 2.13)."""
     return torch._functorch.config.patch(activation_memory_budget=budget)
 
 
 def inductor_cache_counts() -> tuple[int, int]:
-    """(FX graph cache hits, misses) of Inductor in this process so far (2.13)."""
+    """(FX graph cache hits, misses) of Inductor in this process so far (2.11, 2.13)."""
     return counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
 
 
 def standalone_compile(gm, example_inputs):
-    """Inductor on one FX graph, with its on-disk cache (2.13; 2.11 lacks donate_graph_module= / fake_mode=)."""
+    """Inductor on one FX graph, with its on-disk cache (2.11, 2.13; 2.11 lacks donate_graph_module= / fake_mode=)."""
     return torch._inductor.standalone_compile(gm, example_inputs, dynamic_shapes="from_example_inputs", options={})
 
 
 def is_op_overload(target) -> bool:
-    """Whether an FX node's target is an ATen-style op overload (`torch.ops.ns.op.overload`) (2.13)."""
+    """Whether an FX node's target is an ATen-style op overload (`torch.ops.ns.op.overload`) (2.11, 2.13)."""
     return isinstance(target, torch._ops.OpOverload)
 
 
 def register_process_group(name: str, group) -> None:
-    """Make `name` in a functional collective mean `group` on this rank (2.13; group_name a str on 2.11)."""
+    """Make `name` in a functional collective mean `group` on this rank (2.11, 2.13; group_name a str on 2.11)."""
     torch._C._distributed_c10d._register_process_group(name, group)
 
 
 def unregister_process_group(name: str) -> None:
-    torch._C._distributed_c10d._unregister_process_group(name)  # 2.13
+    torch._C._distributed_c10d._unregister_process_group(name)  # 2.11, 2.13
 
 
 def resolve_process_group(name: str):
-    return torch._C._distributed_c10d._resolve_process_group(name)  # 2.13
+    return torch._C._distributed_c10d._resolve_process_group(name)  # 2.11, 2.13
 
 
 def register_work(tensor: torch.Tensor, work) -> None:
     """Make `_c10d_functional.wait_tensor(tensor)` wait for `work` (a c10d Work), as torch's own functional
-    collectives do (2.13)."""
+    collectives do (2.11, 2.13)."""
     torch._C._distributed_c10d._register_work(tensor, work)
 
 
 def flash_attention_cpu(q, k, v, causal: bool, scale: float):
-    """(out, logsumexp) of SDPA's fused CPU kernel, the log-sum-exp (B, heads, L) in fp32 (2.13)."""
+    """(out, logsumexp) of SDPA's fused CPU kernel, the log-sum-exp (B, heads, L) in fp32 (2.11, 2.13)."""
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
 
 
 def flash_attention_cpu_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
-    """(dq, dk, dv) of that kernel, given the output and log-sum-exp to differentiate against (2.13)."""
+    """(dq, dk, dv) of that kernel, given the output and log-sum-exp to differentiate against (2.11, 2.13)."""
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal,
                                                                              scale=scale)
 
 
 def fake_store():
-    """The store of the `fake` process group, which runs nothing (2.13)."""
+    """The store of the `fake` process group, which runs nothing (2.11, 2.13)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     return FakeStore()
 
 
 def foreach_add_(accumulators: list[torch.Tensor], values: list[torch.Tensor]) -> None:
-    """accumulators[i] += values[i], one kernel launch per group of tensors (2.13)."""
+    """accumulators[i] += values[i], one kernel launch per group of tensors (2.11, 2.13)."""
     torch._foreach_add_(accumulators, values)
