@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+from torch.utils._pytree import tree_flatten
 
 from gcompile.collectives import is_collective
 from gcompile.layout import Param
@@ -158,18 +159,11 @@ def structure_key(gm: fx.GraphModule) -> str:
             v = node.meta["val"]
             parts.append((node.op, tuple(v.shape), v.dtype, v.stride(), v.device))
         else:
-            wiring = fx.node.map_arg((node.args, node.kwargs), lambda n: _Wire(index[n]))
-            parts.append((node.op, str(node.target), repr(wiring)))
+            leaves, spec = tree_flatten((node.args, node.kwargs))
+            wiring = [f"%{index[leaf]}" if isinstance(leaf, fx.Node) else
+                      f"tensor@{id(leaf)}" if isinstance(leaf, torch.Tensor) else repr(leaf) for leaf in leaves]
+            parts.append((node.op, str(node.target), str(spec), wiring))  # a tensor by identity: its repr elides
     return hashlib.sha256(repr(parts).encode()).hexdigest()
-
-
-@dataclass(frozen=True)
-class _Wire:
-    """An argument that is another node, by its position in the graph."""
-    source: int
-
-    def __repr__(self) -> str:
-        return f"%{self.source}"
 
 
 def ancestors(nodes: list[fx.Node]) -> set[fx.Node]:

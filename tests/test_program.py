@@ -81,3 +81,17 @@ def test_structure_key_sees_all_but_names():
     view = next(n for n in changed.graph.nodes if n.target is aten.view.default)
     view.args = (view.args[0], [1, 16])
     assert structure_key(changed) != key  # an argument
+
+    def with_constant(constant: torch.Tensor) -> fx.GraphModule:  # a tensor as an argument, not an input
+        graph = fx.Graph()
+        x = graph.placeholder("x")
+        graph.output(graph.call_function(aten.add.Tensor, (x, constant)))
+        gm = fx.GraphModule(torch.nn.Module(), graph)
+        with FakeTensorMode():
+            x.meta["val"] = torch.empty(2000)
+        return gm
+    ones = torch.ones(2000)
+    other = ones.clone()
+    other[1000] = 2  # where a tensor's repr elides its values
+    assert structure_key(with_constant(ones)) == structure_key(with_constant(ones))
+    assert structure_key(with_constant(ones)) != structure_key(with_constant(other))
