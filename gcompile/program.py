@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
-from torch.utils._pytree import tree_flatten
 
 from gcompile.collectives import is_collective
 from gcompile.layout import Param
@@ -159,11 +158,20 @@ def structure_key(gm: fx.GraphModule) -> str:
             v = node.meta["val"]
             parts.append((node.op, tuple(v.shape), v.dtype, v.stride(), v.device))
         else:
-            leaves, spec = tree_flatten((node.args, node.kwargs))
-            wiring = [f"%{index[leaf]}" if isinstance(leaf, fx.Node) else
-                      f"tensor@{id(leaf)}" if isinstance(leaf, torch.Tensor) else repr(leaf) for leaf in leaves]
-            parts.append((node.op, str(node.target), str(spec), wiring))  # a tensor by identity: its repr elides
+            wiring = fx.node.map_aggregate((node.args, node.kwargs), lambda a: _Shown(
+                f"%{index[a]}" if isinstance(a, fx.Node) else
+                f"tensor@{id(a)}" if isinstance(a, torch.Tensor) else repr(a)))  # a tensor's repr elides values
+            parts.append((node.op, str(node.target), repr(wiring)))
     return hashlib.sha256(repr(parts).encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class _Shown:
+    """An argument as structure_key writes it: another node by its position, a tensor by its identity."""
+    text: str
+
+    def __repr__(self) -> str:
+        return self.text
 
 
 def ancestors(nodes: list[fx.Node]) -> set[fx.Node]:
