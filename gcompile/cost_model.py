@@ -33,7 +33,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_flatten
 
 from gcompile.axes import GROUP_ROLES, role_size
 from gcompile.check import message_bytes, pipeline_messages
@@ -44,6 +43,7 @@ from gcompile.flops import SAME_FLOPS_AS, node_flops
 from gcompile.machine import Machine
 from gcompile.rank_program import RankProgram
 from gcompile.schedule import Action, Kind, Span, simulate
+from gcompile.torch_api import tree_flatten
 
 aten = torch.ops.aten
 

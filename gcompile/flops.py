@@ -9,10 +9,10 @@ for the most rows that can arrive, n times the average: an upper bound).
 
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_map_only
 from torch.utils.flop_counter import flop_registry
 
 from gcompile.models import moe  # noqa: F401  registers the grouped matmul ops counted below
+from gcompile.torch_api import tree_map_only
 
 aten = torch.ops.aten
 

@@ -17,10 +17,10 @@ from fractions import Fraction
 
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from gcompile.program import Stage, propagate_shapes
 from gcompile.rank_program import LoweredStage
+from gcompile.torch_api import tree_flatten, tree_unflatten
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,11 +11,12 @@ from torch._dynamo.utils import counters  # 2.11, 2.13
 from torch._functorch.aot_autograd import aot_export_joint_with_descriptors  # 2.11, 2.13
 from torch._functorch.partitioners import min_cut_rematerialization_partition  # 2.11, 2.13
 from torch._subclasses.fake_tensor import FakeTensorMode  # 2.11, 2.13
+from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten  # 2.11, 2.13
 
 __all__ = ["FakeTensorMode", "aot_export_joint_with_descriptors", "min_cut_rematerialization_partition",
            "activation_memory_budget", "inductor_cache_counts", "standalone_compile", "is_op_overload",
            "register_process_group", "unregister_process_group", "resolve_process_group", "fake_store",
-           "foreach_add_", "DCP_METADATA_GLOBALS"]
+           "foreach_add_", "DCP_METADATA_GLOBALS", "tree_flatten", "tree_map_only", "tree_unflatten"]
 
 DCP_METADATA_GLOBALS = frozenset({
     *(("torch.distributed.checkpoint.metadata", name) for name in (
