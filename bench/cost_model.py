@@ -5,7 +5,7 @@ over LAYOUTS (2 to 8 gloo ranks on this machine), and the planner's first choice
     python bench/cost_model.py --only 0,3   # some layouts
     python bench/cost_model.py --machine ~/.cache/gcompile/machine-<id>.json   # predict from a kept file
 
-The machine is measured first (gcompile.calibrate, ~35 s, written nowhere), so the
+The machine is measured first (gcompile.calibrate, ~90 s here, written nowhere), so the
 prediction and the runs see it in one state: on this 2-core machine a layout's step
 moved by 40% between two runs an hour apart, and a file measured then predicts
 neither.
@@ -30,11 +30,11 @@ Each layout runs as its own world, one process per rank, the cores shared evenly
                     end of its optimizer step (waiting for the other ranks included),
                     against the predicted optimizer step
     in graphs       with a pipeline: how many of the world's ranks are inside a stage graph
-                    at once, on average over the time they are (the spans of every rank,
-                    one clock, median over the steps), against the predicted spans' (a
-                    pipeline rank's count for its world / pp replicas). On shared cores a
-                    graph is slower the more run at once, so this tells how the bubble's
-                    share of the time split from the graphs' where the step is right
+                    at once, averaged over the time spent inside graphs (every rank's
+                    calls on one clock, the median over the steps), measured/predicted
+                    (a pipeline rank's spans count for world / pp ranks). On shared cores
+                    a graph runs slower the more graphs run at once, so where the step
+                    time is right but the bubble is not, this shows which side is off
 
 Prints each row, then the median and worst absolute step-time error, Spearman's rank
 correlation of predicted against measured, and the planner's (gcompile.plan) first
