@@ -26,7 +26,7 @@ from gcompile.data import DataError, build_datasets, check_batches, check_token_
 from gcompile.check import PlanError, check_fits_machine, check_plan
 from gcompile.mesh import MeshError, check_shm_room
 from gcompile import shutdown
-from gcompile.launch import join_world, rank_threads, run_ranks, under_launcher
+from gcompile.launch import join_world, rank_threads, run_ranks, start_rank_server, under_launcher
 from gcompile.axes import Coords
 from gcompile.pass_manager import PassError, clear_stale_dumps, rank_dump_dir
 from gcompile import machine as machine_file
@@ -136,6 +136,8 @@ def main(argv: list[str]) -> int:
         if not under_launcher():
             if flags.dump_only or flags.check_plan:
                 return plan_only(config, flags.dump_only, flags.machine)
+            if config.world_size > 1:
+                start_rank_server()
             if config.log.dump_graphs:
                 clear_stale_dumps(config.log.dump_graphs, range(config.world_size))
             check_fits_machine(config)  # before anything is allocated

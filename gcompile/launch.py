@@ -6,20 +6,31 @@ launcher hosts the ranks' store on a free port of 127.0.0.1 and points gloo and 
 at the loopback interface, so no socket of a local run is reachable from another
 host. The launcher stays with its ranks until they end: it passes SIGINT and SIGTERM
 on (gcompile.shutdown), stops the others when one fails, and stops a job whose ranks
-have all stopped progressing (gcompile.flight). Each rank gets SIGTERM from the
-kernel if the launcher dies. Ranks are plain subprocesses of the launcher, so they
-share Inductor's on-disk cache with it and with each other.
+have all stopped progressing (gcompile.flight). Each rank exits at once when the
+launcher has ended, however it ended (gcompile.shutdown.tie_to_launcher).
+
+Ranks are forked from a server process that imported torch and the launching
+script's modules once (multiprocessing's forkserver), not started as fresh
+interpreters: each import of torch and gcompile is seconds of one core, paid once
+per run instead of once per rank (the tiny model's 8 ranks on 2 cores start, train
+2 iterations and exit in 22 s, 39 s as fresh interpreters). The server imports only, so nothing it forks holds threads or state of a computation.
+A rank gets the launcher's environment, working directory, stdout and stderr, as
+a subprocess would, and shares Inductor's on-disk cache with the other ranks.
 """
 
+import ctypes
 import math
+import multiprocessing
+import multiprocessing.forkserver
 import os
+import runpy
 import signal
 import socket
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from multiprocessing import reduction
 
 import torch
 import torch.distributed as dist
@@ -52,8 +63,7 @@ def spawn_local(world_size: int, argv: list[str], config: RunConfig | None = Non
                           wait_for_workers=False)
     loopback = loopback_interface()
     env = dict(os.environ, WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True",  # ranks are clients of `store`
-               **{shutdown.LAUNCHER_PID: str(os.getpid())})
+               MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")  # ranks are clients of `store`
     env.setdefault("OMP_NUM_THREADS", str(rank_threads(world_size)))
     env.setdefault("GLOO_SOCKET_IFNAME", loopback)  # gloo's and nccl's own listening sockets on loopback too
     env.setdefault("NCCL_SOCKET_IFNAME", loopback)
@@ -64,25 +74,79 @@ def spawn_local(world_size: int, argv: list[str], config: RunConfig | None = Non
     signals = []
     previous = shutdown.set_action(signals.append)  # acted on below, in this thread
     procs = []
+    ended, alive = os.pipe()  # written by nobody; the ranks read its end of file when this process ends
     try:
         for rank in range(world_size):
-            procs.append(subprocess.Popen([sys.executable, *argv], env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
-                                          start_new_session=True))  # a terminal's Ctrl-C reaches the launcher alone
+            inherited = _Inherited(1), _Inherited(2), _Inherited(ended)
+            procs.append(_RANKS.Process(target=_run_rank, args=(argv, dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
+                                                                *inherited), name=f"rank {rank}"))
+            procs[-1].start()
         return _supervise(procs, signals, watchdog, config)
     finally:
+        os.close(ended)
+        os.close(alive)
         shutdown.set_action(previous)
         for proc in procs:
-            if proc.poll() is None:
+            if proc.exitcode is None and proc.pid is not None:
                 proc.kill()
-            proc.wait()
+            if proc.pid is not None:
+                proc.join()
         del store
+
+
+PRELOAD = ["__main__", "torch", "torch.distributed", "gcompile.train"]
+"""What the server ranks fork from imports: the launching script (run_gpt.py), what it imports, and what every
+rank imports. None of it may initialize CUDA, whose driver a forked process cannot use after its parent did."""
+_RANKS = multiprocessing.get_context("forkserver")
+_RANKS.set_forkserver_preload(PRELOAD)
+_PR_SET_NAME = 15  # linux/prctl.h
+
+
+def start_rank_server() -> None:
+    """Start the server ranks fork from now: its imports (seconds) run while the launcher checks the run."""
+    multiprocessing.forkserver.ensure_running()
+
+
+def _run_rank(argv: list[str], env: dict[str, str], stdout: int, stderr: int, launcher: int) -> None:
+    """In a forked rank: what a fresh `python argv...` with `env` would have, then the script as __main__.
+    The fork server's threads setting, session and standard streams are the launcher's when it started; its
+    start method, forkserver, makes every multiprocessing lock (tqdm makes one) a name to clean up, which a
+    stopped rank leaves to the launcher's resource tracker to warn about."""
+    multiprocessing.set_start_method(None, force=True)  # this platform's default, not the server's forkserver
+    os.environ.clear()
+    os.environ.update(env, **{shutdown.LAUNCHER: str(launcher)})
+    torch.set_num_threads(int(env["OMP_NUM_THREADS"]))  # read by torch at import, in the server
+    os.setsid()  # a terminal's Ctrl-C reaches the launcher alone
+    if sys.platform.startswith("linux"):  # what top and ps -o comm show: every rank has the server's command line
+        ctypes.CDLL(None).prctl(_PR_SET_NAME, f"rank {env['RANK']}".encode())
+    os.dup2(stdout, 1)
+    os.dup2(stderr, 2)
+    os.close(stdout)
+    os.close(stderr)
+    sys.argv = list(argv)
+    runpy.run_path(argv[0], run_name="__main__")
+
+
+class _Inherited:
+    """A file descriptor of the launcher, given to a forked rank as a copy (the fork server's are not the
+    launcher's now: pytest, for one, swaps them per test)."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):
+        return _detach, (reduction.DupFd(self.fd),)
+
+
+def _detach(duplicate) -> int:
+    return duplicate.detach()
 
 
 GRACE_S = 5.0
 """Ranks told to stop now get this long before they are killed."""
 
 
-def _supervise(procs: list[subprocess.Popen], signals: list[int], watchdog: "flight.Watchdog | None",
+def _supervise(procs: list[multiprocessing.Process], signals: list[int], watchdog: "flight.Watchdog | None",
                config: RunConfig | None) -> int:
     """Wait for the ranks: pass signals on, stop the rest when one fails, stop a hung job."""
     prog = os.path.basename(sys.argv[0])
@@ -91,7 +155,7 @@ def _supervise(procs: list[subprocess.Popen], signals: list[int], watchdog: "fli
     orderly = (shutdown.exit_status(signal.SIGTERM),) if deferred else ()
     forwarded, deadline, failure = 0, None, None
     while True:
-        alive = [proc.poll() is None for proc in procs]
+        alive = [proc.exitcode is None for proc in procs]
         if len(signals) > forwarded:  # the first is passed on; another kills at once
             signum = signals[0] if forwarded == 0 else signal.SIGKILL
             _send(procs, signum)
@@ -99,8 +163,8 @@ def _supervise(procs: list[subprocess.Popen], signals: list[int], watchdog: "fli
             if not (deferred and signum == signal.SIGTERM):
                 deadline = time.monotonic() + GRACE_S
         if failure is None and not signals:
-            failure = next(((rank, proc.returncode) for rank, proc in enumerate(procs)
-                            if proc.returncode not in (None, 0, *orderly)), None)
+            failure = next(((rank, proc.exitcode) for rank, proc in enumerate(procs)
+                            if proc.exitcode not in (None, 0, *orderly)), None)
             if failure:
                 _send(procs, signal.SIGKILL)  # the others would wait on it in their next collective
         if not any(alive):
@@ -114,7 +178,7 @@ def _supervise(procs: list[subprocess.Popen], signals: list[int], watchdog: "fli
             _send(procs, signal.SIGKILL)
             return 1
         time.sleep(0.05)
-    if not signals and failure is None and any(proc.returncode in orderly for proc in procs):
+    if not signals and failure is None and any(proc.exitcode in orderly for proc in procs):
         signals = [signal.SIGTERM]
     if signals:
         print(f"{prog}: stopped by {shutdown.name(signals[0])}", file=sys.stderr, flush=True)
@@ -131,13 +195,13 @@ def _supervise(procs: list[subprocess.Popen], signals: list[int], watchdog: "fli
     return code
 
 
-def _send(procs: list[subprocess.Popen], signum: int) -> None:
+def _send(procs: list[multiprocessing.Process], signum: int) -> None:
     for proc in procs:
-        if proc.poll() is None:
-            proc.send_signal(signum)
+        if proc.exitcode is None:
+            os.kill(proc.pid, signum)
 
 
-def _process_note(proc: subprocess.Popen) -> str:
+def _process_note(proc: multiprocessing.Process) -> str:
     """"process stopped" for a process the kernel has stopped (SIGSTOP, a debugger), else ""."""
     try:
         with open(f"/proc/{proc.pid}/stat") as f:

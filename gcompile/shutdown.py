@@ -14,12 +14,12 @@ thread blocked on that pipe acts at once, whatever the main thread is doing:
   step flags), so every rank stops after the same iteration, saves, and exits 143
   (Megatron's DistributedSignalHandler).
 
-A rank of the local launcher asks the kernel for SIGTERM when the launcher dies
-(`tie_to_launcher`) and then exits at once, --exit-signal-handler or not: no launcher is
-left to wait for a save, and every rank must be gone within seconds.
+A rank of the local launcher watches a pipe that only the launcher holds open for writing
+(`tie_to_launcher`): at its end of file, however the launcher ended (SIGKILL included),
+the rank exits at once, --exit-signal-handler or not: no launcher is left to wait for a
+save, and every rank must be gone within seconds.
 """
 
-import ctypes
 import os
 import signal
 import sys
@@ -27,13 +27,13 @@ import threading
 from collections.abc import Callable
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-LAUNCHER_PID = "GCOMPILE_LAUNCHER_PID"
-"""Environment of a rank started by gcompile.launch.spawn_local: the launcher's process id."""
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+LAUNCHER = "GCOMPILE_LAUNCHER_FD"
+"""Environment of a rank started by gcompile.launch.spawn_local: the read end of the launcher's pipe."""
 
 requested = threading.Event()
 """SIGTERM arrived with --exit-signal-handler on: stop after this iteration."""
 _action: Callable[[int], None] | None = None
+_launcher_ended = threading.Event()
 
 
 def exit_status(signum: int) -> int:
@@ -80,7 +80,7 @@ def stopper(exit_signal_handler: bool) -> Callable[[int], None]:
         if exit_signal_handler and signum == signal.SIGTERM and launcher_alive():
             requested.set()
             return
-        exit_now(signum, quiet=LAUNCHER_PID in os.environ)
+        exit_now(signum, quiet=LAUNCHER in os.environ)
     return act
 
 
@@ -98,7 +98,7 @@ def exit_now(signum: int, quiet: bool = False) -> None:
 
 def stopped(signum: int) -> int:
     """After an orderly stop on `signum`: its line (unless the local launcher prints it); the exit status."""
-    if LAUNCHER_PID not in os.environ:
+    if LAUNCHER not in os.environ:
         print(_line(signum), end="", file=sys.stderr, flush=True)
     return exit_status(signum)
 
@@ -108,18 +108,19 @@ def _line(signum: int) -> str:
 
 
 def tie_to_launcher() -> None:
-    """In a rank started by the local launcher: get SIGTERM when the launcher dies (Linux), and
-    exit now if it died before this call (this process then has another parent)."""
-    launcher = os.environ.get(LAUNCHER_PID)
-    if launcher is None:
-        return
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    if not launcher_alive():
-        exit_now(signal.SIGTERM, quiet=True)
+    """In a rank started by the local launcher: exit at once, silently, when the launcher has ended."""
+    launcher = os.environ.get(LAUNCHER)
+    if launcher is not None:
+        threading.Thread(target=_watch_launcher, args=(int(launcher),), daemon=True, name="launcher").start()
+
+
+def _watch_launcher(read: int) -> None:
+    while os.read(read, 1):  # the launcher writes nothing: this returns when its end closes
+        pass
+    _launcher_ended.set()
+    exit_now(signal.SIGTERM, quiet=True)
 
 
 def launcher_alive() -> bool:
-    """False only in a rank whose local launcher has died (or one not started by one: True)."""
-    launcher = os.environ.get(LAUNCHER_PID)
-    return launcher is None or os.getppid() == int(launcher)
+    """False only in a rank whose local launcher has ended (or one not started by one: True)."""
+    return not _launcher_ended.is_set()

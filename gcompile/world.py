@@ -131,5 +131,5 @@ def prepare_launch(config: RunConfig, device: str, threads: int, log: Callable[[
         stats = precompile(programs, threads, log, shared_by)
         log(f"precompiled {stats.distinct} distinct graphs for {config.world_size} ranks in {stats.seconds:.1f} s "
             f"(inductor cache: {stats.cache_hits} hits, {stats.cache_misses} misses)")
-    log(f"starting {config.world_size} ranks: each imports torch and builds its program"
+    log(f"starting {config.world_size} ranks: each builds its program"
         f"{', then loads its graphs from the cache' if config.train.compile else ''}; rank 0 reports for all")

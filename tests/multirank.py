@@ -18,6 +18,7 @@ import sys
 import torch
 
 from gcompile.harness import LayoutResult, assemble
+from gcompile.launch import PRELOAD
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "layout_worker.py")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this checkout, not another install
@@ -59,9 +60,9 @@ def launch(tmp_path, worker: str, job: dict, world: int, timeout: float = 900) -
     return codes
 
 
-_FORKS = multiprocessing.get_context("forkserver")
-_FORKS.set_forkserver_preload(["torch", "torch.distributed.checkpoint", "torch.export", "torch._functorch.aot_autograd",
-                               "gcompile.train", "gcompile.harness"])
+_FORKS = multiprocessing.get_context("forkserver")  # the one fork server of this process, the launcher's too:
+_FORKS.set_forkserver_preload([*PRELOAD, "torch.distributed.checkpoint", "torch.export",  # it preloads for both
+                               "torch._functorch.aot_autograd", "gcompile.harness"])
 
 
 def _run_rank(worker: str, argv: list[str], rank: int, world: int, log_path: str) -> None:

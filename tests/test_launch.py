@@ -69,3 +69,22 @@ def test_torchrun_world_that_does_not_fit_the_layout_is_one_line_per_rank(tmp_pa
                                   "start that many (torchrun --nnodes * --nproc-per-node) or change the layout"}, \
         result.stderr
     assert result.stderr.index("run_gpt.py: error:") < result.stderr.index("ChildFailedError")
+
+
+def test_the_fork_server_leaves_cuda_alone_while_it_imports():
+    # CUDA's driver does not survive a fork: had the server ranks fork from (gcompile.launch) asked it anything
+    # while importing, no rank could use a GPU. On a machine without one, every way in is watched instead.
+    watch = """
+import sys, torch
+asked = []
+for name in ("is_available", "device_count", "init", "_lazy_init", "get_device_properties", "current_device"):
+    setattr(torch.cuda, name, lambda *a, name=name, **k: asked.append(name))
+from gcompile.launch import PRELOAD
+for module in PRELOAD:
+    __import__("run_gpt" if module == "__main__" else module)
+print(asked)
+"""
+    result = subprocess.run([sys.executable, "-c", watch], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                            env=dict(os.environ, PYTHONPATH=ROOT))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]", result.stdout

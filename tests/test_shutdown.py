@@ -50,34 +50,56 @@ def wait_for_iteration(tmp_path, proc: subprocess.Popen, iteration: int, rank: i
     raise AssertionError(f"rank {rank} never reached iteration {iteration}:\n{output(tmp_path)}")
 
 
-def run_processes(tmp_path) -> dict[int, str]:
-    """pid -> RANK (or "launcher") of every live process whose command line names this test's run dir."""
-    marker, found = str(tmp_path / "run").encode(), {}
+def run_processes(launcher: subprocess.Popen) -> dict[int, str]:
+    """pid -> name of the launcher ("launcher") and of every live process under it: its ranks ("rank R", the
+    name gcompile.launch gives them), the fork server they came from, multiprocessing's resource tracker."""
+    children = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if marker not in f.read():
-                    continue
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
         except OSError:  # gone meanwhile
             continue
-        found[int(pid)] = env.get(b"RANK", b"launcher").decode()
+        if fields[0] != "Z":
+            children.setdefault(int(fields[1]), []).append(int(pid))
+    found, todo = {}, [launcher.pid]
+    while todo:
+        pid = todo.pop()
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                found[pid] = "launcher" if pid == launcher.pid else f.read().strip()
+        except OSError:
+            continue
+        todo += children.get(pid, [])
     return found
 
 
-def rank_pid(tmp_path, rank: int) -> int:
-    return next(pid for pid, name in run_processes(tmp_path).items() if name == str(rank))
+def rank_pid(launcher: subprocess.Popen, rank: int) -> int:
+    return next(pid for pid, name in run_processes(launcher).items() if name == f"rank {rank}")
 
 
-def assert_all_gone(tmp_path, within: float = 10.0) -> None:
+def assert_all_gone(pids, within: float = 10.0) -> None:
+    """Every process of `pids` (a run's, from run_processes while it ran) ends within `within` seconds."""
     deadline = time.monotonic() + within
-    while run_processes(tmp_path) and time.monotonic() < deadline:
+    while _alive(pids) and time.monotonic() < deadline:
         time.sleep(0.2)
-    left = run_processes(tmp_path)
+    left = _alive(pids)
     for pid in left:  # not to leave them training after the test
         os.kill(pid, signal.SIGKILL)
     assert not left, f"still running {within:g} s later: {left}"
+
+
+def _alive(pids) -> list[int]:
+    """Those of `pids` that run (a zombie has ended)."""
+    alive = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rpartition(")")[2].split()[0] != "Z":
+                    alive.append(pid)
+        except OSError:
+            continue
+    return alive
 
 
 def listening_addresses(pids) -> list[str]:
@@ -110,7 +132,9 @@ LOOPBACK = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFF
 def test_signal_stops_every_rank_with_one_line_and_nothing_listens_beyond_loopback(tmp_path, signum):
     proc = start(tmp_path, "--dp", 2, *FOREVER)
     wait_for_iteration(tmp_path, proc, 2)
-    addresses = listening_addresses(run_processes(tmp_path))
+    processes = run_processes(proc)
+    assert {"launcher", "rank 0", "rank 1"} <= set(processes.values()), processes
+    addresses = listening_addresses(processes)
     assert addresses, "the rank store and gloo listen somewhere"
     assert set(addresses) <= LOOPBACK, f"listening beyond loopback: {addresses}"
     proc.send_signal(signum)
@@ -118,17 +142,18 @@ def test_signal_stops_every_rank_with_one_line_and_nothing_listens_beyond_loopba
     stdout, stderr = output(tmp_path)
     assert stderr.splitlines() == [f"run_gpt.py: stopped by {signum.name}"], stderr
     assert "Traceback" not in stdout
-    assert_all_gone(tmp_path)
+    assert_all_gone(processes)
 
 
 @pytest.mark.slow
 def test_killed_launcher_takes_its_ranks_along(tmp_path):
     proc = start(tmp_path, "--dp", 2, *FOREVER)
     wait_for_iteration(tmp_path, proc, 1)
-    assert len(run_processes(tmp_path)) == 3, "the launcher and two ranks"
+    processes = run_processes(proc)
+    assert {"launcher", "rank 0", "rank 1"} <= set(processes.values()), processes
     proc.kill()
     proc.wait()
-    assert_all_gone(tmp_path, within=10)
+    assert_all_gone(processes, within=10)
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -159,11 +184,12 @@ def test_sigterm_with_exit_signal_handler_saves_where_every_rank_stops_and_resum
     save = tmp_path / "save"
     proc = start(tmp_path, *layout, *FOREVER, "--exit-signal-handler", "--save", save, "--hang-timeout-s", 60)
     wait_for_iteration(tmp_path, proc, 3, rank=1)
-    os.kill(rank_pid(tmp_path, 1), signal.SIGTERM)
+    processes = run_processes(proc)
+    os.kill(rank_pid(proc, 1), signal.SIGTERM)
     assert proc.wait(timeout=300) == 143
     stdout, stderr = output(tmp_path)
     assert stderr.splitlines() == ["run_gpt.py: stopped by SIGTERM"] and "Traceback" not in stdout
-    assert_all_gone(tmp_path)
+    assert_all_gone(processes)
     cut = losses(tmp_path / "run")
     stopped_at = int((save / TRACKER).read_text())
     assert stopped_at == len(cut) >= 3, "both ranks saved the iteration they both finished last"
@@ -180,11 +206,12 @@ def test_sigterm_with_exit_signal_handler_saves_where_every_rank_stops_and_resum
 def test_stalled_rank_is_named_within_the_hang_timeout(tmp_path):
     proc = start(tmp_path, "--dp", 2, *FOREVER, "--hang-timeout-s", 20)
     wait_for_iteration(tmp_path, proc, 2, rank=1)
-    os.kill(rank_pid(tmp_path, 1), signal.SIGSTOP)
+    processes = run_processes(proc)
+    os.kill(rank_pid(proc, 1), signal.SIGSTOP)
     assert proc.wait(timeout=300) == 1
     stdout, stderr = output(tmp_path)
     assert "no rank made progress for 20 s" in stderr and "the stalled rank: 1 (process stopped)" in stderr, stderr
     rank1 = next(line for line in stderr.splitlines() if line.strip().startswith("rank 1 "))
     assert "instruction started @" in rank1 and "[process stopped]" in rank1, rank1
     assert "Traceback" not in stdout + stderr
-    assert_all_gone(tmp_path)
+    assert_all_gone(processes)
