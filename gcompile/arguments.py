@@ -4,11 +4,18 @@ argparse prints its whole usage block before the error, several lines that bury 
 matters; this prints only that one and says where the flags are listed. Flags are never
 abbreviated (Megatron's parser does the same): a command that passes run_gpt.py's flags on
 would otherwise take one as a prefix of its own (the planner read `--micro-batch-size 4` as
-`--micro-batch-sizes 4`), and `--auto-layout` strips layout flags by their whole names. run_gpt.py's
+`--micro-batch-sizes 4`), and `--auto-layout` strips layout flags by their whole names; so an unknown
+flag is named with the nearest one there is (`--micro-batch 2` with --micro-batch-size). run_gpt.py's
 parser (gcompile.config) is one of these whose errors go to its own one-line report."""
 
 import argparse
+import difflib
 import sys
+
+UNRECOGNIZED = "unrecognized arguments: "
+NEAR = 0.75
+"""How alike (difflib's ratio) a flag must be to be offered: --micro-batch is 0.84 of --micro-batch-size,
+--top-k only 0.73 of --tp (the planner's --top-k is none of run_gpt.py's flags, which it reads after its own)."""
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -16,5 +23,17 @@ class ArgumentParser(argparse.ArgumentParser):
         super().__init__(*args, **{"allow_abbrev": False, **kwargs})
 
     def error(self, message: str):
-        print(f"{self.prog}: error: {message} ({self.prog} --help lists the flags)", file=sys.stderr)
+        print(f"{self.prog}: error: {self.explain(message)} ({self.prog} --help lists the flags)", file=sys.stderr)
         sys.exit(2)
+
+    def explain(self, message: str) -> str:
+        """argparse's message, with the flag each unrecognized one may have meant."""
+        if not message.startswith(UNRECOGNIZED):
+            return message
+        flags = [name for action in self._actions for name in action.option_strings if name.startswith("--")]
+        meant = []
+        for word in message.removeprefix(UNRECOGNIZED).split():
+            near = difflib.get_close_matches(word.split("=")[0], flags, n=1, cutoff=NEAR) if word.startswith("--") else []
+            meant += [f"{near[0]} for {word.split('=')[0]}" if near else ""]
+        meant = [m for m in meant if m]
+        return message + (f"; did you mean {', '.join(meant)}?" if meant else "")

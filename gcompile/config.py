@@ -467,7 +467,7 @@ def _derive_interleaving(p: ParallelConfig, n_layer: int, given: dict) -> Parall
 
 class _ArgumentParser(ArgumentParser):
     def error(self, message):
-        raise ConfigError(message)
+        raise ConfigError(self.explain(message))
 
 
 def parser() -> argparse.ArgumentParser:

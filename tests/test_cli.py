@@ -27,7 +27,9 @@ def run_main(argv, capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--no-such-flag", "1"], "unrecognized arguments: --no-such-flag"),
+    (["--no-such-flag", "1"], "unrecognized arguments: --no-such-flag 1"),
+    (["--micro-batch", "2", "--lr-warmup=3"], "unrecognized arguments: --micro-batch 2 --lr-warmup=3; did you mean "
+                                               "--micro-batch-size for --micro-batch, --lr-warmup-iters for --lr-warmup?"),
     (["--n-head", "3", "--n-embd", "64"], "n_embd=64 is not divisible by n_head=3"),
     (["--n-layer", "0"], "n-layer=0 must be at least 1"),
     (["--seq-length", "512", "--block-size", "256"], "seq_length=512 is longer than the model's block_size=256"),
