@@ -58,7 +58,12 @@ POINTS = ("capture", "tensor_parallel", "sequence_parallel", "context_parallel",
 
 
 class ConfigError(ValueError):
-    """A configuration a run cannot start with; the message says what to change."""
+    """A configuration a run cannot start with; the message says what to change: each reason, `; `-joined
+    (a reason may hold a `; ` of its own, before its fix), and `reasons` keeps them apart."""
+
+    def __init__(self, *reasons: str):
+        super().__init__("; ".join(reasons))
+        self.reasons = reasons
 
 
 @dataclass(frozen=True)
@@ -555,7 +560,7 @@ def validate(config: RunConfig) -> None:
     if not errors:  # the model's own rules (GPT-2's dropout range) before the plan below builds the model
         errors += config.model_spec.config_errors(m)
     if errors:
-        raise ConfigError("; ".join(errors))
+        raise ConfigError(*errors)
     errors += _number_errors(config)
     errors += _path_errors(config)
     if t.seq_length > m.block_size:
@@ -646,7 +651,7 @@ def validate(config: RunConfig) -> None:
     if p.memory_budget_gb is not None and p.memory_budget_gb <= 0:
         errors.append(f"memory_budget_gb={p.memory_budget_gb} must be positive")
     if errors:
-        raise ConfigError("; ".join(errors))
+        raise ConfigError(*errors)
 
 
 def _context_parallel_errors(config: RunConfig) -> list[str]:

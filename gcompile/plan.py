@@ -76,6 +76,8 @@ class Search:
     ranked: list[Candidate] = field(default_factory=list)
     refused: list[tuple[dict, str]] = field(default_factory=list)
     """(layout, why) of every candidate left out."""
+    reasons: Counter = field(default_factory=Counter)
+    """How many candidates each reason refused (a candidate refused for several counts under each)."""
     seconds: float = 0.0
     layouts: int = 0
     """How many `layouts` gave; the tries are more where one over the budget was tried again with savers."""
@@ -180,7 +182,11 @@ def search(base: RunConfig, world: int, machine: Machine, budget_gb: float | Non
     tried = {family: iter(found) for family, found in outcomes.items()}
     for layout in shapes:  # in the order of `layouts`, however the processes finished
         for kept, outcome in next(tried[_family(layout)]):
-            (result.ranked if kept else result.refused).append(outcome)
+            if kept:
+                result.ranked.append(outcome)
+            else:
+                result.refused.append(outcome[:2])
+                result.reasons.update(outcome[2])
     result.ranked.sort(key=lambda c: c.prediction.step_seconds)
     result.seconds = time.perf_counter() - start
     return result
@@ -194,8 +200,8 @@ def _family(layout: dict) -> tuple:
 
 def _search_family(base: RunConfig, machine: Machine, budget_gb: float | None, members: list[dict],
                    cache: BuildCache | None = None) -> list[list[tuple[bool, Candidate | tuple[dict, str]]]]:
-    """Per member, (True, candidate) or (False, (layout, why)) for each layout tried, in order: one over the
-    budget is tried again with each memory saver until one fits."""
+    """Per member, (True, candidate) or (False, (layout, why, its reasons as counted)) for each layout tried, in
+    order: one over the budget is tried again with each memory saver until one fits."""
     cache = cache or _process_cache()
     everything, seen = [], set()
     for layout in members:
@@ -211,14 +217,14 @@ def _search_family(base: RunConfig, machine: Machine, budget_gb: float | None, m
             try:
                 config = configure(base, tried)
             except ConfigError as e:
-                found.append((False, (tried, str(e))))
+                found.append((False, (tried, str(e), e.reasons)))
                 break
             prediction, memory = evaluate(config, machine, cache)
             if budget_gb is None or memory <= budget_gb * 2 ** 30:
                 found.append((True, Candidate(tried, config, prediction, memory)))
                 break
-            found.append((False, (tried, f"over the budget of {budget_gb} GiB; needs about {memory / 2 ** 30:.3g} "
-                                         f"GiB on its largest rank")))
+            over = f"over the budget of {budget_gb} GiB"
+            found.append((False, (tried, f"{over}; needs about {memory / 2 ** 30:.3g} GiB on its largest rank", (over,))))
     return everything
 
 
@@ -237,15 +243,27 @@ def format_search(found: Search, world: int, top: int, refused: int) -> str:
         lines.append(f"{i + 1:>3} {c.prediction.step_seconds * 1e3:9.1f} {c.memory / 2 ** 30:9.3f} "
                      f"{c.prediction.bubble_fraction:7.1%}  {describe(c.layout)}")
     if found.refused:
-        reasons = Counter(why.split(";")[0] for _, why in found.refused)
-        shown = f"the first {min(refused, len(found.refused))}, then counts by reason" if refused else "by reason"
+        listed = found.refused[:refused]
+        every = len(listed) == len(found.refused)
+        shown = "each with its reason" if every else f"the first {len(listed)}, then counts by reason" if listed \
+            else "counts by reason"
         lines.append(f"refused ({len(found.refused)}; {shown}):")
-        lines += [f"  {describe(layout)}: {why}" for layout, why in found.refused[:refused]]
-        lines += [f"  {n:4d} x {why}" for why, n in reasons.most_common(5)]
-        if len(reasons) > 5:
-            rest = sum(n for _, n in reasons.most_common()[5:])
-            lines.append(f"  {rest:4d} x {len(reasons) - 5} other reasons (--refused {len(found.refused)} lists each)")
+        lines += [f"  {describe(layout)}: {why}" for layout, why in listed]
+        if not every:
+            lines += _reason_counts(found)
     return "\n".join(lines)
+
+
+def _reason_counts(found: Search) -> list[str]:
+    """How many layouts each reason refused, the five commonest."""
+    lines = [f"  {n:4d} x {why}" for why, n in found.reasons.most_common(5)]
+    if len(found.reasons) > 5:
+        rest, others = sum(n for _, n in found.reasons.most_common()[5:]), len(found.reasons) - 5
+        lines.append(f"  {rest:4d} x {others} other reason{'s' * (others > 1)} (--refused {len(found.refused)} "
+                     f"lists each)")
+    if found.reasons.total() > len(found.refused):
+        lines.append("  (a layout refused for several reasons counts under each)")
+    return lines
 
 
 def no_layout(found: Search, world: int) -> str:

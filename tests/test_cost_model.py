@@ -3,6 +3,7 @@ and the planner: refusal reasons, and every layout it proposes passes the plan c
 
 import dataclasses
 import json
+from collections import Counter
 import subprocess
 import sys
 
@@ -18,7 +19,7 @@ from gcompile.config import build_config
 from gcompile.cost_model import Rates, _concurrency, graph_time, predict, rates_for
 from gcompile.machine import Link, Machine, MachineError, rate_at
 from gcompile.pipeline import BuildCache, build_rank_program
-from gcompile.plan import configure, evaluate, search
+from gcompile.plan import Search, configure, evaluate, format_search, search
 from gcompile.schedule import Action, Kind, Span, build_schedule, simulate
 from gcompile.world import build_world
 
@@ -192,6 +193,7 @@ def test_planner_refuses_with_reasons_and_proposes_layouts_that_pass_the_checker
                for layout, why in found.refused}
     assert "n_layer=2 cannot be split into pp 4" in reasons["tp=1 pp=4 dp=1"]
     assert "n_head=2 is not divisible by tp=4" in reasons["tp=4 pp=1 dp=1"]
+    assert found.reasons == Counter(reasons.values())  # one reason each
     assert found.ranked, "some layout of 4 ranks runs this model"
     times = [c.prediction.step_seconds for c in found.ranked]
     assert times == sorted(times)
@@ -201,6 +203,7 @@ def test_planner_refuses_with_reasons_and_proposes_layouts_that_pass_the_checker
     tight = search(base, 2, flat_machine(), budget_gb=1e-4, cache=cache, schedules=("1f1b",), micro_batch_sizes=(1,))
     assert not tight.ranked
     assert all("over the budget of 0.0001 GiB" in why for _, why in tight.refused)
+    assert tight.reasons == Counter({"over the budget of 0.0001 GiB": len(tight.refused)})  # counted without figures
 
 
 def test_planning_in_worker_processes_finds_what_one_process_finds(monkeypatch):
@@ -221,6 +224,24 @@ def test_planning_in_worker_processes_finds_what_one_process_finds(monkeypatch):
 def test_configure_refuses_in_one_line():
     with pytest.raises(ValueError, match="global_batch_size=8 is not divisible"):
         configure(tiny(), dict(dp=4, micro_batch_size=4))
+    with pytest.raises(ValueError) as refused:  # two reasons, one with its fix after a "; " of its own
+        configure(tiny(), dict(tp=4, pp=4))
+    assert len(refused.value.reasons) == 2 and str(refused.value) == "; ".join(refused.value.reasons)
+    assert refused.value.reasons[1].endswith("; use a multiple of 4 layers or give --pipeline-layers")
+
+
+def test_refusals_count_under_each_reason_and_not_again_once_all_are_listed():
+    split = "n_layer=2 cannot be split into pp 4 * vpp 1 = 4 stages of whole layers; use a multiple of 4 layers"
+    found = Search(refused=[(dict(tp=4, pp=4), f"n_head=2 is not divisible by tp=4; {split}"), (dict(tp=1, pp=4), split)],
+                   reasons=Counter({split: 2, "n_head=2 is not divisible by tp=4": 1}), layouts=2)
+    counted = format_search(found, 16, top=1, refused=1).splitlines()
+    assert counted[1:] == [counted[1], "refused (2; the first 1, then counts by reason):",
+                           f"  --tp 4 --pp 4: n_head=2 is not divisible by tp=4; {split}",
+                           f"     2 x {split}", "     1 x n_head=2 is not divisible by tp=4",
+                           "  (a layout refused for several reasons counts under each)"]
+    listed = format_search(found, 16, top=1, refused=2).splitlines()
+    assert listed[2:] == ["refused (2; each with its reason):", f"  --tp 4 --pp 4: n_head=2 is not divisible by tp=4; "
+                          f"{split}", f"  --tp 1 --pp 4: {split}"]
 
 
 def test_plan_command_needs_a_machine_file(tmp_path):
