@@ -2,7 +2,7 @@
 over LAYOUTS (2 to 8 gloo ranks on this machine), and the planner's first choice measured.
 
     python bench/cost_model.py              # every layout, then the planner's choice for 4 ranks
-    python bench/cost_model.py --only 0,3   # some layouts
+    python bench/cost_model.py --only 0,3   # some layouts, and not the planner's choice (its yardstick is all)
     python bench/cost_model.py --machine ~/.cache/gcompile/machine-<id>.json   # predict from a kept file
 
 The machine is measured first (gcompile.calibrate, ~90 s here, written nowhere), so the
@@ -193,9 +193,11 @@ def progress(line: str) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_flags(p)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--iters", type=int, default=15)
-    p.add_argument("--only", help="comma-separated layout numbers (default: all)")
+    p.add_argument("--warmup", type=int, default=3, help="steps of each layout before timing (default: 3)")
+    p.add_argument("--iters", type=int, default=15, help="timed steps of each layout, their median reported "
+                                                          "(default: 15)")
+    p.add_argument("--only", help="comma-separated layout numbers (default: all; the planner's choice is measured "
+                                  "only then)")
     p.add_argument("--machine", help="machine file to predict with (default: measure this machine first)")
     p.add_argument("--plan-world", type=int, default=4, help="world size the planner picks a layout for")
     add_worker_flags(p)
@@ -250,7 +252,7 @@ def main() -> int:
           f"{rank_order} over {len(rows)} layouts; "
           f"memory: worst |error| {max(abs(r['estimate'] / r['peak'] - 1) for r in rows):.1%}")
     same_world = [r for r in rows if r["world"] == args.plan_world]
-    if same_world:
+    if same_world and not args.only:  # the choice is measured against the fastest of every layout
         base = layout_config(args, {})
         top = search(base, args.plan_world, machine, cache=cache).ranked[0]
         choice = {k: v for k, v in top.layout.items()}

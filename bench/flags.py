@@ -16,12 +16,14 @@ import torch.distributed as dist
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--n-layer", type=int, default=4)
-    p.add_argument("--n-embd", type=int, default=256)
-    p.add_argument("--n-head", type=int, default=8)
-    p.add_argument("--seq-length", type=int, default=256)
+    p.add_argument("--n-layer", type=int, default=4, help="transformer layers (default: 4)")
+    p.add_argument("--n-embd", type=int, default=256, help="hidden width (default: 256)")
+    p.add_argument("--n-head", type=int, default=8, help="attention heads (default: 8)")
+    p.add_argument("--seq-length", type=int, default=256, help="tokens per sample, and the model's positions "
+                                                              "(default: 256)")
     p.add_argument("--arch", choices=("gpt2", "llama"), default="gpt2",
-                   help="llama: the same sizes with n_head/2 kv heads and a SwiGLU of 8/3 * n_embd (rounded to 64)")
+                   help="llama: the same sizes with n_head/2 kv heads and a SwiGLU of 8/3 * n_embd (rounded to 64) "
+                        "(default: gpt2)")
 
 
 def model_section(args: argparse.Namespace) -> dict:
