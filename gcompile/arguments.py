@@ -33,7 +33,7 @@ class ArgumentParser(argparse.ArgumentParser):
         flags = [name for action in self._actions for name in action.option_strings if name.startswith("--")]
         meant = []
         for word in message.removeprefix(UNRECOGNIZED).split():
-            near = difflib.get_close_matches(word.split("=")[0], flags, n=1, cutoff=NEAR) if word.startswith("--") else []
-            meant += [f"{near[0]} for {word.split('=')[0]}" if near else ""]
-        meant = [m for m in meant if m]
+            flag = word.split("=")[0]
+            near = difflib.get_close_matches(flag, flags, n=1, cutoff=NEAR) if flag.startswith("--") else []
+            meant += [f"{near[0]} for {flag}" for _ in near[:1]]
         return message + (f"; did you mean {', '.join(meant)}?" if meant else "")

@@ -13,9 +13,12 @@ Ranks are forked from a server process that imported torch and the launching
 script's modules once (multiprocessing's forkserver), not started as fresh
 interpreters: each import of torch and gcompile is seconds of one core, paid once
 per run instead of once per rank (the tiny model's 8 ranks on 2 cores start, train
-2 iterations and exit in 22 s, 39 s as fresh interpreters). The server imports only, so nothing it forks holds threads or state of a computation.
-A rank gets the launcher's environment, working directory, stdout and stderr, as
-a subprocess would, and shares Inductor's on-disk cache with the other ranks.
+2 iterations and exit in 22 s, 39 s as fresh interpreters). The server imports only,
+so nothing it forks holds threads or state of a computation. A rank gets the
+launcher's environment, working directory, stdout and stderr, as a subprocess would,
+and shares Inductor's on-disk cache with the other ranks. Its command line is the
+server's (`ps` shows `python -c from multiprocessing.forkserver import main ...`), its
+name `rank R` (`top`, `ps -o comm`).
 """
 
 import ctypes
@@ -108,13 +111,15 @@ def start_rank_server() -> None:
 
 
 def _run_rank(argv: list[str], env: dict[str, str], stdout: int, stderr: int, launcher: int) -> None:
-    """In a forked rank: what a fresh `python argv...` with `env` would have, then the script as __main__.
-    The fork server's threads setting, session and standard streams are the launcher's when it started; its
-    start method, forkserver, makes every multiprocessing lock (tqdm makes one) a name to clean up, which a
-    stopped rank leaves to the launcher's resource tracker to warn about."""
+    """In a forked rank: set up what a fresh `python argv...` with `env` would have, then run the script as
+    __main__. The fork server kept what the launcher had when it started it (environment, threads setting,
+    session, standard streams), and its start method: under forkserver's, multiprocessing registers each lock
+    it makes (tqdm makes one) for cleanup, and a stopped rank's would be reported leaked on the launcher's
+    stderr."""
     multiprocessing.set_start_method(None, force=True)  # this platform's default, not the server's forkserver
     os.environ.clear()
     os.environ.update(env, **{shutdown.LAUNCHER: str(launcher)})
+    shutdown.tie_to_launcher()
     torch.set_num_threads(int(env["OMP_NUM_THREADS"]))  # read by torch at import, in the server
     os.setsid()  # a terminal's Ctrl-C reaches the launcher alone
     if sys.platform.startswith("linux"):  # what top and ps -o comm show: every rank has the server's command line
@@ -124,7 +129,22 @@ def _run_rank(argv: list[str], env: dict[str, str], stdout: int, stderr: int, la
     os.close(stdout)
     os.close(stderr)
     sys.argv = list(argv)
-    runpy.run_path(argv[0], run_name="__main__")
+    try:
+        runpy.run_path(argv[0], run_name="__main__")
+    except Exception as e:
+        time.sleep(REPORT_AFTER_S)
+        frames = e.__traceback__
+        while frames.tb_next and frames.tb_frame.f_code.co_filename != argv[0]:
+            frames = frames.tb_next  # from the script on, as a fresh interpreter's traceback starts
+        sys.excepthook(type(e), e.with_traceback(frames), frames)  # torch.distributed's once it has a world:
+        # [rankR] before each line
+        sys.exit(1)
+
+
+REPORT_AFTER_S = 1.0
+"""A rank that fails waits this long before it prints why: where its failure follows another rank's death (a
+collective's connection reset by the dead peer), the launcher has stopped it by then, and names the rank that
+died alone instead of under a traceback that blames the network."""
 
 
 class _Inherited:
@@ -163,8 +183,10 @@ def _supervise(procs: list[multiprocessing.Process], signals: list[int], watchdo
             if not (deferred and signum == signal.SIGTERM):
                 deadline = time.monotonic() + GRACE_S
         if failure is None and not signals:
-            failure = next(((rank, proc.exitcode) for rank, proc in enumerate(procs)
-                            if proc.exitcode not in (None, 0, *orderly)), None)
+            failed = [(rank, proc.exitcode) for rank, proc in enumerate(procs)
+                      if proc.exitcode not in (None, 0, *orderly)]
+            failure = min(failed, key=lambda f: f[1] >= 0, default=None)  # killed by a signal: the cause, not a
+            # peer whose collective failed with it
             if failure:
                 _send(procs, signal.SIGKILL)  # the others would wait on it in their next collective
         if not any(alive):
@@ -249,7 +271,6 @@ def join_world(mesh_sizes: dict[str, int], tp_comm_backend: str = "auto",
 def run_ranks(config: RunConfig, argv: list[str], rank_main: Callable[[], int]) -> int:
     """As a rank: run `rank_main`. Otherwise: run it here for one rank, or spawn the world's ranks."""
     if under_launcher() or config.world_size == 1:
-        shutdown.tie_to_launcher()
         shutdown.set_action(shutdown.stopper(config.checkpoint.exit_signal_handler))
         try:
             return rank_main()

@@ -224,7 +224,8 @@ def _search_family(base: RunConfig, machine: Machine, budget_gb: float | None, m
                 found.append((True, Candidate(tried, config, prediction, memory)))
                 break
             over = f"over the budget of {budget_gb} GiB"
-            found.append((False, (tried, f"{over}; needs about {memory / 2 ** 30:.3g} GiB on its largest rank", (over,))))
+            needs = f"needs about {memory / 2 ** 30:.3g} GiB on its largest rank"
+            found.append((False, (tried, f"{over}; {needs}", (over,))))
     return everything
 
 

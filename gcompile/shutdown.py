@@ -108,7 +108,8 @@ def _line(signum: int) -> str:
 
 
 def tie_to_launcher() -> None:
-    """In a rank started by the local launcher: exit at once, silently, when the launcher has ended."""
+    """In a rank started by the local launcher (gcompile.launch, first thing): exit at once, silently, when the
+    launcher has ended."""
     launcher = os.environ.get(LAUNCHER)
     if launcher is not None:
         threading.Thread(target=_watch_launcher, args=(int(launcher),), daemon=True, name="launcher").start()

@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -15,6 +16,7 @@ from tests.multirank import ROOT
 from tests.test_checkpoint import SMALL
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "mesh_worker.py")
+FAILING = os.path.join(os.path.dirname(__file__), "workers", "failing_worker.py")
 
 
 def test_rank_order_is_megatron():
@@ -45,6 +47,23 @@ def test_failed_rank_is_reported(tmp_path, capsys):
     # a worker that cannot join a world of the wrong size exits non-zero; the launcher says which rank
     assert spawn_local(2, [WORKER, str(tmp_path), "1", "1", "1"]) != 0
     assert "rank" in capsys.readouterr().err
+
+
+def test_a_rank_that_raises_shows_its_traceback_from_the_script_on(tmp_path, capfd):
+    assert spawn_local(2, [FAILING, str(tmp_path), "raise"]) == 1
+    err = capfd.readouterr().err.splitlines()
+    assert err[0] == "Traceback (most recent call last):" and err[1].startswith(f'  File "{FAILING}"'), err
+    assert err[-2:] == ["RuntimeError: a bug in rank 1",
+                        f"{os.path.basename(sys.argv[0])}: rank 1 failed with exit code 1; its output is above"], err
+
+
+def test_a_killed_rank_is_named_alone_not_the_peer_that_failed_after_it(tmp_path, capfd):
+    # rank 0 raises once rank 1 is gone, as a collective with a dead peer does; the launcher stops it before it
+    # prints (gcompile.launch.REPORT_AFTER_S) and names the rank that was killed
+    assert spawn_local(2, [FAILING, str(tmp_path), "killed"]) == 128 + signal.SIGKILL
+    err = capfd.readouterr().err
+    assert err.splitlines() == [f"{os.path.basename(sys.argv[0])}: rank 1 was killed by SIGKILL; its output is "
+                                f"above"], err
 
 
 @pytest.mark.skipif(not shm_group.available(), reason="shared-memory tp groups need x86-64 Linux with /dev/shm")
