@@ -97,6 +97,15 @@ class Machine:
         """Measured on a GPU (rates keyed "gpu", collectives over nccl), not on CPU cores."""
         return "gpu" in self.matmul
 
+    def cannot_predict(self, world_size: int) -> str | None:
+        """Why this file cannot predict a world of `world_size` ranks, or None: a machine of one GPU measured no
+        collectives (nccl needs two GPUs), so it predicts one rank only."""
+        if world_size > 1 and not self.collectives:
+            return (f"the machine file of {self.description} measured no collectives (one GPU: nccl needs two), so "
+                    f"it predicts one rank, not {world_size}; plan for --world-size 1 with it, or measure a machine "
+                    f"with more GPUs (python -m gcompile.calibrate)")
+        return None
+
     def threads_key(self, table: dict, threads: int) -> str:
         """The measured thread count nearest below `threads` (a GPU's one entry)."""
         counts = sorted(int(k) for k in table if k.isdigit())

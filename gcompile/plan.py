@@ -294,11 +294,14 @@ def cores() -> int:
     return len(os.sched_getaffinity(0))
 
 
-def load_machine(path: str | None) -> Machine:
-    """The machine file to predict with; MachineError naming the fix when there is none."""
+def load_machine(path: str | None, world_size: int) -> Machine:
+    """The machine file to predict `world_size` ranks with; MachineError naming the fix when there is none or it
+    cannot predict that many."""
     found = machine_file.load(path)
     if found is None:
         raise MachineError(machine_file.missing())
+    if found.cannot_predict(world_size):
+        raise MachineError(found.cannot_predict(world_size))
     return found
 
 
@@ -327,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--workers {args.workers} must be at least 1")
         schedules, sizes = search_space(args.schedules, args.micro_batch_sizes)
         base, _ = parse_args(rest)
-        machine = load_machine(args.machine)
+        machine = load_machine(args.machine, args.world_size)
     except (ConfigError, MachineError) as e:
         print(f"python -m gcompile.plan: error: {e}", file=sys.stderr)
         return 2

@@ -27,6 +27,9 @@ from gcompile.indexed_dataset import IndexedDatasetWriter
 from gcompile.launch import run_ranks
 from tests.multirank import ROOT
 
+ONE_GPU = os.path.join(ROOT, "machines", "h100-80gb-1gpu.json")
+"""The machine file kept from the one GPU a session was lent: it measured no collectives."""
+
 TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--block-size", "16", "--seq-length", "16",
         "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "1", "--eval-interval", "0"]
 """A model and run so small that a case which fails to refuse costs a second, not a training run."""
@@ -295,6 +298,10 @@ CASES = [
      "--micro-batch-sizes '0,2': give positive whole numbers"),
     ("machine file not json", "plan", ["--world-size", "2", "--machine", "{tmp}/file"], a_file,
      "is not one gcompile.calibrate wrote"),
+    ("one GPU's machine file, 2 ranks", "plan", ["--world-size", "2", "--machine", ONE_GPU], None,
+     "measured no collectives (one GPU: nccl needs two), so it predicts one rank, not 2"),
+    ("auto-layout with one GPU's machine file", "run_gpt", ["--auto-layout", "--world-size", "2", "--machine", ONE_GPU],
+     None, "measured no collectives (one GPU: nccl needs two), so it predicts one rank, not 2"),
     ("calibrate show missing", "calibrate", ["--show", "--out", "{tmp}/none.json"], None,
      "no machine file {tmp}/none.json"),
     ("prepare output empty", "data", ["prepare", "--input", "{tmp}/file", "--output", ""], a_file,

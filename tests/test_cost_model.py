@@ -3,6 +3,7 @@ and the planner: refusal reasons, and every layout it proposes passes the plan c
 
 import dataclasses
 import json
+import os
 from collections import Counter
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import pytest
 import torch
 import torch.fx as fx
 
-from gcompile import plan
+from gcompile import machine as machine_file, plan
 from gcompile.axes import Coords
 from gcompile.calibrate import SIZES, _link
 from gcompile.check import check_plan
@@ -22,6 +23,7 @@ from gcompile.pipeline import BuildCache, build_rank_program
 from gcompile.plan import Search, configure, evaluate, format_search, search
 from gcompile.schedule import Action, Kind, Span, build_schedule, simulate
 from gcompile.world import build_world
+from tests.multirank import ROOT
 
 c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
@@ -219,6 +221,14 @@ def test_planning_in_worker_processes_finds_what_one_process_finds(monkeypatch):
     assert [(c.layout, c.prediction.step_seconds, c.memory) for c in spawned.ranked] == \
         [(c.layout, c.prediction.step_seconds, c.memory) for c in here.ranked]
     assert spawned.refused == here.refused
+
+
+def test_the_kept_gpu_machine_file_predicts_one_rank():
+    machine = machine_file.load(os.path.join(ROOT, "machines", "h100-80gb-1gpu.json"))
+    assert machine.on_gpu and machine.cannot_predict(1) is None and "one GPU" in machine.cannot_predict(2)
+    found = search(tiny(), 1, machine, schedules=("1f1b",), micro_batch_sizes=(1, 2))
+    times = [c.prediction.step_seconds for c in found.ranked]
+    assert len(times) == 2 and 0 < times[0] < found.ranked[-1].prediction.step_seconds
 
 
 def test_configure_refuses_in_one_line():
