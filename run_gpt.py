@@ -79,10 +79,10 @@ def plan_only(config: RunConfig, dump_only: bool, machine_path: str | None) -> i
         if machine_path is not None:
             raise
         machine, unusable = None, str(e)
-    if machine is not None and machine.cannot_predict(config.world_size):  # a file of one GPU, several ranks
+    if machine is not None and (why := machine.cannot_predict(config.world_size)):  # one GPU's, several ranks
         if machine_path is not None:
-            raise MachineError(machine.cannot_predict(config.world_size))
-        machine, unusable = None, machine.cannot_predict(config.world_size)  # this machine's: checked, unpredicted
+            raise MachineError(why)
+        machine, unusable = None, why  # this machine's own: the plan is checked, unpredicted
     start = time.perf_counter()
     programs, shared_by = build_distinct(config, "cpu", dump_root=config.log.dump_graphs if dump_only else None)
     report = check_plan(programs, config.parallel.memory_budget_gb, shared_by)
@@ -119,8 +119,9 @@ def auto_layout(config: RunConfig, flags, argv: list[str]) -> list[str]:
             skip = True
         elif arg != "--auto-layout" and not arg.startswith(("--world-size=", "--machine=")):
             kept.append(arg)
-    found = search(config, flags.world_size, load_machine(flags.machine, flags.world_size), config.parallel.memory_budget_gb,
-                   progress=print, workers=cores())
+    machine = load_machine(flags.machine, flags.world_size)
+    found = search(config, flags.world_size, machine, config.parallel.memory_budget_gb, progress=print,
+                   workers=cores())
     if not found.ranked:
         raise PlanError(f"--auto-layout: {no_layout(found, flags.world_size)}; see them with: python -m "
                         f"gcompile.plan --world-size {flags.world_size} {' '.join(kept)}")

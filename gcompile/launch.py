@@ -81,19 +81,19 @@ def spawn_local(world_size: int, argv: list[str], config: RunConfig | None = Non
     try:
         for rank in range(world_size):
             inherited = _Inherited(1), _Inherited(2), _Inherited(ended)
-            procs.append(_RANKS.Process(target=_run_rank, args=(argv, dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
-                                                                *inherited), name=f"rank {rank}"))
-            procs[-1].start()
+            proc = _RANKS.Process(target=_run_rank, args=(argv, dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
+                                                          *inherited), name=f"rank {rank}")
+            proc.start()
+            procs.append(proc)
         return _supervise(procs, signals, watchdog, config)
     finally:
         os.close(ended)
         os.close(alive)
         shutdown.set_action(previous)
         for proc in procs:
-            if proc.exitcode is None and proc.pid is not None:
+            if proc.exitcode is None:
                 proc.kill()
-            if proc.pid is not None:
-                proc.join()
+            proc.join()
         del store
 
 

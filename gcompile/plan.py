@@ -199,7 +199,7 @@ def _family(layout: dict) -> tuple:
 
 
 def _search_family(base: RunConfig, machine: Machine, budget_gb: float | None, members: list[dict],
-                   cache: BuildCache | None = None) -> list[list[tuple[bool, Candidate | tuple[dict, str]]]]:
+                   cache: BuildCache | None = None) -> list[list[tuple[bool, Candidate | tuple]]]:
     """Per member, (True, candidate) or (False, (layout, why, its reasons as counted)) for each layout tried, in
     order: one over the budget is tried again with each memory saver until one fits."""
     cache = cache or _process_cache()
@@ -300,8 +300,8 @@ def load_machine(path: str | None, world_size: int) -> Machine:
     found = machine_file.load(path)
     if found is None:
         raise MachineError(machine_file.missing())
-    if found.cannot_predict(world_size):
-        raise MachineError(found.cannot_predict(world_size))
+    if why := found.cannot_predict(world_size):
+        raise MachineError(why)
     return found
 
 

@@ -242,7 +242,8 @@ def test_configure_refuses_in_one_line():
 
 def test_refusals_count_under_each_reason_and_not_again_once_all_are_listed():
     split = "n_layer=2 cannot be split into pp 4 * vpp 1 = 4 stages of whole layers; use a multiple of 4 layers"
-    found = Search(refused=[(dict(tp=4, pp=4), f"n_head=2 is not divisible by tp=4; {split}"), (dict(tp=1, pp=4), split)],
+    found = Search(refused=[(dict(tp=4, pp=4), f"n_head=2 is not divisible by tp=4; {split}"),
+                            (dict(tp=1, pp=4), split)],
                    reasons=Counter({split: 2, "n_head=2 is not divisible by tp=4": 1}), layouts=2)
     counted = format_search(found, 16, top=1, refused=1).splitlines()
     assert counted[1:] == [counted[1], "refused (2; the first 1, then counts by reason):",

@@ -54,14 +54,10 @@ def run_processes(launcher: subprocess.Popen) -> dict[int, str]:
     """pid -> name of the launcher ("launcher") and of every live process under it: its ranks ("rank R", the
     name gcompile.launch gives them), the fork server they came from, multiprocessing's resource tracker."""
     children = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rpartition(")")[2].split()
-        except OSError:  # gone meanwhile
-            continue
-        if fields[0] != "Z":
-            children.setdefault(int(fields[1]), []).append(int(pid))
+    for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
+        state, parent = _stat(pid)
+        if state not in (None, "Z"):
+            children.setdefault(parent, []).append(pid)
     found, todo = {}, [launcher.pid]
     while todo:
         pid = todo.pop()
@@ -91,15 +87,17 @@ def assert_all_gone(pids, within: float = 10.0) -> None:
 
 def _alive(pids) -> list[int]:
     """Those of `pids` that run (a zombie has ended)."""
-    alive = []
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rpartition(")")[2].split()[0] != "Z":
-                    alive.append(pid)
-        except OSError:
-            continue
-    return alive
+    return [pid for pid in pids if _stat(pid)[0] not in (None, "Z")]
+
+
+def _stat(pid: int) -> tuple[str | None, int | None]:
+    """(state, parent pid) of a process, as /proc says; (None, None) once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state, parent = f.read().rpartition(")")[2].split()[:2]
+    except OSError:
+        return None, None
+    return state, int(parent)
 
 
 def listening_addresses(pids) -> list[str]:
