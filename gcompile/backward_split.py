@@ -29,6 +29,7 @@ import torch
 import torch.fx as fx
 
 from gcompile.program import ancestors, drop_dead_nodes, node_origin, propagate_shapes
+from gcompile.torch_api import graph_module
 
 
 @dataclass(frozen=True)
@@ -69,10 +70,10 @@ def split_backward(backward: fx.GraphModule, num_params: int) -> SplitBackward |
     for node in in_w:
         env[node] = weight.node_copy(node, lambda n: env[n])
     weight.output(tuple(env[g] if g in w_set else None for g in param_grads))
-    backward_weight = fx.GraphModule(backward, weight)
+    backward_weight = graph_module(backward, weight)
     propagate_shapes(backward_weight)
 
-    backward_input = fx.GraphModule(backward, _copy_with_outputs(
+    backward_input = graph_module(backward, _copy_with_outputs(
         graph, [g if g not in w_set else None for g in param_grads] + input_grads + stash))
     drop_dead_nodes(backward_input.graph)
     backward_input.recompile()

@@ -20,7 +20,7 @@ import torch.fx as fx
 
 from gcompile.program import Stage, propagate_shapes
 from gcompile.rank_program import LoweredStage
-from gcompile.torch_api import tree_flatten, tree_unflatten
+from gcompile.torch_api import graph_module, tree_flatten, tree_unflatten
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +113,7 @@ def _on_line(a: fx.GraphModule, first: Outline, second: Outline, t: Fraction,
         if node.op == "placeholder":
             given = next(inputs, None)
             node.meta["val"] = given.meta["val"] if given is not None else _fake_like(values[0], *shapes[0])
-    gm = fx.GraphModule(a, graph)
+    gm = graph_module(a, graph)
     try:
         propagate_shapes(gm)
     except RuntimeError:

@@ -42,6 +42,7 @@ from gcompile.program import Program, Stage, dump_text, format_graph, refresh_me
 from gcompile.report import reported, to_outputs
 from gcompile.rank_program import AdamWSettings, LoweredStage, LossScaling, RankProgram, StepSettings
 from gcompile.schedule import build_schedule, simulate
+from gcompile.torch_api import lazy_graph_modules
 
 
 GRAD_SYNC = {"no_shard": "data_parallel", "optim": "sharded_optimizer", "optim_grads": "sharded_optimizer",
@@ -135,7 +136,13 @@ def build_rank_program(config: RunConfig, coords: Coords, device: str = "cpu",
                        dump_root: str | None = None, log: Callable[[str], None] = print,
                        cache: BuildCache | None = None, stop_after: str | None = None) -> RankProgram:
     """`stop_after`: build with the passes up to and including this one only ("capture": none), as the
-    numerics bisection does (gcompile.bisection)."""
+    numerics bisection does (gcompile.bisection). Its graphs make their Python code when first run."""
+    with lazy_graph_modules():
+        return _build_rank_program(config, coords, device, dump_root, log, cache, stop_after)
+
+
+def _build_rank_program(config: RunConfig, coords: Coords, device: str, dump_root: str | None,
+                        log: Callable[[str], None], cache: BuildCache | None, stop_after: str | None) -> RankProgram:
     t, p = config.train, config.parallel
     cache = cache or BuildCache()
     dump_dir = rank_dump_dir(dump_root, coords.rank)
@@ -229,7 +236,7 @@ def _forward_passes(captured: Program, forward_passes: list[str], ctx: PassConte
     whole, per_rank = forward_passes[:split], forward_passes[split:]
     if not whole or ctx.config.parallel.passes:
         return run_passes(captured.clone(), forward_passes, ctx, log)
-    key = (captured_key, _without(ctx.config, UNREAD_BY_WHOLE_MODEL), ctx.coords.moved(pp=0), tuple(whole),
+    key = (captured_key, _without(ctx.config, UNREAD_BY_FORWARD), ctx.coords.moved(pp=0), tuple(whole),
            ctx.dump_dir is not None)
     if key not in cache.whole_model:
         program = run_passes(captured.clone(), whole, ctx, log)
@@ -244,11 +251,10 @@ def _forward_passes(captured: Program, forward_passes: list[str], ctx: PassConte
     return run_passes(program, per_rank, ctx, log, first_number=len(whole) + 1)
 
 
-UNREAD_BY_FORWARD = {"parallel": ("pipeline_schedule",), "train": ("recompute_activations", "global_batch_size")}
-"""Config fields only the schedule, lowering and the rank's program read (the microbatch count among them)."""
-UNREAD_BY_WHOLE_MODEL = {"parallel": ("pipeline_schedule", "data_parallel_sharding_strategy"),
-                         "train": ("recompute_activations", "global_batch_size")}
-"""The same for the passes before pipeline_split: how dp shards, too."""
+UNREAD_BY_FORWARD = {"parallel": ("pipeline_schedule", "data_parallel_sharding_strategy"),
+                     "train": ("recompute_activations", "global_batch_size")}
+"""Config fields only the schedule, lowering and the rank's program read (the microbatch count among them;
+how dp shards is the rank passes' business)."""
 
 
 def _without(config: RunConfig, fields: dict[str, tuple[str, ...]]) -> RunConfig:

@@ -11,10 +11,11 @@ from torch._dynamo.utils import counters  # 2.11, 2.13
 from torch._functorch.aot_autograd import aot_export_joint_with_descriptors  # 2.11, 2.13
 from torch._functorch.partitioners import min_cut_rematerialization_partition  # 2.11, 2.13
 from torch._subclasses.fake_tensor import FakeTensorMode  # 2.11, 2.13
+from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module  # 2.11, 2.13
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten  # 2.11, 2.13
 
 __all__ = ["FakeTensorMode", "aot_export_joint_with_descriptors", "min_cut_rematerialization_partition",
-           "activation_memory_budget", "inductor_cache_counts", "standalone_compile", "is_op_overload",
+           "activation_memory_budget", "graph_module", "lazy_graph_modules", "inductor_cache_counts", "standalone_compile", "is_op_overload",
            "register_process_group", "unregister_process_group", "resolve_process_group", "fake_store",
            "foreach_add_", "DCP_METADATA_GLOBALS", "tree_flatten", "tree_map_only", "tree_unflatten"]
 
@@ -35,6 +36,19 @@ Constructing any of them runs no user code."""
 def activation_memory_budget(budget: float):
     """The min-cut partitioner's activation memory budget, as a context manager (2.11, 2.13)."""
     return torch._functorch.config.patch(activation_memory_budget=budget)
+
+
+def graph_module(root, graph):
+    """`fx.GraphModule(root, graph)`, of torch's lazy kind inside `lazy_graph_modules` (2.11, 2.13)."""
+    return _make_graph_module(root, graph)
+
+
+def lazy_graph_modules():
+    """A context in which GraphModules made by `graph_module` or by aot_autograd generate their Python code
+    when first called or printed, not at each recompile (2.11, 2.13). A build rewrites, copies and propagates
+    each graph many times before anything runs it, and the planner runs none: code generation was a sixth of
+    its time."""
+    return _use_lazy_graph_module(True)
 
 
 def inductor_cache_counts() -> tuple[int, int]:

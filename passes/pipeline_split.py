@@ -40,6 +40,7 @@ from gcompile.config import stage_layers
 from gcompile.pass_manager import PassContext, register_pass
 from gcompile.program import Program, Stage, node_origin
 from gcompile.schedule import stage_rank
+from gcompile.torch_api import graph_module
 
 PASS = "pipeline_split"
 EMBEDDING_GROUP = "embd"
@@ -177,5 +178,5 @@ def _build_stage(whole: Stage, s: int, placed: dict[fx.Node, frozenset[int]], cr
         values, outputs = crossing[s], [f"act{k}" for k in range(len(crossing[s]))]
     graph.output(tuple(env[v] for v in values)).meta["pass"] = PASS
     graph.lint()
-    return Stage(index=s, graph=fx.GraphModule(whole.graph, graph), params=[p for _, p in params], inputs=inputs,
+    return Stage(index=s, graph=graph_module(whole.graph, graph), params=[p for _, p in params], inputs=inputs,
                  outputs=outputs, rank_constants={r: v for r, v in whole.rank_constants.items() if r in inputs})
