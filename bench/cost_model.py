@@ -5,7 +5,7 @@ over LAYOUTS (2 to 8 gloo ranks on this machine), and the planner's first choice
     python bench/cost_model.py --only 0,3   # some layouts, and not the planner's choice (its yardstick is all)
     python bench/cost_model.py --machine ~/.cache/gcompile/machine-<id>.json   # predict from a kept file
 
-The machine is measured first (gcompile.calibrate, ~90 s here, written nowhere), so the
+The machine is measured first (gcompile.calibrate, 75-95 s here, written nowhere), so the
 prediction and the runs see it in one state: on this 2-core machine a layout's step
 moved by 40% between two runs an hour apart, and a file measured then predicts
 neither.
@@ -57,7 +57,7 @@ from gcompile.axes import Coords
 from gcompile.calibrate import calibrate
 from gcompile.check import estimate_memory
 from gcompile.compile import Compiler, compile_rank_program
-from gcompile.config import build_config
+from gcompile.config import ConfigError, build_config
 from gcompile.mesh import init_groups
 from gcompile.pipeline import BuildCache, build_rank_program
 from gcompile.plan import evaluate, search
@@ -190,26 +190,38 @@ def progress(line: str) -> None:
     print(line, file=sys.stderr)
 
 
+def layout_numbers(only: str | None) -> list[int]:
+    """--only read: LAYOUTS' indices (all without it); ConfigError naming a bad entry."""
+    if only is None:
+        return list(range(len(LAYOUTS)))
+    entries = [s.strip() for s in only.split(",")]
+    if not all(s.isdigit() and int(s) < len(LAYOUTS) for s in entries):
+        raise ConfigError(f"--only {only!r}: give layout numbers from 0 to {len(LAYOUTS) - 1}, comma-separated")
+    return [int(s) for s in entries]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_flags(p)
     p.add_argument("--warmup", type=int, default=3, help="steps of each layout before timing (default: 3)")
     p.add_argument("--iters", type=int, default=15, help="timed steps of each layout, their median reported "
                                                           "(default: 15)")
-    p.add_argument("--only", help="comma-separated layout numbers (default: all; the planner's choice is measured "
-                                  "only then)")
+    p.add_argument("--only", help=f"comma-separated layout numbers, 0 to {len(LAYOUTS) - 1} (default: all, and "
+                                  f"then the planner's choice too)")
     p.add_argument("--machine", help="machine file to predict with (default: measure this machine first)")
-    p.add_argument("--plan-world", type=int, default=4, help="world size the planner picks a layout for")
+    p.add_argument("--plan-world", type=int, default=4, help="world size the planner picks a layout for (default: 4)")
     add_worker_flags(p)
     args = p.parse_args()
     if args.worker:
         return worker(args)
     try:
+        chosen = layout_numbers(args.only)
+        for i in chosen:  # each can run this model, before minutes of measuring
+            layout_config(args, LAYOUTS[i])
         machine = machine_file.load(args.machine) if args.machine else calibrate(log=progress)
-    except machine_file.MachineError as e:
+    except (machine_file.MachineError, ConfigError) as e:
         print(f"bench/cost_model.py: error: {e}", file=sys.stderr)
         return 2
-    chosen = [int(i) for i in args.only.split(",")] if args.only else range(len(LAYOUTS))
     cache = BuildCache()
     waits = ", ".join(f"k={k} {w.get(k, 0) * 1e3:.1f}/{w.get('send_recv', 0) * 1e3:.1f} ms"
                       for k, w in machine.waits.get("gloo", {}).items())

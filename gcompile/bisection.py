@@ -202,6 +202,8 @@ def main(argv: list[str]) -> int:
         return 0
     known, rest = p.parse_known_args(argv)
     try:
+        if not known.tol > 0:
+            raise ConfigError(f"--tol {known.tol:g} must be positive (a relative error)")
         config, _ = parse_args(rest)
         diverged = bisect(config, known.tol)
     except ConfigError as e:

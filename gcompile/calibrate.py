@@ -1,6 +1,6 @@
 """Measure this machine for the cost model and write its machine file (gcompile/machine.py).
 
-    python -m gcompile.calibrate                 # measure (about 75 s on 2 cores), write, print
+    python -m gcompile.calibrate                 # measure (75-95 s on 2 cores), write, print
     python -m gcompile.calibrate --show          # print the file in use, measure nothing
     python -m gcompile.calibrate --out FILE      # write FILE too (a GPU's file kept in the repo)
 
@@ -392,6 +392,19 @@ def calibrate(log=print) -> Machine:
                    contention=contention, host_contention=host_contention, waits=waits, **compute)
 
 
+def busy_warning(machine: Machine) -> str | None:
+    """A warning when the file looks measured while other work ran: on idle cores, more threads never multiply
+    the largest matrices slower than one does. Such a file is reused until the machine changes."""
+    largest = {int(threads): curves["float32"][-1][1] for threads, curves in machine.matmul.items()
+               if threads.isdigit()}
+    most = max(largest, default=1)
+    if most == 1 or largest[most] >= largest[1]:
+        return None
+    return (f"warning: {most} threads multiplied matrices slower than 1 ({largest[most] / 1e9:.1f} against "
+            f"{largest[1] / 1e9:.1f} GFLOP/s): other work was likely running, and its share of the cores is in "
+            f"this machine file; measure again when the machine is idle")
+
+
 def describe(machine: Machine) -> str:
     lines = [f"machine {machine.fingerprint}: {machine.description}"]
     for threads, curves in machine.matmul.items():
@@ -441,10 +454,15 @@ def main(argv: list[str] | None = None) -> int:
         print(describe(found))
         print(f"read from {args.out or path}")
         return 0
+    if args.out is not None and (why := machine_file.cannot_write(args.out)):
+        print(f"python -m gcompile.calibrate: error: {why}", file=sys.stderr)
+        return 2
     measured = calibrate()
     for target in [path] + ([args.out] if args.out else []):
         machine_file.save(measured, target)
     print(describe(measured))
+    if warning := busy_warning(measured):
+        print(warning, file=sys.stderr)
     print(f"written to {path}{f' and {args.out}' if args.out else ''}")
     return 0
 

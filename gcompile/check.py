@@ -348,7 +348,7 @@ def check_plan(programs: dict[int, RankProgram], memory_budget_gb: float | None 
         lines.append(f"rank {rank:4d} {program.coords}{also}: {estimate}; "
                      f"{MeasuredMemory.of(TrainState.allocate(program, 'meta'))}")
         if memory_budget_gb is not None and estimate.total > memory_budget_gb * 2 ** 30:
-            raise PlanError(f"rank {rank} {program.coords}{also} needs about {estimate.total / 2 ** 30:.2f} GiB "
+            raise PlanError(f"rank {rank} {program.coords}{also} needs about {estimate.total / 2 ** 30:.3g} GiB "
                             f"(> --memory-budget-gb {memory_budget_gb}): {estimate}")
     return "\n".join(lines)
 

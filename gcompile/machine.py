@@ -89,8 +89,9 @@ class Machine:
         except (ValueError, TypeError, KeyError, AttributeError) as e:
             if isinstance(e, MachineError):
                 raise
-            raise MachineError(f"machine file {where} is not one gcompile.calibrate wrote ({e}); measure again "
-                               f"with: python -m gcompile.calibrate --out {where}") from None
+            raise MachineError(f"machine file {where} is not one gcompile.calibrate wrote ({e}); give one it "
+                               f"wrote, or measure this machine into a new one: python -m gcompile.calibrate "
+                               f"--out FILE.json") from None
 
     @property
     def on_gpu(self) -> bool:
@@ -209,7 +210,7 @@ def default_path() -> str:
 def missing() -> str:
     """What to say when this machine was never measured."""
     return (f"this machine has no machine file ({default_path()}); measure it once with: "
-            f"python -m gcompile.calibrate (about 75 s)")
+            f"python -m gcompile.calibrate (75-95 s here)")
 
 
 def load(path: str | None = None) -> Machine | None:
@@ -219,10 +220,27 @@ def load(path: str | None = None) -> Machine | None:
         path = default_path()
         if not os.path.exists(path):
             return None
+    if os.path.isdir(path):
+        raise MachineError(f"machine file {path} is a folder; give the file in it (python -m gcompile.calibrate "
+                           f"--out FILE.json writes one)")
     if not os.path.isfile(path):
         raise MachineError(f"no machine file {path}; make one with: python -m gcompile.calibrate --out {path}")
     with open(path) as f:
         return Machine.from_json(f.read(), path)
+
+
+def cannot_write(path: str) -> str | None:
+    """Why `calibrate --out path` could not write there, asked before minutes of measuring: None if it can."""
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if os.path.isdir(path):
+        return f"--out {path} is a folder; give a file name, e.g. {os.path.join(path, 'machine.json')}"
+    if not os.path.isdir(parent):
+        return f"--out {path}: {parent} is a file, not a folder"
+    if not os.access(parent, os.W_OK) or os.path.exists(path) and not os.access(path, os.W_OK):
+        return f"--out {path}: not writable here; give a path you can write"
+    return None
 
 
 def save(machine: Machine, path: str) -> None:

@@ -328,8 +328,17 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--world-size {args.world_size} must be at least 1")
         if args.workers < 1:
             raise ConfigError(f"--workers {args.workers} must be at least 1")
+        if args.memory_budget_gb is not None and args.memory_budget_gb <= 0:
+            raise ConfigError(f"--memory-budget-gb {args.memory_budget_gb:g} must be positive")
+        for flag, value in (("--top", args.top), ("--refused", args.refused)):
+            if value < 0:
+                raise ConfigError(f"{flag} {value} must be 0 or more")
         schedules, sizes = search_space(args.schedules, args.micro_batch_sizes)
-        base, _ = parse_args(rest)
+        base, actions = parse_args(rest)
+        if asked := [f"--{name.replace('_', '-')}" for name in ("check_plan", "dump_only", "auto_layout")
+                     if getattr(actions, name)]:
+            raise ConfigError(f"{' '.join(asked)}: run_gpt.py's, not the planner's; it plans only (python run_gpt.py "
+                              f"--auto-layout --world-size N trains with its first layout)")
         machine = load_machine(args.machine, args.world_size)
     except (ConfigError, MachineError) as e:
         print(f"python -m gcompile.plan: error: {e}", file=sys.stderr)

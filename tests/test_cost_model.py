@@ -12,9 +12,10 @@ import pytest
 import torch
 import torch.fx as fx
 
+import run_gpt
 from gcompile import machine as machine_file, plan
 from gcompile.axes import Coords
-from gcompile.calibrate import SIZES, _link
+from gcompile.calibrate import SIZES, _link, busy_warning
 from gcompile.check import check_plan
 from gcompile.config import build_config
 from gcompile.cost_model import Rates, _concurrency, graph_time, predict, rates_for
@@ -148,6 +149,16 @@ def tiny(**parallel):
                          "train": train})
 
 
+def test_a_machine_measured_while_busy_is_warned_about():
+    """More threads slower than one at the largest matmul: the cores were shared with other work."""
+    idle = dataclasses.replace(flat_machine(), matmul={"1": {"float32": [[1.0, 5e9], [8.0, 9e10]]},
+                                                       "2": {"float32": [[1.0, 4e9], [8.0, 1.7e11]]}})
+    assert busy_warning(idle) is None and busy_warning(flat_machine()) is None
+    busy = dataclasses.replace(idle, matmul={**idle.matmul, "2": {"float32": [[1.0, 1e7], [8.0, 3e8]]}})
+    assert busy_warning(busy).startswith("warning: 2 threads multiplied matrices slower than 1 (0.3 against 90.0 "
+                                         "GFLOP/s)")
+
+
 def test_prediction_of_one_rank_is_the_sum_of_its_instructions():
     """No pipeline: the iteration is every instruction's graph time, one after the other, and after each of the
     4 backwards the runtime's add of the gradients into the accumulator (read both, write one, fp32; at the
@@ -263,6 +274,22 @@ def test_plan_command_needs_a_machine_file(tmp_path):
     assert done.stderr.strip().splitlines() == [
         f"python -m gcompile.plan: error: no machine file {missing}; make one with: python -m gcompile.calibrate "
         f"--out {missing}"]
+
+
+def test_auto_layout_that_finds_none_prints_the_reasons_it_names(tmp_path, capsys):
+    """3 ranks of tiny (2 layers, global batch 8): a pipeline of 3 or dp 3 cannot run it. The error line points at
+    the reasons, so they are printed above it, and names the command that lists every refused layout."""
+    machine = tmp_path / "machine.json"
+    machine_file.save(flat_machine(), str(machine))
+    status = run_gpt.main(["--config", os.path.join(ROOT, "configs", "tiny.toml"), "--auto-layout",
+                           "--world-size", "3", "--machine", str(machine), "--run-dir", str(tmp_path / "run")])
+    out, err = capsys.readouterr()
+    assert status == 2
+    assert "refused (" in out and "x n_layer=2 cannot be split into pp 3" in out, out
+    assert err.strip().splitlines() == [
+        "run_gpt.py: error: --auto-layout: no layout of 3 ranks can run this config; the reasons above say what to "
+        f"change; each refused layout with its reason: python -m gcompile.plan --world-size 3 --config "
+        f"{os.path.join(ROOT, 'configs', 'tiny.toml')} --run-dir {tmp_path / 'run'} --refused 12"]  # pp 3 x 3 schedules x 4 micro-batch sizes
 
 
 def test_an_action_computes_at_the_slowdown_of_the_ranks_computing_while_it_runs():
