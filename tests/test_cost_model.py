@@ -17,7 +17,7 @@ from gcompile import machine as machine_file, plan
 from gcompile.axes import Coords
 from gcompile.calibrate import SIZES, _link, busy_warning
 from gcompile.check import check_plan
-from gcompile.config import build_config
+from gcompile.config import build_config, parse_args
 from gcompile.cost_model import Rates, _concurrency, graph_time, predict, rates_for
 from gcompile.machine import Link, Machine, MachineError, rate_at
 from gcompile.pipeline import BuildCache, build_rank_program
@@ -290,6 +290,17 @@ def test_auto_layout_that_finds_none_prints_the_reasons_it_names(tmp_path, capsy
         "run_gpt.py: error: --auto-layout: no layout of 3 ranks can run this config; the reasons above say what to "
         f"change; each refused layout with its reason: python -m gcompile.plan --world-size 3 --config "
         f"{os.path.join(ROOT, 'configs', 'tiny.toml')} --run-dir {tmp_path / 'run'} --refused 12"]  # pp 3 x 3 schedules x 4 micro-batch sizes
+
+
+def test_auto_layout_names_the_layout_flags_it_replaces(tmp_path, capsys):
+    machine = tmp_path / "machine.json"
+    machine_file.save(flat_machine(), str(machine))
+    argv = ["--config", os.path.join(ROOT, "configs", "tiny.toml"), "--micro-batch-size", "2", "--auto-layout",
+            "--world-size", "1", "--machine", str(machine)]
+    chosen = run_gpt.auto_layout(*parse_args(argv), argv)
+    assert chosen[:4] == argv[:4] and chosen[4:6] == ["--tp", "1"]  # the plan's flags come last: they win
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("--auto-layout: training")]
+    assert line.endswith("; in place of the given --micro-batch-size 2"), line
 
 
 def test_an_action_computes_at_the_slowdown_of_the_ranks_computing_while_it_runs():
