@@ -122,7 +122,8 @@ def auto_layout(config: RunConfig, flags, argv: list[str]) -> list[str]:
     machine = load_machine(flags.machine, flags.world_size)
     found = search(config, flags.world_size, machine, config.parallel.memory_budget_gb, progress=print,
                    workers=cores())
-    print(format_search(found, flags.world_size, top=3, refused=0))
+    if found.layouts:
+        print(format_search(found, flags.world_size, top=3, refused=0))
     if not found.ranked:
         raise PlanError(f"--auto-layout: {no_layout(found, flags.world_size)}; each refused layout with its "
                         f"reason: python -m gcompile.plan --world-size {flags.world_size} {' '.join(kept)} "

@@ -27,6 +27,8 @@ class InspectError(ValueError):
 
 
 def rank_dirs(root: str) -> dict[int, str]:
+    if os.path.exists(root) and not os.path.isdir(root):
+        raise InspectError(f"{root} is a file; give the folder run_gpt.py --dump-graphs DIR wrote")
     if not os.path.isdir(root):
         raise InspectError(f"{root}: no such folder (write one with run_gpt.py --dump-graphs {root})")
     ranks = {int(m[1]): os.path.join(root, name) for name in os.listdir(root)

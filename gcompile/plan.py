@@ -161,7 +161,8 @@ def search(base: RunConfig, world: int, machine: Machine, budget_gb: float | Non
     for layout in shapes:
         families.setdefault(_family(layout), []).append(layout)
     outcomes, done = {}, 0
-    progress(f"planning: 0/{len(shapes)} layouts (0 s)")
+    if shapes:
+        progress(f"planning: 0/{len(shapes)} layouts (0 s)")
 
     def finished(family: tuple, found: list) -> None:
         nonlocal done
@@ -346,7 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     budget = args.memory_budget_gb if args.memory_budget_gb is not None else base.parallel.memory_budget_gb
     found = search(base, args.world_size, machine, budget, progress=lambda line: print(line, file=sys.stderr),
                    schedules=schedules, micro_batch_sizes=sizes, workers=args.workers)
-    print(format_search(found, args.world_size, args.top, args.refused))
+    if found.layouts:  # else no table, only the error below
+        print(format_search(found, args.world_size, args.top, args.refused))
     if not found.ranked:
         print(f"python -m gcompile.plan: error: {no_layout(found, args.world_size)}", file=sys.stderr)
         return 2

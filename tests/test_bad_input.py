@@ -269,6 +269,8 @@ CASES = [
      "--output {tmp}/file/model.pt: {tmp}/file is a file"),
     ("generate top-k -5", "checkpoint", ["generate", "{saved}/model.pt", "--top-k", "-5"], None,
      "--top-k -5 must be 0 (all tokens) or more"),
+    ("inspect a file", "inspect", ["{tmp}/file"], a_file, "{tmp}/file is a file; give the folder run_gpt.py "
+     "--dump-graphs DIR wrote"),
     ("inspect rank0 a file", "inspect", ["{tmp}/dump"], dump_folder(lambda dump: a_file(dump, name="rank0")),
      "rank0 is a file where a rank folder belongs"),
     ("inspect non-UTF-8 dump", "inspect", ["{tmp}/dump"], dump_folder(non_utf8_rank0), "schedule.txt: not UTF-8"),
@@ -306,6 +308,8 @@ CASES = [
      "--memory-budget-gb 0 must be positive"),
     ("plan with a run's action", "plan", ["--world-size", "2", "--check-plan"], None,
      "--check-plan: run_gpt.py's, not the planner's; it plans only"),
+    ("plan nothing to try", "plan", ["--world-size", "2", "--micro-batch-sizes", "3"], None,
+     "no layout of 2 ranks to try: no --micro-batch-sizes entry times a dp size divides --global-batch-size"),
     ("plan top negative", "plan", ["--world-size", "2", "--top", "-1"], None, "--top -1 must be 0 or more"),
     ("machine file a folder", "plan", ["--world-size", "2", "--machine", "{tmp}"], None,
      "machine file {tmp} is a folder; give the file in it"),
