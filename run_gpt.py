@@ -91,6 +91,8 @@ def plan_only(config: RunConfig, dump_only: bool, machine_path: str | None) -> i
     else:
         rates = rates_of(config, machine)
         report += f"\n{predict(pipeline_column(programs), rates)} (machine: {machine.description})"
+        if note := machine.extrapolated(config.world_size):
+            report += f"\n{note}"
         if dump_only:
             for rank, program in programs.items():
                 with open(os.path.join(rank_dump_dir(config.log.dump_graphs, rank), "summary.txt"), "a") as f:

@@ -107,6 +107,14 @@ class Machine:
                     f"with more GPUs (python -m gcompile.calibrate)")
         return None
 
+    def extrapolated(self, world_size: int) -> str | None:
+        """A note where `world_size` ranks are more than a CPU file measured sharing its cores, or None."""
+        most = max(int(k) for k in self.contention)
+        if self.on_gpu or world_size <= most:
+            return None
+        return (f"note: the machine file measured up to {most} ranks sharing its {self.cores} cores; for "
+                f"{world_size}, its slowdowns and waits are grown in proportion from there")
+
     def threads_key(self, table: dict, threads: int) -> str:
         """The measured thread count nearest below `threads` (a GPU's one entry)."""
         counts = sorted(int(k) for k in table if k.isdigit())

@@ -349,6 +349,8 @@ def main(argv: list[str] | None = None) -> int:
                    schedules=schedules, micro_batch_sizes=sizes, workers=args.workers)
     if found.layouts:  # else no table, only the error below
         print(format_search(found, args.world_size, args.top, args.refused))
+    if found.ranked and (note := machine.extrapolated(args.world_size)):
+        print(note)
     if not found.ranked:
         print(f"python -m gcompile.plan: error: {no_layout(found, args.world_size)}", file=sys.stderr)
         return 2

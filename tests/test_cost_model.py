@@ -234,6 +234,15 @@ def test_planning_in_worker_processes_finds_what_one_process_finds(monkeypatch):
     assert spawned.refused == here.refused
 
 
+def test_a_world_beyond_what_the_machine_measured_is_noted():
+    machine = flat_machine(cores=2)  # slowdowns measured for 1 and 2 ranks at once
+    assert machine.extrapolated(2) is None
+    assert machine.extrapolated(16) == ("note: the machine file measured up to 2 ranks sharing its 2 cores; for 16, "
+                                        "its slowdowns and waits are grown in proportion from there")
+    gpu = machine_file.load(os.path.join(ROOT, "machines", "h100-80gb-1gpu.json"))
+    assert gpu.extrapolated(1) is None
+
+
 def test_the_kept_gpu_machine_file_predicts_one_rank():
     machine = machine_file.load(os.path.join(ROOT, "machines", "h100-80gb-1gpu.json"))
     assert machine.on_gpu and machine.cannot_predict(1) is None and "one GPU" in machine.cannot_predict(2)
