@@ -102,7 +102,8 @@ def plan_only(config: RunConfig, dump_only: bool, machine_path: str | None) -> i
         dump_schedule(programs[0].schedule, config.log.run_dir)
     if dump_only:
         dump_text(config.log.dump_graphs, "plan.txt", report + "\n")
-        print(f"{len(programs)} distinct programs for {config.world_size} ranks in {config.log.dump_graphs}, "
+        print(f"{len(programs)} distinct program{'s' * (len(programs) > 1)} for {config.world_size} "
+              f"rank{'s' * (config.world_size > 1)} in {config.log.dump_graphs}, "
               f"index.txt names the ranks of each folder ({time.perf_counter() - start:.1f} s); "
               f"read them with: python -m gcompile.inspect {config.log.dump_graphs}")
     return 0

@@ -334,8 +334,10 @@ def check_plan(programs: dict[int, RankProgram], memory_budget_gb: float | None 
     check_collectives(programs)
     check_messages(programs)
     ranks = sum(len(shared_by[rank]) for rank in programs)
-    checked = f"{ranks} ranks" if ranks == len(programs) else f"{len(programs)} distinct programs for {ranks} ranks"
-    lines = [f"plan checked: {checked} agree on every collective and pipeline message"]
+    checked = f"{ranks} ranks agree" if ranks == len(programs) else \
+        f"{len(programs)} distinct program{'s' * (len(programs) > 1)} for {ranks} ranks agree"
+    lines = ["plan checked: 1 rank, no peer to agree with" if ranks == 1 else
+             f"plan checked: {checked} on every collective and pipeline message"]
     first = next(iter(programs.values()))  # the ranks agree on their collectives by now
     data_sized = sum(call.kind == "all_to_all_rows" for _, call in collective_calls(first))
     if data_sized:

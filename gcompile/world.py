@@ -118,7 +118,8 @@ def prepare_launch(config: RunConfig, device: str, threads: int, log: Callable[[
     Raises PlanError on a fault."""
     start, cache = time.perf_counter(), BuildCache()
     shared_by = representatives(config)
-    distinct = "programs" if len(shared_by) == config.world_size else f"{len(shared_by)} distinct programs"
+    distinct = "programs" if len(shared_by) == config.world_size else \
+        f"{len(shared_by)} distinct program{'s' * (len(shared_by) > 1)}"
     log(f"building the {distinct} of {config.world_size} ranks (capture, passes, lowering) to check the plan")
     programs, shared_by = build_distinct(config, device, log=lambda _: None, cache=cache)
     report = check_plan(programs, config.parallel.memory_budget_gb, shared_by)

@@ -110,7 +110,8 @@ def test_ranks_that_differ_only_in_dp_run_one_program(layout):
     for rank, program in programs.items():
         assert program_up_to_coords(program) == program_up_to_coords(programs[representative[rank]]), rank
     report = check_plan({rep: programs[rep] for rep in shared_by}, shared_by=shared_by)
-    assert report.startswith(f"plan checked: {len(shared_by)} distinct programs for {cfg.world_size} ranks agree")
+    programs_for = f"{len(shared_by)} distinct program{'s' * (len(shared_by) > 1)} for {cfg.world_size} ranks"
+    assert report.startswith(f"plan checked: {programs_for} agree"), report
     assert f"rank    0 {programs[0].coords} for {rank_ranges(shared_by[0])}: " in report
 
 
