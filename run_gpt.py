@@ -133,7 +133,8 @@ def auto_layout(config: RunConfig, flags, argv: list[str]) -> list[str]:
                         f"--refused {len(found.refused)}")
     best = found.ranked[0]
     names = set(best.flags()[::2])
-    replaced = [arg if "=" in arg else f"{arg} {kept[i + 1]}" for i, arg in enumerate(kept) if arg.split("=")[0] in names]
+    replaced = [arg if "=" in arg else f"{arg} {kept[i + 1]}" for i, arg in enumerate(kept)
+                if arg.split("=")[0] in names]
     print(f"--auto-layout: training with {' '.join(best.flags())} ({best.prediction}; "
           f"{best.memory / 2 ** 30:.3f} GiB on its largest rank)"
           + (f"; in place of the given {', '.join(replaced)}" if replaced else ""))

@@ -238,7 +238,8 @@ def _process_cache() -> BuildCache:
 
 def format_search(found: Search, world: int, top: int, refused: int) -> str:
     retries = len(found.ranked) + len(found.refused) - found.layouts
-    tried = f"{found.layouts} layout{'s' * (found.layouts != 1)} of {world} rank{'s' * (world != 1)}" + (f" and {retries} retries with memory savers" if retries else "")
+    tried = f"{found.layouts} layout{'s' * (found.layouts != 1)} of {world} rank{'s' * (world != 1)}" + \
+        (f" and {retries} retries with memory savers" if retries else "")
     lines = [f"{tried}: {len(found.ranked)} fit, {len(found.refused)} refused ({found.seconds:.1f} s); fastest first:",
              f"{'#':>3} {'ms/iter':>9} {'GiB/rank':>9} {'bubble':>7}  layout (run_gpt.py flags)"]
     for i, c in enumerate(found.ranked[:top]):

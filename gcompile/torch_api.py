@@ -15,9 +15,10 @@ from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_modu
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten  # 2.11, 2.13
 
 __all__ = ["FakeTensorMode", "aot_export_joint_with_descriptors", "min_cut_rematerialization_partition",
-           "activation_memory_budget", "graph_module", "lazy_graph_modules", "inductor_cache_counts", "standalone_compile", "is_op_overload",
-           "register_process_group", "unregister_process_group", "resolve_process_group", "fake_store",
-           "foreach_add_", "DCP_METADATA_GLOBALS", "tree_flatten", "tree_map_only", "tree_unflatten"]
+           "activation_memory_budget", "graph_module", "lazy_graph_modules", "inductor_cache_counts",
+           "standalone_compile", "is_op_overload", "register_process_group", "unregister_process_group",
+           "resolve_process_group", "fake_store", "foreach_add_", "DCP_METADATA_GLOBALS", "tree_flatten",
+           "tree_map_only", "tree_unflatten"]
 
 DCP_METADATA_GLOBALS = frozenset({
     *(("torch.distributed.checkpoint.metadata", name) for name in (
