@@ -26,6 +26,7 @@ from gcompile.data import DataError, build_datasets, check_batches, check_token_
 from gcompile.check import PlanError, check_fits_machine, check_plan
 from gcompile.mesh import MeshError, check_shm_room
 from gcompile import shutdown
+from gcompile.log import counted
 from gcompile.launch import join_world, rank_threads, run_ranks, start_rank_server, under_launcher
 from gcompile.axes import Coords
 from gcompile.pass_manager import PassError, clear_stale_dumps, rank_dump_dir
@@ -102,8 +103,8 @@ def plan_only(config: RunConfig, dump_only: bool, machine_path: str | None) -> i
         dump_schedule(programs[0].schedule, config.log.run_dir)
     if dump_only:
         dump_text(config.log.dump_graphs, "plan.txt", report + "\n")
-        print(f"{len(programs)} distinct program{'s' * (len(programs) > 1)} for {config.world_size} "
-              f"rank{'s' * (config.world_size > 1)} in {config.log.dump_graphs}, "
+        print(f"{counted(len(programs), 'distinct program')} for {counted(config.world_size, 'rank')} in "
+              f"{config.log.dump_graphs}, "
               f"index.txt names the ranks of each folder ({time.perf_counter() - start:.1f} s); "
               f"read them with: python -m gcompile.inspect {config.log.dump_graphs}")
     return 0

@@ -30,6 +30,7 @@ import torch.fx as fx
 
 from gcompile.collectives import collective_nodes
 from gcompile.config import RunConfig
+from gcompile.log import counted
 from gcompile.axes import group_members
 from gcompile.log import rank_ranges
 from gcompile.report import is_metric
@@ -334,10 +335,9 @@ def check_plan(programs: dict[int, RankProgram], memory_budget_gb: float | None 
     check_collectives(programs)
     check_messages(programs)
     ranks = sum(len(shared_by[rank]) for rank in programs)
-    checked = f"{ranks} ranks agree" if ranks == len(programs) else \
-        f"{len(programs)} distinct program{'s' * (len(programs) > 1)} for {ranks} ranks agree"
-    lines = ["plan checked: 1 rank, no peer to agree with" if ranks == 1 else
-             f"plan checked: {checked} on every collective and pipeline message"]
+    distinct = "" if ranks == len(programs) else f"{counted(len(programs), 'distinct program')} for "
+    lines = [f"plan checked: {distinct}{ranks} ranks agree on every collective and pipeline message" if ranks > 1
+             else "plan checked: 1 rank, no peer to agree with"]
     first = next(iter(programs.values()))  # the ranks agree on their collectives by now
     data_sized = sum(call.kind == "all_to_all_rows" for _, call in collective_calls(first))
     if data_sized:

@@ -7,6 +7,11 @@ import time
 from collections.abc import Callable
 
 
+def counted(n: int, noun: str) -> str:
+    """`n noun`, the noun plural unless n is 1: "1 rank", "8 ranks"."""
+    return f"{n} {noun}{'s' * (n != 1)}"
+
+
 class MetricsLog:
     """Everything one step or validation reports, to every sink at once (one rank calls it).
 

@@ -109,8 +109,10 @@ class Machine:
 
     def extrapolated(self, world_size: int) -> str | None:
         """A note where `world_size` ranks are more than a CPU file measured sharing its cores, or None."""
+        if self.on_gpu:
+            return None
         most = max(int(k) for k in self.contention)
-        if self.on_gpu or world_size <= most:
+        if world_size <= most:
             return None
         return (f"note: the machine file measured up to {most} ranks sharing its {self.cores} cores; for "
                 f"{world_size}, its slowdowns and waits are grown in proportion from there")

@@ -41,6 +41,7 @@ from gcompile.models.moe_config import MoEConfig
 from gcompile.cost_model import Prediction, predict, rates_of
 from gcompile.machine import Machine, MachineError
 from gcompile import machine as machine_file
+from gcompile.log import counted
 from gcompile.lowering_line import Lines
 from gcompile.pipeline import BuildCache, build_rank_program
 
@@ -238,7 +239,7 @@ def _process_cache() -> BuildCache:
 
 def format_search(found: Search, world: int, top: int, refused: int) -> str:
     retries = len(found.ranked) + len(found.refused) - found.layouts
-    tried = f"{found.layouts} layout{'s' * (found.layouts != 1)} of {world} rank{'s' * (world != 1)}" + \
+    tried = f"{counted(found.layouts, 'layout')} of {counted(world, 'rank')}" + \
         (f" and {retries} retries with memory savers" if retries else "")
     lines = [f"{tried}: {len(found.ranked)} fit, {len(found.refused)} refused ({found.seconds:.1f} s); fastest first:",
              f"{'#':>3} {'ms/iter':>9} {'GiB/rank':>9} {'bubble':>7}  layout (run_gpt.py flags)"]
@@ -262,7 +263,7 @@ def _reason_counts(found: Search) -> list[str]:
     lines = [f"  {n:4d} x {why}" for why, n in found.reasons.most_common(5)]
     if len(found.reasons) > 5:
         rest, others = sum(n for _, n in found.reasons.most_common()[5:]), len(found.reasons) - 5
-        lines.append(f"  {rest:4d} x {others} other reason{'s' * (others > 1)} (--refused {len(found.refused)} "
+        lines.append(f"  {rest:4d} x {counted(others, 'other reason')} (--refused {len(found.refused)} "
                      f"lists each)")
     if found.reasons.total() > len(found.refused):
         lines.append("  (a layout refused for several reasons counts under each)")

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from gcompile.check import MeasuredMemory, check_plan, estimate_memory
 from gcompile.compile import Compiler, CompileStats, graph_key, named_graphs
 from gcompile.config import RunConfig
+from gcompile.log import counted
 from gcompile.axes import Coords
 from gcompile.log import rank_ranges
 from gcompile.mesh import init_fake_world
@@ -118,8 +119,7 @@ def prepare_launch(config: RunConfig, device: str, threads: int, log: Callable[[
     Raises PlanError on a fault."""
     start, cache = time.perf_counter(), BuildCache()
     shared_by = representatives(config)
-    distinct = "programs" if len(shared_by) == config.world_size else \
-        f"{len(shared_by)} distinct program{'s' * (len(shared_by) > 1)}"
+    distinct = "programs" if len(shared_by) == config.world_size else counted(len(shared_by), "distinct program")
     log(f"building the {distinct} of {config.world_size} ranks (capture, passes, lowering) to check the plan")
     programs, shared_by = build_distinct(config, device, log=lambda _: None, cache=cache)
     report = check_plan(programs, config.parallel.memory_budget_gb, shared_by)
