@@ -229,21 +229,30 @@ def _accumulate_seconds(program: RankProgram, instruction, rates: Rates) -> floa
 
 
 @dataclass(frozen=True)
-class Prediction:
+class StepTime:
+    """A predicted iteration in totals: what the planner ranks by and keeps between runs (gcompile.plan_cache)."""
+
     step_seconds: float
     """One iteration: the pipeline's forward and backward, then the optimizer step."""
     pipeline_seconds: float
     optimizer_seconds: float
     bubble_fraction: float
     """The simulated share of pipeline rank-time not inside a graph (waiting, or adding up gradients)."""
-    ranks: tuple[RankTime, ...]
-    """Per pipeline rank, every rank of the world computing at once."""
-    spans: tuple[tuple[Span, ...], ...]
-    """Per pipeline rank, its F, B and W placed in time."""
 
     def __str__(self) -> str:
         return (f"predicted {self.step_seconds * 1e3:.1f} ms per iteration = pipeline {self.pipeline_seconds * 1e3:.1f} "
                 f"(bubble {self.bubble_fraction:.1%}) + optimizer step {self.optimizer_seconds * 1e3:.1f}")
+
+    def totals(self) -> "StepTime":
+        return StepTime(self.step_seconds, self.pipeline_seconds, self.optimizer_seconds, self.bubble_fraction)
+
+
+@dataclass(frozen=True)
+class Prediction(StepTime):
+    ranks: tuple[RankTime, ...]
+    """Per pipeline rank, every rank of the world computing at once."""
+    spans: tuple[tuple[Span, ...], ...]
+    """Per pipeline rank, its F, B and W placed in time."""
 
 
 def predict(column: list[RankProgram], rates: Rates) -> Prediction:

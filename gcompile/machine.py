@@ -21,6 +21,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from gcompile.paths import cache_home
+
 FORMAT = 5
 """Bumped when the file's fields change; an older file is measured again."""
 
@@ -213,8 +215,7 @@ def fingerprint() -> tuple[str, str]:
 
 def default_path() -> str:
     """Where this machine's file lives: one per fingerprint, so a changed machine is measured again."""
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(root, "gcompile", f"machine-{fingerprint()[0]}.json")
+    return os.path.join(cache_home(), f"machine-{fingerprint()[0]}.json")
 
 
 def missing() -> str:

@@ -25,3 +25,9 @@ def path_error(flag: str, path: str, folder: bool = True) -> str | None:
     if blocker == os.path.abspath(path):
         return f"{flag} {path} is a file, not a folder; give a folder"
     return f"{flag} {path}: {blocker} is a file, not a folder; choose a path outside it"
+
+
+def cache_home() -> str:
+    """Where gcompile keeps what it measured or worked out for this machine ($XDG_CACHE_HOME or ~/.cache)."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(root, "gcompile")

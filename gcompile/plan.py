@@ -20,7 +20,9 @@ micro-batch sizes) is derived from them, not lowered (gcompile.lowering_line).
 Families of candidates (same tp, cp, ep and pp) are built in --workers processes.
 Its memory is gcompile.check.estimate_memory's largest rank, over the budget is a
 refusal; its time is gcompile.cost_model.predict with this machine's file (or
---machine FILE). The ranking is by predicted time per iteration.
+--machine FILE). The ranking is by predicted time per iteration. Predictions are kept
+between runs (gcompile.plan_cache): a layout predicted before, on the same machine file
+by the same code, is not built again (--fresh builds every one).
 """
 
 import dataclasses
@@ -38,12 +40,14 @@ from gcompile.axes import Coords
 from gcompile.check import estimate_memory
 from gcompile.config import ConfigError, RunConfig, parse_args, validate
 from gcompile.models.moe_config import MoEConfig
-from gcompile.cost_model import Prediction, predict, rates_of
+from gcompile.cost_model import Prediction, StepTime, predict, rates_of
 from gcompile.machine import Machine, MachineError
 from gcompile import machine as machine_file
 from gcompile.log import counted
 from gcompile.lowering_line import Lines
 from gcompile.pipeline import BuildCache, build_rank_program
+from gcompile import plan_cache
+from gcompile.plan_cache import Known, PlanCache, layout_key
 
 TRAIN_FIELDS = ("micro_batch_size", "recompute_activations")
 """Layout keys that live in the [train] section; the others are [parallel] fields."""
@@ -64,7 +68,7 @@ class Candidate:
     layout: dict
     """Config fields that make this layout, as run_gpt.py flags name them (`flags()`)."""
     config: RunConfig
-    prediction: Prediction
+    prediction: StepTime
     memory: int
     """Estimated peak bytes of the largest rank."""
 
@@ -82,6 +86,8 @@ class Search:
     seconds: float = 0.0
     layouts: int = 0
     """How many `layouts` gave; the tries are more where one over the budget was tried again with savers."""
+    reused: int = 0
+    """How many predictions came from earlier runs (gcompile.plan_cache), nothing built for them."""
 
 
 def layout_flags(layout: dict) -> list[str]:
@@ -151,40 +157,52 @@ def evaluate(config: RunConfig, machine: Machine, cache) -> tuple[Prediction, in
 
 def search(base: RunConfig, world: int, machine: Machine, budget_gb: float | None = None, cache=None,
            progress=lambda line: None, schedules=SCHEDULES, micro_batch_sizes=MICRO_BATCH_SIZES,
-           workers: int = 1) -> Search:
+           workers: int = 1, kept: PlanCache | None = None) -> Search:
     """Every layout of `layouts`, refused with its reason or predicted; `ranked` fastest first. `workers` > 1
     builds in up to that many processes (one per LAYOUTS_PER_WORKER layouts), each a family of layouts at a
-    time (`_family`: what shares lowerings)."""
+    time (`_family`: what shares lowerings). `kept`: earlier runs' predictions, used where they are for this
+    machine file and code, and what this one predicts added to them and saved."""
     result, start = Search(), time.perf_counter()
     shapes = layouts(base, world, schedules, micro_batch_sizes)
     result.layouts = len(shapes)
     families = {}
     for layout in shapes:
         families.setdefault(_family(layout), []).append(layout)
+    known, machine_text = (kept.known if kept else {}), machine.to_json()
     outcomes, done = {}, 0
     if shapes:
         progress(f"planning: 0/{len(shapes)} layouts (0 s)")
 
-    def finished(family: tuple, found: list) -> None:
+    def finished(family: tuple, found: list, added: Known, reused: int) -> None:
         nonlocal done
         outcomes[family] = found
+        result.reused += reused
+        if kept:
+            kept.added.update(added)
         done += len(families[family])
         progress(f"planning: {done}/{len(shapes)} layouts ({time.perf_counter() - start:.0f} s)")
-    workers = min(workers, len(families), -(-len(shapes) // LAYOUTS_PER_WORKER))
+    unknown = families if not known else {}
+    for family, members in families.items() if known else ():  # what earlier runs predicted needs no build
+        try:
+            finished(family, *_search_family(base, machine, budget_gb, members, known=known,
+                                             machine_text=machine_text, build=False))
+        except _Unknown:
+            unknown[family] = members
+    workers = min(workers, len(unknown), -(-sum(map(len, unknown.values())) // LAYOUTS_PER_WORKER))
     if workers > 1:
         with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-            running = {pool.submit(_search_family, base, machine, budget_gb, members): family
-                       for family, members in families.items()}
+            running = {pool.submit(_search_family, base, machine, budget_gb, members, known=known,
+                                   machine_text=machine_text): family for family, members in unknown.items()}
             for future in as_completed(running):
-                finished(running[future], future.result())
+                finished(running[future], *future.result())
     else:
         cache = cache or BuildCache(lines=Lines())
-        for family, members in families.items():
-            finished(family, _search_family(base, machine, budget_gb, members, cache))
+        for family, members in unknown.items():
+            finished(family, *_search_family(base, machine, budget_gb, members, cache, known, machine_text))
     tried = {family: iter(found) for family, found in outcomes.items()}
     for layout in shapes:  # in the order of `layouts`, however the processes finished
-        for kept, outcome in next(tried[_family(layout)]):
-            if kept:
+        for ok, outcome in next(tried[_family(layout)]):
+            if ok:
                 result.ranked.append(outcome)
             else:
                 result.refused.append(outcome[:2])
@@ -200,12 +218,19 @@ def _family(layout: dict) -> tuple:
     return layout["tp"], layout.get("cp", 1), layout.get("ep", 1), layout["pp"]
 
 
+class _Unknown(Exception):
+    """A layout no earlier run predicted, met where nothing may be built."""
+
+
 def _search_family(base: RunConfig, machine: Machine, budget_gb: float | None, members: list[dict],
-                   cache: BuildCache | None = None) -> list[list[tuple[bool, Candidate | tuple]]]:
+                   cache: BuildCache | None = None, known: Known | None = None, machine_text: str = "",
+                   build: bool = True) -> tuple[list[list[tuple[bool, Candidate | tuple]]], Known, int]:
     """Per member, (True, candidate) or (False, (layout, why, its reasons as counted)) for each layout tried, in
-    order: one over the budget is tried again with each memory saver until one fits."""
-    cache = cache or _process_cache()
-    everything, seen = [], set()
+    order: one over the budget is tried again with each memory saver until one fits. Then what it predicted that
+    `known` (by gcompile.plan_cache.layout_key with `machine_text`) did not hold, and how many predictions it
+    took from `known`; without `build`, a layout `known` does not hold raises _Unknown."""
+    known = known or {}
+    everything, seen, added, reused = [], set(), {}, 0
     for layout in members:
         found = []
         everything.append(found)
@@ -221,14 +246,24 @@ def _search_family(base: RunConfig, machine: Machine, budget_gb: float | None, m
             except ConfigError as e:
                 found.append((False, (tried, str(e), e.reasons)))
                 break
-            prediction, memory = evaluate(config, machine, cache)
+            key = layout_key(config, machine_text)
+            if key in known:
+                step, memory = known[key]
+                reused += 1
+            elif not build:
+                raise _Unknown
+            else:
+                prediction, memory = evaluate(config, machine, cache or _process_cache())
+                step = prediction.totals()
+                if key is not None:
+                    added[key] = step, memory
             if budget_gb is None or memory <= budget_gb * 2 ** 30:
-                found.append((True, Candidate(tried, config, prediction, memory)))
+                found.append((True, Candidate(tried, config, step, memory)))
                 break
             over = f"over the budget of {budget_gb} GiB"
             needs = f"needs about {memory / 2 ** 30:.3g} GiB on its largest rank"
             found.append((False, (tried, f"{over}; {needs}", (over,))))
-    return everything
+    return everything, added, reused
 
 
 @functools.cache
@@ -241,7 +276,9 @@ def format_search(found: Search, world: int, top: int, refused: int) -> str:
     retries = len(found.ranked) + len(found.refused) - found.layouts
     tried = f"{counted(found.layouts, 'layout')} of {counted(world, 'rank')}" + \
         (f" and {retries} retries with memory savers" if retries else "")
-    lines = [f"{tried}: {len(found.ranked)} fit, {len(found.refused)} refused ({found.seconds:.1f} s); fastest first:",
+    reused = f", {found.reused} predicted by earlier runs" if found.reused else ""
+    lines = [f"{tried}: {len(found.ranked)} fit, {len(found.refused)} refused ({found.seconds:.1f} s{reused}); "
+             f"fastest first:",
              f"{'#':>3} {'ms/iter':>9} {'GiB/rank':>9} {'bubble':>7}  layout (run_gpt.py flags)"]
     for i, c in enumerate(found.ranked[:top]):
         lines.append(f"{i + 1:>3} {c.prediction.step_seconds * 1e3:9.1f} {c.memory / 2 ** 30:9.3f} "
@@ -292,6 +329,17 @@ def search_space(schedules: str, micro_batch_sizes: str) -> tuple[tuple[str, ...
     return names, sizes
 
 
+def open_kept(fresh: bool = False) -> PlanCache:
+    """This user's plan cache (gcompile.plan_cache), its predictions set aside where `fresh`; a file it cannot
+    read is said on stderr and will be replaced."""
+    kept = PlanCache()
+    if kept.unread:
+        print(f"note: {kept.unread}", file=sys.stderr)
+    if fresh:
+        kept.known = {}
+    return kept
+
+
 def cores() -> int:
     """The cores this process may run on: planning builds in as many processes."""
     return len(os.sched_getaffinity(0))
@@ -322,6 +370,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=cores(),
                    help=f"processes that build layouts at once, one per {LAYOUTS_PER_WORKER} layouts at most "
                         f"(default: this machine's cores, {cores()})")
+    p.add_argument("--fresh", action="store_true",
+                   help=f"build every layout again, not reusing what earlier runs predicted (kept in "
+                        f"{plan_cache.default_path()}, for the same machine file and code)")
     p.add_argument("--top", type=int, default=10, help="rows to print (default: 10)")
     p.add_argument("--refused", type=int, default=5,
                    help="refused layouts to print, each with its reason (default: 5)")
@@ -347,8 +398,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"python -m gcompile.plan: error: {e}", file=sys.stderr)
         return 2
     budget = args.memory_budget_gb if args.memory_budget_gb is not None else base.parallel.memory_budget_gb
+    kept = open_kept(fresh=args.fresh)
     found = search(base, args.world_size, machine, budget, progress=lambda line: print(line, file=sys.stderr),
-                   schedules=schedules, micro_batch_sizes=sizes, workers=args.workers)
+                   schedules=schedules, micro_batch_sizes=sizes, workers=args.workers, kept=kept)
+    if note := kept.save():
+        print(f"note: {note}", file=sys.stderr)
     if found.layouts:  # else no table, only the error below
         print(format_search(found, args.world_size, args.top, args.refused))
     if found.ranked and (note := machine.extrapolated(args.world_size)):

@@ -13,15 +13,16 @@ import torch
 import torch.fx as fx
 
 import run_gpt
-from gcompile import machine as machine_file, plan
+from gcompile import machine as machine_file, plan, plan_cache
 from gcompile.axes import Coords
 from gcompile.calibrate import SIZES, _link, busy_warning
 from gcompile.check import check_plan
 from gcompile.config import build_config, parse_args
-from gcompile.cost_model import Rates, _concurrency, graph_time, predict, rates_for
+from gcompile.cost_model import Rates, StepTime, _concurrency, graph_time, predict, rates_for
 from gcompile.machine import Link, Machine, MachineError, rate_at
 from gcompile.pipeline import BuildCache, build_rank_program
 from gcompile.plan import Search, configure, evaluate, format_search, search
+from gcompile.plan_cache import PlanCache, code_version, layout_key
 from gcompile.schedule import Action, Kind, Span, build_schedule, simulate
 from gcompile.world import build_world
 from tests.multirank import ROOT
@@ -232,6 +233,68 @@ def test_planning_in_worker_processes_finds_what_one_process_finds(monkeypatch):
     assert [(c.layout, c.prediction.step_seconds, c.memory) for c in spawned.ranked] == \
         [(c.layout, c.prediction.step_seconds, c.memory) for c in here.ranked]
     assert spawned.refused == here.refused
+
+
+def test_a_second_plan_takes_every_prediction_from_the_first_and_builds_nothing(tmp_path, monkeypatch):
+    """The plan cache (gcompile.plan_cache): the same table, nothing built; another machine file or another
+    version of the code predicts again."""
+    path, base, machine = str(tmp_path / "plans.json"), tiny(), flat_machine()
+    space = dict(schedules=("1f1b",), micro_batch_sizes=(2,))
+    kept = PlanCache(path)
+    first = search(base, 2, machine, kept=kept, **space)
+    assert first.reused == 0 and kept.save() is None
+    with monkeypatch.context() as patched:
+        patched.setattr(plan, "evaluate", None)  # building fails the test
+        again = search(base, 2, machine, kept=PlanCache(path), **space)
+    assert again.reused == len(first.ranked) == 6
+    assert [(c.layout, c.prediction, c.memory) for c in again.ranked] == \
+        [(c.layout, c.prediction, c.memory) for c in first.ranked]
+    assert again.refused == first.refused and ", 6 predicted by earlier runs)" in format_search(again, 2, 1, 0)
+    with monkeypatch.context() as patched:  # what no build reads (UNREAD) is no other layout
+        patched.setattr(plan, "evaluate", None)
+        longer = dataclasses.replace(base, train=dataclasses.replace(base.train, train_iters=7, lr=0.5, seed=3))
+        assert search(longer, 2, machine, kept=PlanCache(path), **space).reused == 6
+    assert search(base, 2, flat_machine(cores=32), kept=PlanCache(path), **space).reused == 0
+    monkeypatch.setattr(plan_cache, "code_version", lambda: "another version")
+    assert PlanCache(path).known == {}
+
+
+def test_plan_fresh_builds_again(tmp_path, capsys):
+    machine = tmp_path / "machine.json"
+    machine_file.save(flat_machine(), str(machine))
+    argv = ["--config", os.path.join(ROOT, "configs", "tiny.toml"), "--world-size", "1", "--machine", str(machine),
+            "--micro-batch-sizes", "1,2"]
+    headers = []
+    for extra in ([], ["--fresh"], []):
+        assert plan.main(argv + extra) == 0
+        headers.append(capsys.readouterr().out.splitlines()[0])
+    assert [", 2 predicted by earlier runs)" in h for h in headers] == [False, False, True], headers
+
+
+def test_a_plan_cache_that_cannot_be_read_is_said_and_replaced(tmp_path):
+    path = tmp_path / "plans.json"
+    entry = {"step_seconds": 1.0, "pipeline_seconds": 0.5, "optimizer_seconds": 0.5, "bubble_fraction": 0.1}
+    for text in ("not json", json.dumps({"entries": []}),
+                 json.dumps({"format": plan_cache.FORMAT, "code": code_version(), "entries": {"k": entry}})):
+        path.write_text(text)
+        kept = PlanCache(str(path))
+        assert kept.known == {} and kept.unread.startswith(f"{path} is not a plan cache gcompile can read ("), text
+    kept.added["k"] = StepTime(1.0, 0.5, 0.5, 0.1), 42
+    assert kept.save() is None and PlanCache(str(path)).known == {"k": (StepTime(1.0, 0.5, 0.5, 0.1), 42)}
+    (tmp_path / "file").write_text("")
+    blocked = PlanCache(str(tmp_path / "file" / "plans.json"))
+    blocked.added["k"] = StepTime(1.0, 0.5, 0.5, 0.1), 42
+    assert blocked.unread is None and blocked.save().startswith("the plan was not kept for next time: ")
+
+
+def test_a_plan_of_the_users_own_code_is_never_kept():
+    """Nothing here can tell when a user's model or pass changes."""
+    own = build_config({"model": dict(arch="examples/parallel_block.py:SPEC", n_layer=2, n_head=2, n_embd=32,
+                                      block_size=32), "train": dict(seq_length=32)})
+    with_pass = build_config({"parallel": dict(passes=("after:lower=examples.all_reduce_split:"
+                                                       "all_reduce_as_reduce_scatter_all_gather",))})
+    assert layout_key(tiny(), "machine") is not None
+    assert layout_key(own, "machine") is None and layout_key(with_pass, "machine") is None
 
 
 def test_a_world_beyond_what_the_machine_measured_is_noted():

@@ -50,3 +50,8 @@ def spec_of(config):
     if not names:
         raise ValueError(f"no registered model has the config type {type(config).__name__}")
     return model_spec(names[0])
+
+
+def is_users(config) -> bool:
+    """Whether a model config is of a user's own model (its code is theirs, loaded from --arch)."""
+    return any(type(config) is CONFIGS[name] for name in _USER_SPECS)

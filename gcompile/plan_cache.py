@@ -1,0 +1,126 @@
+"""What the planner worked out, kept between runs: a layout predicted before, on the same machine file by the
+same code, is not built again.
+
+Planning builds every candidate (tiny for 1024 ranks: about a minute and a half here), and `run_gpt.py
+--auto-layout` after `python -m gcompile.plan` would build them all again. What the planner keeps of a build
+is five numbers: the predicted totals and the largest rank's memory. They live in one JSON file (nothing in it
+is code), each under a hash of what decides it: the candidate's model, parallel and train sections (less what
+no build reads, UNREAD) and the machine file. The file holds one version of gcompile's source (its passes
+too) and of torch, and starts afresh when either changes. A plan of the user's own code (a model or passes
+from a file) is never kept: nothing here can tell when that code changes. Validation is not kept either: it
+takes a second for every candidate of 1024 ranks, and it reads more than those sections (data files, folders).
+"""
+
+import dataclasses
+import functools
+import hashlib
+import json
+import math
+import os
+
+import torch
+
+import passes
+from gcompile.config import RunConfig
+from gcompile.cost_model import StepTime
+from gcompile.models import is_users
+from gcompile.paths import cache_home
+
+FORMAT = 1
+"""Bumped when an entry's fields change."""
+
+Known = dict[str, tuple[StepTime, int]]
+"""Layout key -> (predicted totals, largest rank's estimated peak bytes)."""
+
+
+def default_path() -> str:
+    return os.path.join(cache_home(), "plans.json")
+
+
+@functools.cache
+def code_version() -> str:
+    """gcompile's source and its built-in passes', every file, and torch's version: a changed pass or cost model
+    predicts anew."""
+    digest = hashlib.sha256(f"{FORMAT} {torch.__version__}".encode())
+    for package in (os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.abspath(passes.__file__))):
+        sources = sorted(os.path.relpath(os.path.join(folder, name), package)
+                         for folder, _, names in os.walk(package) for name in names if name.endswith(".py"))
+        for source in sources:
+            with open(os.path.join(package, source), "rb") as f:
+                digest.update(f"{os.path.basename(package)}/{source}".encode() + b"\0" + f.read() + b"\0")
+    return digest.hexdigest()
+
+
+UNREAD = {"train": ("train_iters", "lr", "min_lr", "lr_warmup_iters", "lr_decay_iters", "lr_decay_style", "seed",
+                    "eval_interval", "eval_iters"),
+          "parallel": ("memory_budget_gb", "distributed_timeout_minutes", "hang_timeout_s")}
+"""Fields no build reads (the learning rate is the runtime's state, not a constant of a graph): a run of other
+length, learning rate or budget takes the same predictions."""
+
+
+def layout_key(config: RunConfig, machine_text: str) -> str | None:
+    """The key of a candidate's prediction on the machine file `machine_text`; None for the user's own code."""
+    if is_users(config.model) or config.parallel.passes:
+        return None
+    decides = repr(tuple(dataclasses.replace(getattr(config, section), **dict.fromkeys(UNREAD.get(section, ())))
+                         for section in ("model", "parallel", "train")))
+    return hashlib.sha256(f"{decides}\n{machine_text}".encode()).hexdigest()
+
+
+class PlanCache:
+    """The file at `path`, read once; `added` is written back by `save`, merged with what others wrote since."""
+
+    def __init__(self, path: str | None = None):
+        self.path = path or default_path()
+        self.known: Known = {}
+        self.added: Known = {}
+        self.unread: str | None = None
+        """Why the file could not be used, where it exists but is not a cache of this code."""
+        try:
+            self.known = _read(self.path)
+        except (FileNotFoundError, NotADirectoryError):  # none yet; `save` says why where it cannot make one
+            pass
+        except (OSError, ValueError) as e:
+            self.unread = f"{self.path} is not a plan cache gcompile can read ({e}); it will be replaced"
+
+    def save(self) -> str | None:
+        """Write what was added; None, or why it could not be (the plan stands, it is only not kept)."""
+        if not self.added:
+            return None
+        try:
+            entries = _read(self.path)
+        except (OSError, ValueError):
+            entries = {}
+        entries.update(self.added)
+        text = json.dumps({"format": FORMAT, "code": code_version(), "entries": {
+            key: {**step.__dict__, "memory": memory} for key, (step, memory) in entries.items()}})
+        temporary = f"{self.path}.{os.getpid()}.tmp"
+        try:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            with open(temporary, "w") as f:
+                f.write(text)
+            os.replace(temporary, self.path)
+        except OSError as e:
+            if os.path.exists(temporary):
+                os.remove(temporary)
+            return f"the plan was not kept for next time: {e}"
+        return None
+
+
+def _read(path: str) -> Known:
+    """The entries of the file at `path` for this code ({} for another version's); ValueError when it is not a
+    plan cache."""
+    with open(path) as f:
+        raw = json.load(f)
+    if not isinstance(raw, dict) or not isinstance(raw.get("entries"), dict):
+        raise ValueError("no entries")
+    if raw.get("format") != FORMAT or raw.get("code") != code_version():
+        return {}
+    known = {}
+    for key, entry in raw["entries"].items():
+        numbers = [entry.get(name) if isinstance(entry, dict) else None
+                   for name in (*StepTime.__dataclass_fields__, "memory")]
+        if not all(isinstance(n, (int, float)) and not isinstance(n, bool) and math.isfinite(n) for n in numbers):
+            raise ValueError(f"entry {key[:12]} is not five numbers")
+        known[key] = StepTime(*numbers[:-1]), int(numbers[-1])
+    return known
