@@ -13,6 +13,7 @@ from gcompile import cp_ops, harness, ring_attention
 from gcompile.axes import Coords
 from gcompile.check import estimate_memory
 from gcompile.config import build_config
+from gcompile.flops import node_flops
 from gcompile.collectives import collective_nodes
 from gcompile.cp_ops import positions
 from gcompile.pipeline import build_rank_program, builtin_passes
@@ -171,3 +172,21 @@ def test_shape_propagation_gives_the_ring_output_the_ring_gives(dtype):
     assert [(t.shape, t.stride(), t.storage_offset(), t.dtype) for t in (walked, shaped)] == \
         [(walked.shape, walked.stride(), walked.storage_offset(), dtype)] * 2
     assert SHAPE_FUNCTIONS[ring_attention.attention] is ring_attention.output_like
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_a_cp_rank_counts_the_attention_of_its_blocks(cp):
+    """The ring's blocks are FLOPs at the attention rate, not bytes: a rank attends 2c queries to its own 2c
+    keys (step 0), then two c x c blocks per step, c = T / 2cp; SDPA's formula counts each block in full, as
+    it counts the whole causal attention at cp 1. So a rank has (4 + 2 (cp - 1)) / (2 cp)^2 of cp 1's."""
+    counted = {}
+    for size in (1, cp):
+        config = build_config({"model": dict(n_layer=1, n_head=2, n_embd=32, block_size=64),
+                               "parallel": dict(cp=size),
+                               "train": dict(micro_batch_size=1, global_batch_size=1, seq_length=64)})
+        program = build_rank_program(config, Coords.from_rank(0, config.mesh_sizes), log=lambda _: None)
+        (stage,) = program.stages.values()
+        counted[size] = [sum(node_flops(n) or 0 for n in graph.graph.nodes if "attention" in str(n.target))
+                         for graph in (stage.forward, stage.backward)]
+    share = (4 + 2 * (cp - 1)) / (2 * cp) ** 2
+    assert counted[1][0] > 0 and counted[cp] == [n * share for n in counted[1]]
