@@ -49,8 +49,9 @@ aten = torch.ops.aten
 
 ATTENTION = {aten._scaled_dot_product_flash_attention, aten._scaled_dot_product_flash_attention_backward,
              aten._scaled_dot_product_efficient_attention, aten._scaled_dot_product_efficient_attention_backward,
-             aten._scaled_dot_product_cudnn_attention, aten._scaled_dot_product_cudnn_attention_backward}
-"""Ops costed at the attention rate (after SAME_FLOPS_AS maps the CPU ones onto them)."""
+             aten._scaled_dot_product_cudnn_attention, aten._scaled_dot_product_cudnn_attention_backward,
+             torch.ops.gcompile.attend_block, torch.ops.gcompile.attend_block_backward}
+"""Ops costed at the attention rate (after SAME_FLOPS_AS maps the CPU ones onto them; the ring's blocks too)."""
 SAME_LINK_AS = {"all_to_all_rows": "all_to_all_single", "ring_shift": "all_to_all_single",
                 "all_reduce_coalesced": "all_reduce"}
 """Collectives costed as a measured kind that moves bytes the same way."""

@@ -2,8 +2,8 @@
 
 The formulas are torch's (`torch.utils.flop_counter`: matmuls and attention; pointwise
 ops count zero, as in Megatron's formula). CPU flash attention has no formula there; it
-computes what flash attention computes, so it borrows that one, as do context parallel's
-attention blocks (gcompile/ring_attention.py). The experts' grouped
+computes what flash attention computes, so it borrows that one; context parallel's
+attention blocks count it at their rows (gcompile/ring_attention.py). The experts' grouped
 matmuls count as one matmul over all their rows (under expert parallel: over the room
 for the most rows that can arrive, n times the average: an upper bound).
 """
@@ -12,7 +12,7 @@ import torch
 import torch.fx as fx
 from torch.utils.flop_counter import flop_registry
 
-from gcompile import ring_attention  # noqa: F401  registers the attention block ops counted below
+from gcompile import ring_attention
 from gcompile.models import moe  # noqa: F401  registers the grouped matmul ops counted below
 from gcompile.torch_api import tree_map_only
 
@@ -21,15 +21,14 @@ aten = torch.ops.aten
 SAME_FLOPS_AS = {
     aten._scaled_dot_product_flash_attention_for_cpu: aten._scaled_dot_product_flash_attention,
     aten._scaled_dot_product_flash_attention_for_cpu_backward: aten._scaled_dot_product_flash_attention_backward,
-    # context parallel's ring: one block of keys at a time, q, k, v (and dout) first as in SDPA's
-    torch.ops.gcompile.attention_block: aten._scaled_dot_product_flash_attention,
-    torch.ops.gcompile.attention_block_backward: aten._scaled_dot_product_flash_attention_backward,
 }
 
 
 OURS = {
     torch.ops.gcompile.grouped_mm: lambda rows, weight, ends, out_val: 2 * rows.shape[0] * weight.shape[1] * weight.shape[2],
     torch.ops.gcompile.grouped_mm_weight_grad: lambda rows, grad, ends, out_val: 2 * rows.shape[0] * rows.shape[1] * grad.shape[1],
+    torch.ops.gcompile.attend_block: ring_attention.block_flops,
+    torch.ops.gcompile.attend_block_backward: ring_attention.block_backward_flops,
 }
 """FLOPs of gcompile's own ops, by op, with flop_registry's calling convention."""
 

@@ -27,8 +27,10 @@ attention is not supported.
 """
 
 import math
+from typing import Optional
 
 import torch
+from torch.utils.flop_counter import flop_registry
 
 from gcompile import collectives
 from gcompile.program import SHAPE_FUNCTIONS
@@ -59,8 +61,7 @@ class _RingAttention(torch.autograd.Function):
         qf, out, lse = q.float(), None, None
         for step, keys, values in _around(k, v, n, group, "forward"):
             for rows, cols, masked in _blocks(step, cp_rank, q.shape[2] // 2, causal):
-                block = BLOCK(_take(qf, rows), _take(keys, cols), _take(values, cols), scale, masked)
-                out, lse = block if out is None else _merge_into(out, lse, rows, *block)
+                out, lse = ATTEND(out, lse, qf, keys, values, rows, cols, scale, masked)
         # laid out (B, T, nh, hs) in memory, as SDPA's output is: the captured graph views it that way
         out = out.to(q.dtype).transpose(1, 2).contiguous().transpose(1, 2)
         ctx.save_for_backward(q, k, v, out, lse, cp_rank)  # what the layer after saves too: held once
@@ -70,14 +71,12 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse, cp_rank = ctx.saved_tensors
         qf, dout, outf = q.float(), dout.float(), out.float()
-        dq, arriving = torch.zeros_like(qf), None
+        dq, arriving = qf.new_zeros(qf.shape), None  # contiguous, as ATTEND_BACKWARD's sums are
         for step, keys, values in _around(k, v, ctx.n, ctx.group, "backward"):
-            dk, dv = torch.zeros_like(keys), torch.zeros_like(values)
+            dk, dv = keys.new_zeros(keys.shape), values.new_zeros(values.shape)
             for rows, cols, masked in _blocks(step, cp_rank, q.shape[2] // 2, ctx.causal):
-                dq_b, dk_b, dv_b = BLOCK_BACKWARD(_take(dout, rows), _take(qf, rows), _take(keys, cols),
-                                                  _take(values, cols), _take(outf, rows), _take(lse, rows),
-                                                  ctx.scale, masked)
-                dq, dk, dv = _add_at(dq, rows, dq_b), _add_at(dk, cols, dk_b), _add_at(dv, cols, dv_b)
+                dq, dk, dv = ATTEND_BACKWARD(dq, dk, dv, dout, qf, keys, values, outf, lse, rows, cols, ctx.scale,
+                                             masked)
             grads = torch.stack([dk, dv])  # of the block's owner
             if arriving is not None:  # what the ranks before added, sent a step ago while this one computed
                 grads = grads + collectives.wait(arriving)
@@ -129,13 +128,69 @@ def _merge_into(out, lse, rows, block_out, block_lse) -> tuple[torch.Tensor, tor
 
 # One block's attention and its gradients are ops of their own, opaque to the compiler: traced open, the
 # partitioner would find the backward's score matrix equal to the forward's and keep every block's (T/n)^2
-# scores from forward to backward instead of recomputing them, which is most of what the ring saves. On CPU
-# they are SDPA's fused kernels (25x the formula's speed here); elsewhere the formula, which
-# tests/test_context_parallel.py checks against them.
+# scores from forward to backward instead of recomputing them, which is most of what the ring saves. Each op
+# also takes its block's rows and folds its result into the rank's (the merge, the gradients' sums): a few
+# nodes a block instead of some twenty, which lowering, the passes and the planner walk at every step of
+# every layer. On CPU a block is SDPA's fused kernels (25x the formula's speed here); elsewhere the formula,
+# which tests/test_context_parallel.py checks against them.
 
-@torch.library.custom_op("gcompile::attention_block", mutates_args=())
-def _attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                     causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+@torch.library.custom_op("gcompile::attend_block", mutates_args=())
+def _attend_block(out: Optional[torch.Tensor], lse: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor,
+                  v: torch.Tensor, rows: Optional[torch.Tensor], cols: Optional[torch.Tensor], scale: float,
+                  causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rank's output (B, heads, L, hs) and log-sum-exp per query (B, heads, L) with one block folded in:
+    q's `rows` against k's and v's `cols` (None: all). `out` and `lse` are None before the first block."""
+    block_out, block_lse = block(_take(q, rows), _take(k, cols), _take(v, cols), scale, causal)
+    if out is None:
+        return block_out, block_lse
+    return _merge_into(out, lse, rows, block_out, block_lse)
+
+
+@_attend_block.register_fake
+def _(out, lse, q, k, v, rows, cols, scale, causal):
+    return q.new_empty(*q.shape[:-1], v.shape[-1]), q.new_empty(q.shape[:-1])
+
+
+@torch.library.custom_op("gcompile::attend_block_backward", mutates_args=())
+def _attend_block_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, dout: torch.Tensor,
+                           q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                           rows: Optional[torch.Tensor], cols: Optional[torch.Tensor], scale: float,
+                           causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) with one block's gradients added at its rows and cols, given the whole attention's output and
+    log-sum-exp for its queries: with those the block's probabilities are its share of the full softmax, so
+    the blocks' gradients add up exactly."""
+    dq_b, dk_b, dv_b = block_backward(_take(dout, rows), _take(q, rows), _take(k, cols), _take(v, cols),
+                                      _take(out, rows), _take(lse, rows), scale, causal)
+    return _add_at(dq, rows, dq_b), _add_at(dk, cols, dk_b), _add_at(dv, cols, dv_b)
+
+
+@_attend_block_backward.register_fake
+def _(dq, dk, dv, dout, q, k, v, out, lse, rows, cols, scale, causal):
+    return dq.new_empty(dq.shape), dk.new_empty(dk.shape), dv.new_empty(dv.shape)
+
+
+ATTEND, ATTEND_BACKWARD = torch.ops.gcompile.attend_block.default, torch.ops.gcompile.attend_block_backward.default
+
+
+def block_flops(out, lse, q, k, v, rows, cols, scale, causal, out_val) -> int:
+    """ATTEND's FLOPs, SDPA's formula at the block's shapes (flop_registry's calling convention)."""
+    return _SDPA_FLOPS(_rows(q, rows), _rows(k, cols), _rows(v, cols))
+
+
+def block_backward_flops(dq, dk, dv, dout, q, k, v, out, lse, rows, cols, scale, causal, out_val) -> int:
+    return _SDPA_BACKWARD_FLOPS(_rows(dout, rows), _rows(q, rows), _rows(k, cols), _rows(v, cols))
+
+
+_SDPA_FLOPS = flop_registry[torch.ops.aten._scaled_dot_product_flash_attention]
+_SDPA_BACKWARD_FLOPS = flop_registry[torch.ops.aten._scaled_dot_product_flash_attention_backward]
+
+
+def _rows(x: torch.Tensor, rows: torch.Tensor | None) -> tuple[int, ...]:
+    """The shape of `x`'s `rows` (dim 2)."""
+    return tuple(x.shape) if rows is None else (*x.shape[:2], rows.numel(), *x.shape[3:])
+
+
+def block(q, k, v, scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of one block and its log-sum-exp per query, (B, heads, L, hs) and (B, heads, L)."""
     if q.device.type == "cpu":
         out, lse = flash_attention_cpu(q, k, v, causal, scale)
@@ -143,28 +198,11 @@ def _attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     return block_by_formula(q, k, v, scale, causal)
 
 
-@_attention_block.register_fake
-def _(q, k, v, scale, causal):
-    return q.new_empty(*q.shape[:-1], v.shape[-1]), q.new_empty(q.shape[:-1])
-
-
-@torch.library.custom_op("gcompile::attention_block_backward", mutates_args=())
-def _attention_block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                              out: torch.Tensor, lse: torch.Tensor, scale: float,
-                              causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of one block, given the whole attention's output and log-sum-exp for its queries: with those
-    the block's probabilities are its share of the full softmax, so the blocks' gradients add up exactly."""
+def block_backward(dout, q, k, v, out, lse, scale: float, causal: bool):
+    """(dq, dk, dv) of one block."""
     if q.device.type == "cpu":
         return tuple(g.contiguous() for g in flash_attention_cpu_backward(dout, q, k, v, out, lse, causal, scale))
     return block_backward_by_formula(dout, q, k, v, out, lse, scale, causal)
-
-
-@_attention_block_backward.register_fake
-def _(dout, q, k, v, out, lse, scale, causal):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
-
-
-BLOCK, BLOCK_BACKWARD = torch.ops.gcompile.attention_block.default, torch.ops.gcompile.attention_block_backward.default
 
 
 def block_by_formula(q, k, v, scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
