@@ -125,10 +125,12 @@ def auto_layout(config: RunConfig, flags, argv: list[str]) -> list[str]:
             kept.append(arg)
     machine = load_machine(flags.machine, flags.world_size)
     predicted_before = open_kept()
-    found = search(config, flags.world_size, machine, config.parallel.memory_budget_gb, progress=print,
-                   workers=cores(), kept=predicted_before)
-    if note := predicted_before.save():
-        print(f"note: {note}", file=sys.stderr)
+    try:
+        found = search(config, flags.world_size, machine, config.parallel.memory_budget_gb, progress=print,
+                       workers=cores(), kept=predicted_before)
+    finally:  # an interrupted plan keeps what its finished families predicted
+        if note := predicted_before.save():
+            print(f"note: {note}", file=sys.stderr)
     if found.layouts:
         print(format_search(found, flags.world_size, top=3, refused=0))
     if not found.ranked:

@@ -173,19 +173,20 @@ def search(base: RunConfig, world: int, machine: Machine, budget_gb: float | Non
     if shapes:
         progress(f"planning: 0/{len(shapes)} layouts (0 s)")
 
-    def finished(family: tuple, found: list, added: Known, reused: int) -> None:
+    def finished(family: tuple, found: list, added: Known, reused: int, shown: bool = True) -> None:
         nonlocal done
         outcomes[family] = found
         result.reused += reused
         if kept:
             kept.added.update(added)
         done += len(families[family])
-        progress(f"planning: {done}/{len(shapes)} layouts ({time.perf_counter() - start:.0f} s)")
+        if shown:  # a family earlier runs predicted in full took no time: no line of its own
+            progress(f"planning: {done}/{len(shapes)} layouts ({time.perf_counter() - start:.0f} s)")
     unknown = families if not known else {}
     for family, members in families.items() if known else ():  # what earlier runs predicted needs no build
         try:
             finished(family, *_search_family(base, machine, budget_gb, members, known=known,
-                                             machine_text=machine_text, build=False))
+                                             machine_text=machine_text, build=False), shown=False)
         except _Unknown:
             unknown[family] = members
     workers = min(workers, len(unknown), -(-sum(map(len, unknown.values())) // LAYOUTS_PER_WORKER))
@@ -399,10 +400,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     budget = args.memory_budget_gb if args.memory_budget_gb is not None else base.parallel.memory_budget_gb
     kept = open_kept(fresh=args.fresh)
-    found = search(base, args.world_size, machine, budget, progress=lambda line: print(line, file=sys.stderr),
-                   schedules=schedules, micro_batch_sizes=sizes, workers=args.workers, kept=kept)
-    if note := kept.save():
-        print(f"note: {note}", file=sys.stderr)
+    try:
+        found = search(base, args.world_size, machine, budget, progress=lambda line: print(line, file=sys.stderr),
+                       schedules=schedules, micro_batch_sizes=sizes, workers=args.workers, kept=kept)
+    finally:  # an interrupted plan keeps what its finished families predicted
+        if note := kept.save():
+            print(f"note: {note}", file=sys.stderr)
     if found.layouts:  # else no table, only the error below
         print(format_search(found, args.world_size, args.top, args.refused))
     if found.ranked and (note := machine.extrapolated(args.world_size)):

@@ -80,12 +80,14 @@ class PlanCache:
             self.known = _read(self.path)
         except (FileNotFoundError, NotADirectoryError):  # none yet; `save` says why where it cannot make one
             pass
+        except IsADirectoryError:
+            self.unread = f"{self.path} is a folder, so no plan is kept; remove it to keep them"
         except (OSError, ValueError) as e:
             self.unread = f"{self.path} is not a plan cache gcompile can read ({e}); it will be replaced"
 
     def save(self) -> str | None:
         """Write what was added; None, or why it could not be (the plan stands, it is only not kept)."""
-        if not self.added:
+        if not self.added or os.path.isdir(self.path):  # a folder: `unread` said so
             return None
         try:
             entries = _read(self.path)
@@ -109,18 +111,31 @@ class PlanCache:
 
 def _read(path: str) -> Known:
     """The entries of the file at `path` for this code ({} for another version's); ValueError when it is not a
-    plan cache."""
+    plan cache, or one entry is not a prediction this code could have made (its ranking would be wrong)."""
     with open(path) as f:
-        raw = json.load(f)
+        try:
+            raw = json.load(f)
+        except RecursionError:
+            raise ValueError("nested too deeply for JSON this code writes") from None
     if not isinstance(raw, dict) or not isinstance(raw.get("entries"), dict):
-        raise ValueError("no entries")
+        raise ValueError('not an object with "entries"')
     if raw.get("format") != FORMAT or raw.get("code") != code_version():
         return {}
     known = {}
     for key, entry in raw["entries"].items():
-        numbers = [entry.get(name) if isinstance(entry, dict) else None
-                   for name in (*StepTime.__dataclass_fields__, "memory")]
-        if not all(isinstance(n, (int, float)) and not isinstance(n, bool) and math.isfinite(n) for n in numbers):
-            raise ValueError(f"entry {key[:12]} is not five numbers")
-        known[key] = StepTime(*numbers[:-1]), int(numbers[-1])
+        if not _is_prediction(entry):
+            raise ValueError(f"entry {key[:12]} is not a prediction: five numbers of the sizes one has")
+        step = StepTime(*(entry[name] for name in StepTime.__dataclass_fields__))
+        known[key] = step, entry["memory"]
     return known
+
+
+def _is_prediction(entry) -> bool:
+    """Five finite numbers, none negative, the bubble a fraction, the step its two parts, the memory whole bytes."""
+    names = (*StepTime.__dataclass_fields__, "memory")
+    if not isinstance(entry, dict) or any(type(entry.get(name)) not in (int, float) for name in names):
+        return False
+    if not all(0 <= entry[name] < 1e30 for name in names):  # no float() of a 400-digit int: no OverflowError
+        return False
+    return isinstance(entry["memory"], int) and entry["bubble_fraction"] <= 1 and math.isclose(
+        entry["step_seconds"], entry["pipeline_seconds"] + entry["optimizer_seconds"], rel_tol=1e-9)

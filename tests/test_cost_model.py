@@ -271,20 +271,52 @@ def test_plan_fresh_builds_again(tmp_path, capsys):
     assert [", 2 predicted by earlier runs)" in h for h in headers] == [False, False, True], headers
 
 
+def test_an_interrupted_plan_keeps_what_it_predicted(tmp_path, monkeypatch):
+    machine = tmp_path / "machine.json"
+    machine_file.save(flat_machine(), str(machine))
+    first_family, built = plan._search_family, []
+
+    def interrupted(*args, **kwargs):
+        if built:
+            raise KeyboardInterrupt
+        built.append(first_family(*args, **kwargs))
+        return built[-1]
+    monkeypatch.setattr(plan, "_search_family", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        plan.main(["--config", os.path.join(ROOT, "configs", "tiny.toml"), "--world-size", "2", "--workers", "1",
+                   "--machine", str(machine), "--micro-batch-sizes", "2"])
+    (_, predicted, _), = built
+    assert predicted and PlanCache().known == predicted
+
+
 def test_a_plan_cache_that_cannot_be_read_is_said_and_replaced(tmp_path):
+    """Not JSON, not ours, or an entry no prediction could be (it would rank layouts wrongly): one note, never a
+    traceback, and the file is written anew."""
     path = tmp_path / "plans.json"
-    entry = {"step_seconds": 1.0, "pipeline_seconds": 0.5, "optimizer_seconds": 0.5, "bubble_fraction": 0.1}
-    for text in ("not json", json.dumps({"entries": []}),
-                 json.dumps({"format": plan_cache.FORMAT, "code": code_version(), "entries": {"k": entry}})):
+    good = {"step_seconds": 1.0, "pipeline_seconds": 0.5, "optimizer_seconds": 0.5, "bubble_fraction": 0.1,
+            "memory": 42}
+    bad_entries = [{"step_seconds": 1.0}, {**good, "step_seconds": "1"}, {**good, "memory": -5},
+                   {**good, "step_seconds": -1.0, "pipeline_seconds": -1.5}, {**good, "memory": 10 ** 400},
+                   {**good, "bubble_fraction": 2.0}, {**good, "step_seconds": 3.0}, {**good, "memory": 4.5}]
+    texts = ["not json", "", json.dumps({"entries": []}), "[" * 100000] + [
+        json.dumps({"format": plan_cache.FORMAT, "code": code_version(), "entries": {"k": entry}})
+        for entry in bad_entries]
+    for text in texts:
         path.write_text(text)
         kept = PlanCache(str(path))
-        assert kept.known == {} and kept.unread.startswith(f"{path} is not a plan cache gcompile can read ("), text
+        assert kept.known == {} and kept.unread.startswith(f"{path} is not a plan cache gcompile can read ("), \
+            text[:80]
     kept.added["k"] = StepTime(1.0, 0.5, 0.5, 0.1), 42
     assert kept.save() is None and PlanCache(str(path)).known == {"k": (StepTime(1.0, 0.5, 0.5, 0.1), 42)}
     (tmp_path / "file").write_text("")
     blocked = PlanCache(str(tmp_path / "file" / "plans.json"))
     blocked.added["k"] = StepTime(1.0, 0.5, 0.5, 0.1), 42
     assert blocked.unread is None and blocked.save().startswith("the plan was not kept for next time: ")
+    (tmp_path / "folder.json").mkdir()
+    folder = PlanCache(str(tmp_path / "folder.json"))
+    folder.added["k"] = StepTime(1.0, 0.5, 0.5, 0.1), 42
+    assert folder.unread == f"{tmp_path / 'folder.json'} is a folder, so no plan is kept; remove it to keep them"
+    assert folder.save() is None  # said once, by `unread`
 
 
 def test_a_plan_of_the_users_own_code_is_never_kept():
