@@ -75,7 +75,7 @@ class PlanCache:
         self.known: Known = {}
         self.added: Known = {}
         self.unread: str | None = None
-        """Why the file could not be used, where it exists but is not a cache of this code."""
+        """Why the file could not be used, where one exists that is not a plan cache (or a folder)."""
         try:
             self.known = _read(self.path)
         except (FileNotFoundError, NotADirectoryError):  # none yet; `save` says why where it cannot make one
