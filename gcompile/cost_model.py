@@ -124,13 +124,25 @@ def node_seconds(node: fx.Node, rates: Rates) -> float:
     if flops is not None:
         dtype = str(_tensors(node.meta["val"])[0].dtype).removeprefix("torch.")
         if SAME_FLOPS_AS.get(packet, packet) in ATTENTION:
-            return call + machine.attention_seconds(flops, threads) * rates.slowdown
+            work = flops if _causal(node) else 2 * flops  # the rate is causal attention's, which skips half
+            return call + machine.attention_seconds(work, threads) * rates.slowdown
         return call + machine.matmul_seconds(flops, dtype, threads) * rates.slowdown
     if name in FREE:
         return call
     moved = sum(t.numel() * t.element_size() for t in _tensors(node.meta.get("val")))
     moved += sum(t.numel() * t.element_size() for a in node.all_input_nodes for t in _tensors(a.meta.get("val")))
     return call + machine.pointwise_seconds(moved, threads, inplace=name.endswith("_")) * rates.slowdown
+
+
+def _causal(node: fx.Node) -> bool:
+    """Whether an attention node masks the future (its `is_causal` or `causal` argument; True for an op without
+    one). Calibration times causal attention against torch's FLOP formula, which counts the masked half too; an
+    attention without the mask (the ring's off-diagonal blocks, an explicit mask) computes all it counts."""
+    for i, argument in enumerate(node.target._schema.arguments):
+        if argument.name in ("is_causal", "causal"):
+            return bool(node.args[i] if i < len(node.args) else node.kwargs.get(argument.name,
+                                                                                 argument.default_value))
+    return True
 
 
 def _tensors(value) -> list[torch.Tensor]:

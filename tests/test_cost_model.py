@@ -95,6 +95,24 @@ def test_an_op_that_writes_its_input_costs_its_bytes_at_the_in_place_rate():
     assert got.seconds == pytest.approx(OP + 3 * 256 * 4 / INPLACE, rel=1e-12)  # writes acc, reads acc and grad
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_attention_without_the_causal_mask_costs_twice_its_counted_flops(causal):
+    """The attention rate is measured on causal attention, counted as torch counts it (the masked half too): an
+    attention that computes every score (the ring's off-diagonal blocks, an explicit mask) takes twice as long."""
+    q = torch.randn(1, 2, 64, 16)
+    g = fx.Graph()
+    inputs = [g.placeholder(name) for name in "qkv"]
+    for node in inputs:
+        node.meta["val"] = q
+    attend = g.call_function(aten._scaled_dot_product_flash_attention_for_cpu.default, (*inputs, 0.0, causal))
+    attend.meta["val"] = aten._scaled_dot_product_flash_attention_for_cpu.default(q, q, q, 0.0, causal)
+    g.output((attend,))
+    rates = Rates(flat_machine(), threads=1, slowdown=1.0, host_slowdown=1.0, transports={}, default_transport="gloo")
+    got = graph_time(fx.GraphModule(torch.nn.Module(), g), rates, {})
+    flops = 4 * 2 * 64 * 64 * 16  # QK^T and PV, 2 FLOPs a multiply-add, counted whole
+    assert got.seconds == pytest.approx(OP + (1 if causal else 2) * flops / MATMUL, rel=1e-12)
+
+
 def test_simulated_messages_take_their_time():
     """1f1b, pp 2, 2 microbatches, F 1 and B 2 everywhere, every message 0.5: hand-traced."""
     schedule = build_schedule("1f1b", 2, 1, 2)
