@@ -337,6 +337,21 @@ def test_a_plan_cache_that_cannot_be_read_is_said_and_replaced(tmp_path):
     assert folder.save() is None  # said once, by `unread`
 
 
+def test_the_plan_cache_is_for_one_version_of_gcompile_and_its_passes(tmp_path, monkeypatch):
+    """A changed file of gcompile/ or passes/ (a pass, the cost model) is another version: nothing kept is used."""
+    import passes
+    version = plan_cache.code_version.__wrapped__
+    (tmp_path / "passes").mkdir()
+    (tmp_path / "passes" / "__init__.py").write_text("")
+    monkeypatch.setattr(passes, "__file__", str(tmp_path / "passes" / "__init__.py"))
+    empty = version()
+    (tmp_path / "passes" / "a_pass.py").write_text("def a_pass(program, ctx):\n    return program\n")
+    added = version()
+    assert added != empty and version() == added
+    (tmp_path / "passes" / "a_pass.py").write_text("def a_pass(program, ctx):\n    return None\n")
+    assert version() not in (empty, added)
+
+
 def test_a_plan_of_the_users_own_code_is_never_kept():
     """Nothing here can tell when a user's model or pass changes."""
     own = build_config({"model": dict(arch="examples/parallel_block.py:SPEC", n_layer=2, n_head=2, n_embd=32,
