@@ -34,7 +34,7 @@ from gcompile import machine as machine_file
 from gcompile.cost_model import format_rank_time, pipeline_column, predict, rates_of
 from gcompile.machine import MachineError
 from gcompile.pipeline import load_passes
-from gcompile.plan import cores, format_search, load_machine, no_layout, open_kept, search
+from gcompile.plan import cores, format_search, kept_predictions, load_machine, no_layout, search
 from gcompile.program import dump_text
 from gcompile.stop import RunStopped
 from gcompile.train import dump_schedule, train
@@ -124,13 +124,9 @@ def auto_layout(config: RunConfig, flags, argv: list[str]) -> list[str]:
         elif arg != "--auto-layout" and not arg.startswith(("--world-size=", "--machine=")):
             kept.append(arg)
     machine = load_machine(flags.machine, flags.world_size)
-    predicted_before = open_kept()
-    try:
+    with kept_predictions() as kept_before:
         found = search(config, flags.world_size, machine, config.parallel.memory_budget_gb, progress=print,
-                       workers=cores(), kept=predicted_before)
-    finally:  # an interrupted plan keeps what its finished families predicted
-        if note := predicted_before.save():
-            print(f"note: {note}", file=sys.stderr)
+                       workers=cores(), kept=kept_before)
     if found.layouts:
         print(format_search(found, flags.world_size, top=3, refused=0))
     if not found.ranked:

@@ -34,8 +34,9 @@ def plan(args: argparse.Namespace, cache: str, fresh: bool) -> tuple[float, dict
     start = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "XDG_CACHE_HOME": cache})
     seconds = time.perf_counter() - start
-    if done.returncode != 0:
-        sys.exit(f"bench/planning.py: {' '.join(command)} failed: {done.stderr.strip().splitlines()[-1]}")
+    if done.returncode != 0:  # its one line, and its status (2: bad input)
+        print(f"bench/planning.py: {done.stderr.strip().splitlines()[-1]}", file=sys.stderr)
+        sys.exit(done.returncode)
     table = done.stdout.splitlines()
     return seconds, HEADER.match(table[0]).groupdict(), table
 

@@ -280,6 +280,12 @@ class RunConfig:
         """Microbatches per step on one dp rank (Megatron's get_num_microbatches)."""
         return self.train.global_batch_size // (self.train.micro_batch_size * self.parallel.dp)
 
+    def without(self, unread: dict[str, tuple[str, ...]]) -> "RunConfig":
+        """This config as a cache key for work that does not read `unread` (section -> field names): blanked."""
+        return dataclasses.replace(self, **{section: dataclasses.replace(getattr(self, section),
+                                                                         **dict.fromkeys(names))
+                                            for section, names in unread.items()})
+
 
 SECTIONS = {f.name: f.type for f in fields(RunConfig)}
 

@@ -213,7 +213,7 @@ def _forward_program(captured: Program, forward_passes: list[str], ctx: PassCont
     """The rank's stages after the forward passes, what the model reports (gcompile.report) as extra outputs,
     and the names of those reports. Builds that differ only in what no forward pass reads (UNREAD_BY_FORWARD)
     share it: the planner's candidates do, many times over."""
-    key = (captured_key, _without(ctx.config, UNREAD_BY_FORWARD), ctx.coords, tuple(forward_passes))
+    key = (captured_key, ctx.config.without(UNREAD_BY_FORWARD), ctx.coords, tuple(forward_passes))
     shared = ctx.dump_dir is None and not ctx.config.parallel.passes  # a user pass may read anything
     if shared and key in cache.forward:
         return cache.forward[key]
@@ -236,7 +236,7 @@ def _forward_passes(captured: Program, forward_passes: list[str], ctx: PassConte
     whole, per_rank = forward_passes[:split], forward_passes[split:]
     if not whole or ctx.config.parallel.passes:
         return run_passes(captured.clone(), forward_passes, ctx, log)
-    key = (captured_key, _without(ctx.config, UNREAD_BY_FORWARD), ctx.coords.moved(pp=0), tuple(whole),
+    key = (captured_key, ctx.config.without(UNREAD_BY_FORWARD), ctx.coords.moved(pp=0), tuple(whole),
            ctx.dump_dir is not None)
     if key not in cache.whole_model:
         program = run_passes(captured.clone(), whole, ctx, log)
@@ -255,12 +255,6 @@ UNREAD_BY_FORWARD = {"parallel": ("pipeline_schedule", "data_parallel_sharding_s
                      "train": ("recompute_activations", "global_batch_size")}
 """Config fields only the schedule, lowering and the rank's program read (the microbatch count among them;
 how dp shards is the rank passes' business)."""
-
-
-def _without(config: RunConfig, fields: dict[str, tuple[str, ...]]) -> RunConfig:
-    """`config` as a cache key for work that does not read `fields` (section -> names): they are blanked."""
-    return replace(config, **{section: replace(getattr(config, section), **dict.fromkeys(names))
-                              for section, names in fields.items()})
 
 
 def _lower(stage: Stage, recompute: bool, split: bool, cache: BuildCache, log: Callable[[str], None]) -> LoweredStage:

@@ -25,6 +25,7 @@ between runs (gcompile.plan_cache): a layout predicted before, on the same machi
 by the same code, is not built again (--fresh builds every one).
 """
 
+import contextlib
 import dataclasses
 import functools
 import multiprocessing
@@ -161,7 +162,7 @@ def search(base: RunConfig, world: int, machine: Machine, budget_gb: float | Non
     """Every layout of `layouts`, refused with its reason or predicted; `ranked` fastest first. `workers` > 1
     builds in up to that many processes (one per LAYOUTS_PER_WORKER layouts), each a family of layouts at a
     time (`_family`: what shares lowerings). `kept`: earlier runs' predictions, used where they are for this
-    machine file and code, and what this one predicts added to them and saved."""
+    machine file and code; what this one predicts goes to `kept.added` (`kept_predictions` saves it)."""
     result, start = Search(), time.perf_counter()
     shapes = layouts(base, world, schedules, micro_batch_sizes)
     result.layouts = len(shapes)
@@ -182,8 +183,8 @@ def search(base: RunConfig, world: int, machine: Machine, budget_gb: float | Non
         done += len(families[family])
         if shown:  # a family earlier runs predicted in full took no time: no line of its own
             progress(f"planning: {done}/{len(shapes)} layouts ({time.perf_counter() - start:.0f} s)")
-    unknown = families if not known else {}
-    for family, members in families.items() if known else ():  # what earlier runs predicted needs no build
+    unknown = {}
+    for family, members in families.items():  # what earlier runs predicted (or validation refused) needs no build
         try:
             finished(family, *_search_family(base, machine, budget_gb, members, known=known,
                                              machine_text=machine_text, build=False), shown=False)
@@ -330,15 +331,21 @@ def search_space(schedules: str, micro_batch_sizes: str) -> tuple[tuple[str, ...
     return names, sizes
 
 
-def open_kept(fresh: bool = False) -> PlanCache:
-    """This user's plan cache (gcompile.plan_cache), its predictions set aside where `fresh`; a file it cannot
-    read is said on stderr and will be replaced."""
+@contextlib.contextmanager
+def kept_predictions(fresh: bool = False):
+    """This user's plan cache (gcompile.plan_cache) for a search, its predictions set aside where `fresh`; what
+    the search added is saved on the way out, an interrupted one's too (its finished families). A file that
+    cannot be read, or written, is a note on stderr: the plan stands."""
     kept = PlanCache()
     if kept.unread:
         print(f"note: {kept.unread}", file=sys.stderr)
     if fresh:
         kept.known = {}
-    return kept
+    try:
+        yield kept
+    finally:
+        if note := kept.save():
+            print(f"note: {note}", file=sys.stderr)
 
 
 def cores() -> int:
@@ -399,13 +406,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"python -m gcompile.plan: error: {e}", file=sys.stderr)
         return 2
     budget = args.memory_budget_gb if args.memory_budget_gb is not None else base.parallel.memory_budget_gb
-    kept = open_kept(fresh=args.fresh)
-    try:
+    with kept_predictions(fresh=args.fresh) as kept:
         found = search(base, args.world_size, machine, budget, progress=lambda line: print(line, file=sys.stderr),
                        schedules=schedules, micro_batch_sizes=sizes, workers=args.workers, kept=kept)
-    finally:  # an interrupted plan keeps what its finished families predicted
-        if note := kept.save():
-            print(f"note: {note}", file=sys.stderr)
     if found.layouts:  # else no table, only the error below
         print(format_search(found, args.world_size, args.top, args.refused))
     if found.ranked and (note := machine.extrapolated(args.world_size)):

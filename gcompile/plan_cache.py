@@ -62,8 +62,8 @@ def layout_key(config: RunConfig, machine_text: str) -> str | None:
     """The key of a candidate's prediction on the machine file `machine_text`; None for the user's own code."""
     if is_users(config.model) or config.parallel.passes:
         return None
-    decides = repr(tuple(dataclasses.replace(getattr(config, section), **dict.fromkeys(UNREAD.get(section, ())))
-                         for section in ("model", "parallel", "train")))
+    decides = config.without(UNREAD)
+    decides = repr((decides.model, decides.parallel, decides.train))
     return hashlib.sha256(f"{decides}\n{machine_text}".encode()).hexdigest()
 
 
@@ -95,7 +95,7 @@ class PlanCache:
             entries = {}
         entries.update(self.added)
         text = json.dumps({"format": FORMAT, "code": code_version(), "entries": {
-            key: {**step.__dict__, "memory": memory} for key, (step, memory) in entries.items()}})
+            key: {**dataclasses.asdict(step), "memory": memory} for key, (step, memory) in entries.items()}})
         temporary = f"{self.path}.{os.getpid()}.tmp"
         try:
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
