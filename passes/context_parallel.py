@@ -12,8 +12,10 @@ Requires: the whole model in one stage (runs after tensor_parallel and sequence_
   before pipeline_split); "idx" and
   "targets" are (B, T) inputs; every op that reads the rank's tokens is one this
   pass knows to be token-wise, a view or transpose that keeps the sequence dim
-  whole, attention without an explicit mask, or the mean cross-entropy (tensor
-  parallel's vocab-parallel ops included); anything else is refused with the node,
+  whole, attention without an explicit mask, the mean cross-entropy (tensor
+  parallel's vocab-parallel ops included), or a MoE layer's routing (rows picked and
+  placed by their indices among the rank's rows, counts, and means the loss is linear
+  in); anything else is refused with the node,
   its op and its source line. seq_length is divisible by 2 * cp, and by 2 * cp * tp under
   sequence parallel (config.validate), whose cuts then split the rank's tokens over tp.
 Ensures: every value derived from the batch holds the rank's T/cp tokens; a value
@@ -32,6 +34,8 @@ Rewrite (n = cp, P = the rank's global positions, T/n of them):
     sdpa(q, k, v, is_causal)     # (B,nh,T,hs) attention(q, k, v, n, mask, ...)   # all-gather K, V; mask:
                                                mask = causal_mask(T, n, cp_rank)  # P >= key positions, one per stage
     cross_entropy_loss(z, t)                   cross_entropy_loss(z, t)   # the mean over the rank's tokens
+    per_expert = sum(one_hot(routed), [0])     per_expert = sum(one_hot(routed), [0])   # the rank's, for its routing
+    share = to(per_expert) / (N*k)             share = to(total(per_expert)) / (N*k)    # the micro-batch's
 """
 
 import math
@@ -41,8 +45,11 @@ import torch
 import torch.fx as fx
 
 from gcompile import cp_ops, ring_attention, tp_ops
+from gcompile.models import moe  # noqa: F401  registers gcompile::grouped_mm, the experts' op
 from gcompile.pass_manager import PassContext, register_pass
 from gcompile.program import Program, Stage
+from gcompile.report import REPORT
+from gcompile.torch_api import is_op_overload
 from passes.rewrite import GraphMismatch, insert_call, rank_constant, whole_model_copy
 from passes.sequence_parallel import TOKEN_WISE
 from passes.tensor_parallel import BROADCASTING, SHAPE_PRESERVING, VIEWS, full_shape
@@ -51,12 +58,21 @@ NAME = "context_parallel"
 aten = torch.ops.aten
 
 SAME_CUT = (*SHAPE_PRESERVING, *TOKEN_WISE, aten.alias.default, aten.detach.default, operator.getitem,
-            tp_ops.copy_to_tp, tp_ops.reduce_from_tp)
+            tp_ops.copy_to_tp, tp_ops.reduce_from_tp, aten.one_hot.default, aten.zeros_like.default)
 """Ops whose output holds the tokens of their input on the same dim (checked by `same_cut`)."""
 SEQUENCE_PARALLEL = (tp_ops.reduce_scatter_to_sequence, tp_ops.gather_from_sequence, tp_ops.scatter_to_sequence)
 """Sequence parallel's cuts of the sequence over tp: on the rank's tokens they cut or gather those further."""
 LOSSES = {aten.cross_entropy_loss.default: 1, tp_ops.vocab_parallel_cross_entropy: 1}
 """Mean losses over (N, V) logits and (N,) targets, by the argument index of the targets."""
+ALONG = {aten.softmax.int: lambda node: node.args[1], aten._softmax.default: lambda node: node.args[1],
+         aten.log_softmax.int: lambda node: node.args[1], aten.cumsum.default: lambda node: node.args[1],
+         aten.topk.default: lambda node: (*node.args, -1)[2],
+         aten.argsort.stable: lambda node: node.kwargs.get("dim", -1)}
+"""Ops along one dim, by how to read that dim."""
+LINEAR = (aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.neg.default, aten.sum.default,
+          aten.sum.dim_IntList, aten.clone.default, aten.to.dtype, REPORT, *VIEWS)
+"""Ops through which a loss stays linear in their first argument (mul: in each; div: in the numerator)."""
+GROUPED_MM = torch.ops.gcompile.grouped_mm.default
 
 
 @register_pass(NAME)
@@ -77,6 +93,15 @@ class _Splitter:
         """local_tokens(x, dim) by (x, dim), shared by the ops that read it."""
         self.masks: dict[torch.dtype, fx.Node] = {}
         """The causal mask by dtype, shared by the stage's attentions."""
+        self.merged: dict[fx.Node, tuple[int, int]] = {}
+        """(outer, inner) of a sequence dim merged with others: it holds outer x T x inner entries (a MoE layer's
+        B*T token rows, and their k routed copies each); absent, (1, 1)."""
+        self.counts: set[fx.Node] = set()
+        """Integer sums over the rank's tokens (a MoE layer's tokens per expert): the rank's own counts."""
+        self.totals: dict[fx.Node, fx.Node] = {}
+        """Such a count summed over the cp ranks (the micro-batch's), made once."""
+        self.means: list[fx.Node] = []
+        """Means over the rank's tokens outside the loss ops (a MoE layer's mean router probabilities)."""
 
     def run(self) -> None:
         graph = self.stage.graph.graph
@@ -90,6 +115,9 @@ class _Splitter:
         for node in list(graph.nodes):
             if node not in self.dims and any(a in self.dims for a in node.all_input_nodes):
                 self.propagate(node)
+            elif node not in self.counts and any(a in self.counts for a in node.all_input_nodes):
+                self.read_count(node)
+        self.check_means()
         graph.lint()
 
     def local(self, x: fx.Node, dim: int, before: fx.Node) -> fx.Node:
@@ -115,11 +143,19 @@ class _Splitter:
             self.attention(node)
         elif target in LOSSES:
             self.loss(node)
+        elif target in (aten.index_select.default, aten.index_add.default):
+            self.index(node)
+        elif target is GROUPED_MM:
+            self.grouped_mm(node, dim)
+        elif target in (aten.sum.dim_IntList, aten.mean.dim) and dim is not None and \
+                any(d % len(full_shape(x)) == dim for d in node.args[1]):
+            self.reduce(node)
         elif target in (aten.embedding.default, tp_ops.vocab_parallel_embedding):
             if node.args[0] in self.dims or node.args[1] not in self.dims:
                 raise GraphMismatch(NAME, node, "looks up a table that holds the rank's tokens")
             self.dims[node] = self.dims[node.args[1]]
-        elif target in BROADCASTING:
+        elif target in BROADCASTING or target is aten.floor_divide.default or \
+                is_op_overload(target) and torch.Tag.pointwise in target.tags:
             self.broadcast(node)
         elif dim is None:
             raise GraphMismatch(NAME, node, "reads the rank's tokens in an argument other than the first; only "
@@ -141,12 +177,17 @@ class _Splitter:
             self.dims[node] = dim + (node.args[1] % len(full_shape(node)) <= dim)
         elif target is aten.expand.default:
             self.expand(node, dim)
+        elif target in ALONG:
+            self.along(node, dim)
         elif target in (aten.split.Tensor, aten.slice.Tensor, aten.cat.default) or target in SAME_CUT:
             self.same_cut(node, dim)
         else:
             raise GraphMismatch(NAME, node, "reads the rank's tokens but is not known to work token by token; "
                                             "context parallel knows element-wise ops, norms over the hidden dim, "
-                                            "linears, views that keep the sequence dim, attention and the loss")
+                                            "linears, views that keep the sequence dim, attention, the loss and "
+                                            "MoE routing")
+        if node in self.dims and node not in self.merged:
+            self.inherit_merged(node)
 
     def same_cut(self, node: fx.Node, dim: int) -> None:
         """An op that leaves the sequence dim where it is and whole (a norm, a split of heads, rotate_half)."""
@@ -193,18 +234,109 @@ class _Splitter:
         self.dims[node] = dim
 
     def view(self, node: fx.Node, dim: int) -> None:
-        """The sequence dim may merge with the dims before it (B*T rows of logits), never be split."""
+        """The sequence dim may merge with the dims around it (B*T rows of logits, a MoE layer's rows of tokens
+        and of their routed copies) and come apart from them again, never be split itself."""
         shape_in, shape_out = full_shape(node.args[0]), full_shape(node)
-        before, after = math.prod(shape_in[:dim]), math.prod(shape_in[dim + 1:])
-        at = next((i for i in range(len(shape_out)) if math.prod(shape_out[i + 1:]) == after
-                   and math.prod(shape_out[:i + 1]) == before * shape_in[dim]
-                   and before % math.prod(shape_out[:i]) == 0),
-                  None)
-        if at is None:
+        outer, inner = self.merged.get(node.args[0], (1, 1))
+        seq = shape_in[dim] // (outer * inner)
+        before, after = math.prod(shape_in[:dim]) * outer, inner * math.prod(shape_in[dim + 1:])
+        for at, size in enumerate(shape_out):
+            pre, post = math.prod(shape_out[:at]), math.prod(shape_out[at + 1:])
+            if before % pre == 0 and after % post == 0 and size == before // pre * seq * (after // post):
+                break
+        else:
             raise GraphMismatch(NAME, node, f"reshapes {list(shape_in)} to {list(shape_out)}, which does not keep "
                                             f"the sequence dim {dim} whole")
         node.args = (node.args[0], [n // self.n if i == at else n for i, n in enumerate(shape_out)])
         self.dims[node] = at
+        self.merged[node] = before // pre, after // post
+
+    def inherit_merged(self, node: fx.Node) -> None:
+        """`node` holds the rank's tokens as the first input whose sequence dim has its size (any, for an op that
+        returns several values or a part of them)."""
+        for a in node.all_input_nodes:
+            several = not all(isinstance(v.meta["val"], torch.Tensor) for v in (a, node))
+            if a in self.merged and (several or full_shape(a)[self.dims[a]] == full_shape(node)[self.dims[node]]):
+                self.merged[node] = self.merged[a]
+                return
+
+    def along(self, node: fx.Node, dim: int) -> None:
+        """An op along one dim (top-k of the router's logits, softmax, a cumulative sum, argsort): along any
+        other than the sequence, token by token; argsort along the rank's rows gives their order among
+        themselves, which `index` lets only pick and place the rank's rows."""
+        x = node.args[0]
+        along = ALONG[node.target](node) % len(full_shape(x))
+        if along == dim and node.target is not aten.argsort.stable:
+            raise GraphMismatch(NAME, node, f"works along the sequence dim {dim}, across tokens of other cp ranks")
+        self.dims[node] = dim
+
+    def index(self, node: fx.Node) -> None:
+        """index_select(x, d, i) and index_add(x, d, i, src) where `i` picks the rank's rows (MoE routing): `x`
+        either holds the rank's tokens on d too (their rows, reordered) or is a table every rank has whole (the
+        experts' biases by expert)."""
+        x, at, index = node.args[:3]
+        at %= len(full_shape(x))
+        tracked = [a for a in node.args[:1] + node.args[3:] if isinstance(a, fx.Node) and a in self.dims]
+        if index not in self.dims or any(self.dims[a] != at for a in tracked) or \
+                node.target is aten.index_add.default and len(tracked) != 2:
+            if index not in self.dims and x in self.dims and self.dims[x] != at:  # picks along another dim
+                self.dims[node] = self.dims[x]
+                return
+            raise GraphMismatch(NAME, node, "indexes the rank's tokens other than by their own rows (context "
+                                            "parallel knows MoE routing: rows picked and added back by indices "
+                                            "among the rank's rows)")
+        self.dims[node] = at
+
+    def grouped_mm(self, node: fx.Node, dim: int | None) -> None:
+        """A MoE layer's experts over the rank's routed rows, split by the rank's counts."""
+        if dim != 0 or node.args[1] in self.dims or node.args[2] in self.dims:
+            raise GraphMismatch(NAME, node, "runs experts over values other than the rank's routed rows")
+        self.dims[node] = 0
+
+    def reduce(self, node: fx.Node) -> None:
+        """A sum or mean over the rank's tokens. An integer sum is a count (a MoE layer's tokens per expert): the
+        rank's own where it routes the rank's rows, the micro-batch's (`read_count`) elsewhere. A mean is the
+        rank's mean: right where the loss is linear in it, since each rank's loss is the mean over its tokens
+        and the gradients average over cp (`check_means`)."""
+        if node.target is aten.sum.dim_IntList and not node.meta["val"].dtype.is_floating_point:
+            self.counts.add(node)
+        elif node.target is aten.mean.dim:
+            self.means.append(node)
+        else:
+            raise GraphMismatch(NAME, node, f"sums over dims {node.args[1]}, which include the sequence dim; "
+                                            f"context parallel knows counts (integer sums) and means over it")
+
+    def read_count(self, node: fx.Node) -> None:
+        """`node` reads a count over the rank's tokens. Routing keeps the rank's own: its offsets (a cumulative
+        sum, an integer conversion) and the grouped matmuls they split (`grouped_mm`); so do reports, which add
+        over dp x cp when logged. Anything else (the load-balancing loss's share per expert) reads the
+        micro-batch's count: the sum over the cp ranks, as one device counts."""
+        integer = isinstance(node.meta.get("val"), torch.Tensor) and not node.meta["val"].dtype.is_floating_point
+        if node.target is REPORT or integer and node.target in (aten.cumsum.default, aten.to.dtype,
+                                                                aten._to_copy.default):
+            self.counts.add(node)
+            return
+        for count in [a for a in node.all_input_nodes if a in self.counts]:
+            if count not in self.totals:
+                self.totals[count] = insert_call(node, cp_ops.total, (count,), NAME, before=True)
+            node.replace_input_with(count, self.totals[count])
+
+    def check_means(self) -> None:
+        """Every value computed from a mean over the rank's tokens reaches the loss linearly: added, scaled by
+        values that hold no such mean, summed, reported."""
+        reached = set(self.means)
+        for node in self.stage.graph.graph.nodes:
+            inputs = [a for a in node.all_input_nodes if a in reached]
+            if node in reached or not inputs or node.op == "output":
+                continue
+            linear = node.target in LINEAR and not any(a in self.dims for a in node.all_input_nodes) and \
+                not (node.target is aten.mul.Tensor and len(inputs) > 1) and \
+                not (node.target is aten.div.Tensor and node.args[1] in reached)
+            if not linear:
+                raise GraphMismatch(NAME, node, "uses a mean over the rank's tokens other than linearly on its way "
+                                                "to the loss; each cp rank's loss is the mean over its own tokens, "
+                                                "which is right only for a loss linear in such means")
+            reached.add(node)
 
     def expand(self, node: fx.Node, dim: int) -> None:
         """GQA's kv heads expanded over the query heads they serve: the sequence dim keeps its local size."""

@@ -155,6 +155,15 @@ class Masked(nn.Module):
 
 SPEC = spec_with_defaults("masked", MaskedConfig, Masked)
 '''
+SQUARED_MEAN = MASKED_ATTENTION.replace("whose attention takes an explicit mask, which", "whose loss squares a mean "
+                                        "over the tokens, which").replace(
+    """        x = self.embed(idx).unsqueeze(1)  # (B, 1, T, C)
+        mask = torch.ones(idx.size(1), idx.size(1), dtype=torch.bool, device=idx.device).tril()
+        y = F.scaled_dot_product_attention(x, x, x, attn_mask=mask).squeeze(1)
+        return F.cross_entropy(self.head(y).view(-1, 257), targets.view(-1))""",
+    """        y = self.embed(idx)  # (B, T, C)
+        return F.cross_entropy(self.head(y).view(-1, 257), targets.view(-1)) + y.mean(1).pow(2).sum()""").replace(
+    'spec_with_defaults("masked"', 'spec_with_defaults("squared"')
 
 
 # (id, cli, argv with {tmp} and {saved}, setup(tmp, saved) or None, a part of the one line);
@@ -223,8 +232,8 @@ CASES = [
      "moe_router_score_function='tanh' must be softmax or sigmoid"),
     ("negative load-balancing weight", "run_gpt", ["--num-experts", "4", "--moe-aux-loss-coeff", "-1"], None,
      "moe_aux_loss_coeff=-1.0 must be 0 or more"),
-    ("experts with cp", "run_gpt", ["--num-experts", "4", "--cp", "2"], None,
-     "num_experts=4 (mixture of experts) and cp > 1 do not combine yet"),
+    ("experts with sequence parallel", "run_gpt", ["--num-experts", "4", "--tp", "2", "--sequence-parallel"], None,
+     "num_experts=4 (mixture of experts) and sequence_parallel do not combine yet"),
     ("ep not dividing the experts", "run_gpt", ["--num-experts", "6", "--dp", "4", "--ep", "4"], None,
      "ep=4 does not divide num_experts=6 (each ep rank holds num_experts / ep of them); give an ep that divides both "
      "it and dp x cp = 4: 1, 2"),
@@ -255,6 +264,10 @@ CASES = [
      lambda tmp, saved: (tmp / "masked.py").write_text(MASKED_ATTENTION),
      "context_parallel: node scaled_dot_product_attention (aten.scaled_dot_product_attention.default) is an "
      "attention context parallel cannot rewrite"),
+    ("cp with a loss not linear in a mean over tokens", "run_gpt", ["--arch", "{tmp}/squared.py:SPEC", "--cp", "2",
+                                                                    "--check-plan"],
+     lambda tmp, saved: (tmp / "squared.py").write_text(SQUARED_MEAN),
+     "(aten.pow.Tensor_Scalar) uses a mean over the rank's tokens other than linearly"),
     ("tracker with a non-ASCII digit", "run_gpt", ["--load", "{tmp}/save"],
      copy_checkpoint(lambda save: (save / TRACKER).write_text("\u0661\n")), "expected an iteration number in ASCII"),
     ("gcompile.json missing a key", "run_gpt", ["--load", "{tmp}/save"],

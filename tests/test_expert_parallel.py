@@ -11,6 +11,7 @@ import dataclasses
 import json
 
 import pytest
+import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from gcompile import harness
@@ -18,6 +19,7 @@ from gcompile.axes import Coords
 from gcompile.check import check_plan
 from gcompile.collectives import collective_nodes
 from gcompile.pipeline import build_rank_program, builtin_passes
+from gcompile.program import ancestors
 from gcompile.train import train
 from gcompile.world import build_world
 from tests import multirank
@@ -61,10 +63,34 @@ def test_gpt2_experts_split_over_ep_match_eager():
            "ep2 dp4 FSDP pp2": dict(dp=4, ep=2, pp=2, **FSDP)}, in_one_process)
 
 
-@pytest.mark.parametrize("model, parallel", [(LLAMA, dict(dp=2, ep=2, tp=2, pp=2)), (dict(LLAMA, **DEEPSEEK), dict(dp=2, ep=2))],
-                         ids=["llama-ep2-tp2-pp2", "llama-sigmoid-shared-expert-ep2"])
+@pytest.mark.parametrize("model, parallel", [(LLAMA, dict(dp=2, ep=2, tp=2, pp=2)),
+                                             (dict(LLAMA, **DEEPSEEK), dict(dp=2, ep=2)),
+                                             (dict(LLAMA, **DEEPSEEK), dict(cp=2, ep=2))],
+                         ids=["llama-ep2-tp2-pp2", "llama-sigmoid-shared-expert-ep2",
+                              "llama-sigmoid-shared-expert-cp2-ep2"])
 def test_llama_experts_split_over_ep_match_eager(model, parallel):
     check({f"llama {parallel}": parallel}, in_one_process, model)
+
+
+def test_experts_under_context_parallel_match_eager():
+    """cp splits every sample's tokens: each rank routes its own through the experts, and the load-balancing
+    loss reads the micro-batch's tokens per expert (summed over cp) against the rank's mean router probabilities,
+    which the gradients' average over cp makes the micro-batch's. With ep, the tensor- and pipeline-parallel
+    splits, and the all-gather attention."""
+    check({"cp2": dict(cp=2), "cp4": dict(cp=4), "cp2 ep2": dict(cp=2, ep=2), "cp2 dp2 ep4": dict(cp=2, dp=2, ep=4),
+           "cp2 tp2": dict(cp=2, tp=2), "cp2 pp2 all_gather": dict(cp=2, pp=2, cp_comm_type="all_gather")},
+          in_one_process)
+
+
+def test_under_context_parallel_routing_counts_the_ranks_tokens_and_the_balance_loss_the_micro_batchs():
+    cfg = config(cp=2)
+    stage = build_rank_program(cfg, Coords.from_rank(1, cfg.mesh_sizes), log=lambda _: None).stages[0]
+    totals = [(node.meta["val"].dtype, tuple(node.meta["val"].shape))
+              for node, op, a in collective_nodes(stage.forward) if op == "all_reduce" and a["group_name"] == "cp"]
+    assert totals == [(torch.int64, (4,))] * 2  # each layer's tokens per expert, once
+    for mm in stage.forward.graph.find_nodes(op="call_function", target=torch.ops.gcompile.grouped_mm.default):
+        assert mm.args[0].meta["val"].shape[0] == 2 * 32 * 2 // 2  # the rank's half of B x T tokens, k copies each
+        assert not any(n.op == "call_function" and "all_reduce" in str(n.target) for n in ancestors([mm.args[2]]))
 
 
 @pytest.mark.slow
