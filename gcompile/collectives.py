@@ -85,6 +85,12 @@ def all_reduce(x: torch.Tensor, group: str, op: str = "sum") -> torch.Tensor:
     return _ops.wait_tensor(_ops.all_reduce(x, op, group))
 
 
+def sum_counts(count: torch.Tensor, group: str) -> torch.Tensor:
+    """Integer counts (a MoE layer's tokens per expert) summed over `group`: what each rank counted over its share
+    of the tokens, made the micro-batch's; no gradient."""
+    return all_reduce(count, group)
+
+
 def start_all_reduce(x: torch.Tensor, group: str, op: str = "sum") -> torch.Tensor:
     """Issue an all-reduce and return at once; `wait` before reading the result (lets several overlap)."""
     return _ops.all_reduce(x, op, group)

@@ -700,10 +700,6 @@ def _experts_errors(config: RunConfig) -> list[str]:
     if p.ep > 1 and p.data_parallel_shard_size not in (None, p.dp):
         return [f"ep={p.ep} and HSDP (data_parallel_shard_size) do not combine yet: the experts would need "
                 f"replica groups of their own; drop --data-parallel-shard-size, or --ep"]
-    if p.sequence_parallel:
-        return [f"num_experts={config.model.num_experts} (mixture of experts) and sequence_parallel do not combine "
-                f"yet: routing sorts the tokens, which sequence parallel splits over tp; drop sequence_parallel "
-                f"(context parallel, --cp, splits the tokens under experts)"]
     return []
 
 

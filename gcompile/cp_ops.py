@@ -9,7 +9,6 @@ gets the same attention work.
     causal_mask(seq, n, cp_rank, dtype)  which gathered keys each of the rank's queries sees, by global position
     attention(q, k, v, n, mask, ...)   K and V all-gathered over "cp" (backward: reduce-scatter, tp_ops.gather),
                                        the rank's queries against every key under the mask
-    total(count)                       a count over the rank's tokens summed over "cp": the micro-batch's
 
 The rank's index comes in as a 0-d int64 tensor, `cp_rank`, so every cp rank
 runs the same graph text.
@@ -18,7 +17,7 @@ runs the same graph text.
 import torch
 import torch.nn.functional as F
 
-from gcompile import collectives, tp_ops
+from gcompile import tp_ops
 
 GROUP = "cp"
 
@@ -53,8 +52,3 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int, mask: t
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale,
                                           enable_gqa=enable_gqa)
 
-
-def total(count: torch.Tensor) -> torch.Tensor:
-    """The micro-batch's count (a MoE layer's tokens per expert) from each cp rank's count over its tokens; no
-    gradient: counts are integers."""
-    return collectives.all_reduce(count, GROUP)

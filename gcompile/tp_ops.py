@@ -92,6 +92,12 @@ def reduce_from_tp(x: torch.Tensor) -> torch.Tensor:
     return _ReduceFromTP.apply(x)
 
 
+def mean_over_sequence(x: torch.Tensor, tp: int) -> torch.Tensor:
+    """The mean over every tp rank's tokens, from each one's mean over its own (as many on each): the sum over
+    tp, whose backward passes each rank its gradient whole (reduce_from_tp), over tp."""
+    return reduce_from_tp(x) / tp
+
+
 def gather_from_sequence(x: torch.Tensor, dim: int, tp: int) -> torch.Tensor:
     return _Gather.apply(x, dim, tp, GROUP)
 

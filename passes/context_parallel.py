@@ -35,17 +35,15 @@ Rewrite (n = cp, P = the rank's global positions, T/n of them):
                                                mask = causal_mask(T, n, cp_rank)  # P >= key positions, one per stage
     cross_entropy_loss(z, t)                   cross_entropy_loss(z, t)   # the mean over the rank's tokens
     per_expert = sum(one_hot(routed), [0])     per_expert = sum(one_hot(routed), [0])   # the rank's, for its routing
-    share = to(per_expert) / (N*k)             share = to(total(per_expert)) / (N*k)    # the micro-batch's
+    share = to(per_expert) / (N*k)             share = to(sum_counts(per_expert, "cp")) / (N*k)
 """
 
-import math
 import operator
 
 import torch
 import torch.fx as fx
 
-from gcompile import cp_ops, ring_attention, tp_ops
-from gcompile.models import moe  # noqa: F401  registers gcompile::grouped_mm, the experts' op
+from gcompile import collectives, cp_ops, ring_attention, tp_ops
 from gcompile.pass_manager import PassContext, register_pass
 from gcompile.program import Program, Stage
 from gcompile.report import REPORT
@@ -53,26 +51,21 @@ from gcompile.torch_api import is_op_overload
 from passes.rewrite import GraphMismatch, insert_call, rank_constant, whole_model_copy
 from passes.sequence_parallel import TOKEN_WISE
 from passes.tensor_parallel import BROADCASTING, SHAPE_PRESERVING, VIEWS, full_shape
+from passes.token_rows import ALONG, GROUPED_MM, ROUTING, TokenRows
 
 NAME = "context_parallel"
 aten = torch.ops.aten
 
-SAME_CUT = (*SHAPE_PRESERVING, *TOKEN_WISE, aten.alias.default, aten.detach.default, operator.getitem,
-            tp_ops.copy_to_tp, tp_ops.reduce_from_tp, aten.one_hot.default, aten.zeros_like.default)
+SAME_CUT = (*SHAPE_PRESERVING, *TOKEN_WISE, *ROUTING, aten.alias.default, aten.detach.default, operator.getitem,
+            tp_ops.copy_to_tp, tp_ops.reduce_from_tp)
 """Ops whose output holds the tokens of their input on the same dim (checked by `same_cut`)."""
 SEQUENCE_PARALLEL = (tp_ops.reduce_scatter_to_sequence, tp_ops.gather_from_sequence, tp_ops.scatter_to_sequence)
 """Sequence parallel's cuts of the sequence over tp: on the rank's tokens they cut or gather those further."""
 LOSSES = {aten.cross_entropy_loss.default: 1, tp_ops.vocab_parallel_cross_entropy: 1}
 """Mean losses over (N, V) logits and (N,) targets, by the argument index of the targets."""
-ALONG = {aten.softmax.int: lambda node: node.args[1], aten._softmax.default: lambda node: node.args[1],
-         aten.log_softmax.int: lambda node: node.args[1], aten.cumsum.default: lambda node: node.args[1],
-         aten.topk.default: lambda node: (*node.args, -1)[2],
-         aten.argsort.stable: lambda node: node.kwargs.get("dim", -1)}
-"""Ops along one dim, by how to read that dim."""
 LINEAR = (aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.neg.default, aten.sum.default,
-          aten.sum.dim_IntList, aten.clone.default, aten.to.dtype, REPORT, *VIEWS)
+          aten.sum.dim_IntList, aten.clone.default, aten.to.dtype, REPORT, tp_ops.mean_over_sequence, *VIEWS)
 """Ops through which a loss stays linear in their first argument (mul: in each; div: in the numerator)."""
-GROUPED_MM = torch.ops.gcompile.grouped_mm.default
 
 
 @register_pass(NAME)
@@ -83,7 +76,10 @@ def context_parallel_pass(program: Program, ctx: PassContext) -> Program:
     return program
 
 
-class _Splitter:
+class _Splitter(TokenRows):
+    name = NAME
+    keeps_counts = (collectives.sum_counts,)  # sequence parallel's sum over tp
+
     def __init__(self, stage: Stage, ctx: PassContext):
         self.stage, self.n, self.ring = stage, ctx.coords.size("cp"), ctx.config.parallel.cp_comm_type == "p2p"
         self.cp_rank = rank_constant(stage, "cp_rank", ctx.coords.axis_rank("cp"))
@@ -93,13 +89,9 @@ class _Splitter:
         """local_tokens(x, dim) by (x, dim), shared by the ops that read it."""
         self.masks: dict[torch.dtype, fx.Node] = {}
         """The causal mask by dtype, shared by the stage's attentions."""
-        self.merged: dict[fx.Node, tuple[int, int]] = {}
-        """(outer, inner) of a sequence dim merged with others: it holds outer x T x inner entries (a MoE layer's
-        B*T token rows, and their k routed copies each); absent, (1, 1)."""
-        self.counts: set[fx.Node] = set()
-        """Integer sums over the rank's tokens (a MoE layer's tokens per expert): the rank's own counts."""
+        self.merged, self.counts = {}, set()
         self.totals: dict[fx.Node, fx.Node] = {}
-        """Such a count summed over the cp ranks (the micro-batch's), made once."""
+        """A count over the rank's tokens summed over the cp ranks (the micro-batch's), made once."""
         self.means: list[fx.Node] = []
         """Means over the rank's tokens outside the loss ops (a MoE layer's mean router probabilities)."""
 
@@ -146,9 +138,8 @@ class _Splitter:
         elif target in (aten.index_select.default, aten.index_add.default):
             self.index(node)
         elif target is GROUPED_MM:
-            self.grouped_mm(node, dim)
-        elif target in (aten.sum.dim_IntList, aten.mean.dim) and dim is not None and \
-                any(d % len(full_shape(x)) == dim for d in node.args[1]):
+            self.grouped_mm(node)
+        elif self.is_reduction_of_tokens(node, dim):
             self.reduce(node)
         elif target in (aten.embedding.default, tp_ops.vocab_parallel_embedding):
             if node.args[0] in self.dims or node.args[1] not in self.dims:
@@ -166,7 +157,7 @@ class _Splitter:
                                                 f"on dim {dim}")
             self.dims[node] = dim
         elif target in VIEWS:
-            self.view(node, dim)
+            self.token_view(node, dim)
         elif target is aten.transpose.int:
             ndim = len(full_shape(x))
             d0, d1 = node.args[1] % ndim, node.args[2] % ndim
@@ -186,7 +177,7 @@ class _Splitter:
                                             "context parallel knows element-wise ops, norms over the hidden dim, "
                                             "linears, views that keep the sequence dim, attention, the loss and "
                                             "MoE routing")
-        if node in self.dims and node not in self.merged:
+        if node in self.dims:
             self.inherit_merged(node)
 
     def same_cut(self, node: fx.Node, dim: int) -> None:
@@ -233,93 +224,17 @@ class _Splitter:
         node.args = tuple(args)
         self.dims[node] = dim
 
-    def view(self, node: fx.Node, dim: int) -> None:
-        """The sequence dim may merge with the dims around it (B*T rows of logits, a MoE layer's rows of tokens
-        and of their routed copies) and come apart from them again, never be split itself."""
-        shape_in, shape_out = full_shape(node.args[0]), full_shape(node)
-        outer, inner = self.merged.get(node.args[0], (1, 1))
-        seq = shape_in[dim] // (outer * inner)
-        before, after = math.prod(shape_in[:dim]) * outer, inner * math.prod(shape_in[dim + 1:])
-        for at, size in enumerate(shape_out):
-            pre, post = math.prod(shape_out[:at]), math.prod(shape_out[at + 1:])
-            if before % pre == 0 and after % post == 0 and size == before // pre * seq * (after // post):
-                break
-        else:
-            raise GraphMismatch(NAME, node, f"reshapes {list(shape_in)} to {list(shape_out)}, which does not keep "
-                                            f"the sequence dim {dim} whole")
-        node.args = (node.args[0], [n // self.n if i == at else n for i, n in enumerate(shape_out)])
-        self.dims[node] = at
-        self.merged[node] = before // pre, after // post
+    def whole_count(self, count: fx.Node, reader: fx.Node) -> fx.Node:
+        """The micro-batch's count: the cp ranks' summed, made once."""
+        if count not in self.totals:
+            self.totals[count] = insert_call(reader, collectives.sum_counts, (count, cp_ops.GROUP), NAME, before=True)
+        return self.totals[count]
 
-    def inherit_merged(self, node: fx.Node) -> None:
-        """`node` holds the rank's tokens as the first input whose sequence dim has its size (any, for an op that
-        returns several values or a part of them)."""
-        for a in node.all_input_nodes:
-            several = not all(isinstance(v.meta["val"], torch.Tensor) for v in (a, node))
-            if a in self.merged and (several or full_shape(a)[self.dims[a]] == full_shape(node)[self.dims[node]]):
-                self.merged[node] = self.merged[a]
-                return
+    def report_count(self, report: fx.Node) -> None:
+        self.counts.add(report)  # the rank's: reports add over dp x cp when logged
 
-    def along(self, node: fx.Node, dim: int) -> None:
-        """An op along one dim (top-k of the router's logits, softmax, a cumulative sum, argsort): along any
-        other than the sequence, token by token; argsort along the rank's rows gives their order among
-        themselves, which `index` lets only pick and place the rank's rows."""
-        x = node.args[0]
-        along = ALONG[node.target](node) % len(full_shape(x))
-        if along == dim and node.target is not aten.argsort.stable:
-            raise GraphMismatch(NAME, node, f"works along the sequence dim {dim}, across tokens of other cp ranks")
-        self.dims[node] = dim
-
-    def index(self, node: fx.Node) -> None:
-        """index_select(x, d, i) and index_add(x, d, i, src) where `i` picks the rank's rows (MoE routing): `x`
-        either holds the rank's tokens on d too (their rows, reordered) or is a table every rank has whole (the
-        experts' biases by expert)."""
-        x, at, index = node.args[:3]
-        at %= len(full_shape(x))
-        tracked = [a for a in node.args[:1] + node.args[3:] if isinstance(a, fx.Node) and a in self.dims]
-        if index not in self.dims or any(self.dims[a] != at for a in tracked) or \
-                node.target is aten.index_add.default and len(tracked) != 2:
-            if index not in self.dims and x in self.dims and self.dims[x] != at:  # picks along another dim
-                self.dims[node] = self.dims[x]
-                return
-            raise GraphMismatch(NAME, node, "indexes the rank's tokens other than by their own rows (context "
-                                            "parallel knows MoE routing: rows picked and added back by indices "
-                                            "among the rank's rows)")
-        self.dims[node] = at
-
-    def grouped_mm(self, node: fx.Node, dim: int | None) -> None:
-        """A MoE layer's experts over the rank's routed rows, split by the rank's counts."""
-        if dim != 0 or node.args[1] in self.dims or node.args[2] in self.dims:
-            raise GraphMismatch(NAME, node, "runs experts over values other than the rank's routed rows")
-        self.dims[node] = 0
-
-    def reduce(self, node: fx.Node) -> None:
-        """A sum or mean over the rank's tokens. An integer sum is a count (a MoE layer's tokens per expert): the
-        rank's own where it routes the rank's rows, the micro-batch's (`read_count`) elsewhere. A mean is the
-        rank's mean: right where the loss is linear in it, since each rank's loss is the mean over its tokens
-        and the gradients average over cp (`check_means`)."""
-        if node.target is aten.sum.dim_IntList and not node.meta["val"].dtype.is_floating_point:
-            self.counts.add(node)
-        elif node.target is aten.mean.dim:
-            self.means.append(node)
-        else:
-            raise GraphMismatch(NAME, node, f"sums over dims {node.args[1]}, which include the sequence dim; "
-                                            f"context parallel knows counts (integer sums) and means over it")
-
-    def read_count(self, node: fx.Node) -> None:
-        """`node` reads a count over the rank's tokens. Routing keeps the rank's own: its offsets (a cumulative
-        sum, an integer conversion) and the grouped matmuls they split (`grouped_mm`); so do reports, which add
-        over dp x cp when logged. Anything else (the load-balancing loss's share per expert) reads the
-        micro-batch's count: the sum over the cp ranks, as one device counts."""
-        integer = isinstance(node.meta.get("val"), torch.Tensor) and not node.meta["val"].dtype.is_floating_point
-        if node.target is REPORT or integer and node.target in (aten.cumsum.default, aten.to.dtype,
-                                                                aten._to_copy.default):
-            self.counts.add(node)
-            return
-        for count in [a for a in node.all_input_nodes if a in self.counts]:
-            if count not in self.totals:
-                self.totals[count] = insert_call(node, cp_ops.total, (count,), NAME, before=True)
-            node.replace_input_with(count, self.totals[count])
+    def rank_mean(self, mean: fx.Node) -> None:
+        self.means.append(mean)  # right where the loss is linear in it (`check_means`)
 
     def check_means(self) -> None:
         """Every value computed from a mean over the rank's tokens reaches the loss linearly: added, scaled by

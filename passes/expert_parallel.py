@@ -37,7 +37,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from gcompile import ep_ops
+from gcompile import ep_ops, tp_ops
 from gcompile.layout import Shard
 from gcompile.models import moe  # noqa: F401  registers gcompile::grouped_mm, the op the pass keys on
 from gcompile.pass_manager import PassContext, register_pass
@@ -121,7 +121,7 @@ class _Layer:
         for a in inputs:
             if a in self.region or a.meta["val"].dim() == 0:
                 continue
-            if a.target is aten.index_select.default and a.args[0] in self.params and a.args[1] == 0:
+            if a.target is aten.index_select.default and _param(a.args[0]) in self.params and a.args[1] == 0:
                 self.cut(a.args[0], a)
                 self.biases.append(a)
                 self.region.add(a)
@@ -131,6 +131,7 @@ class _Layer:
 
     def cut(self, param: fx.Node, reader: fx.Node) -> None:
         """Declare the per-expert parameter `param` cut over ep on dim 0."""
+        param = _param(param)
         if param not in self.params:
             raise GraphMismatch(NAME, reader, f"reads per-expert weights {param.name} that are no parameter; "
                                               f"expert parallel splits parameters only")
@@ -144,3 +145,7 @@ class _Layer:
         self.stage.params[i] = spec = spec.with_shard(Shard("ep", 0))
         param.meta["val"] = fake_like(param, spec.local_shape(self.ctx.coords.axis_sizes))
 
+
+def _param(node: fx.Node) -> fx.Node:
+    """The value behind sequence parallel's copy_to_tp (a parameter whose gradient it sums over tp)."""
+    return node.args[0] if node.target is tp_ops.copy_to_tp else node

@@ -26,13 +26,18 @@ Rewrite (n = tp):
     add(e, pos)                   # pos (T,C) add(e, scatter_to_sequence(pos, 0, n, tp_rank))
 """
 
+import operator
+
 import torch
 import torch.fx as fx
 
-from gcompile import tp_ops
+from gcompile import collectives, tp_ops
 from gcompile.pass_manager import PassContext, register_pass
 from gcompile.program import Program, Stage
+from gcompile.torch_api import is_op_overload
 from passes.rewrite import GraphMismatch, insert_call, rank_constant
+from passes.tensor_parallel import VIEWS
+from passes.token_rows import ALONG, GROUPED_MM, ROUTING, TokenRows
 
 NAME = "sequence_parallel"
 SEQ_DIM = 1
@@ -60,58 +65,141 @@ def sequence_parallel_pass(program: Program, ctx: PassContext) -> Program:
 
 
 def _shard_sequence(stage: Stage, ctx: PassContext) -> None:
-    graph, tp = stage.graph.graph, ctx.coords.size("tp")
-    seq = ctx.config.train.seq_length
-    sharded: set[fx.Node] = set()
-    """Nodes whose output holds this rank's T/tp tokens."""
-    for node in list(graph.nodes):
-        if node.target is tp_ops.reduce_from_tp:
-            shape = tuple(node.meta["val"].shape)
-            if len(shape) < 2 or shape[SEQ_DIM] != seq:
-                raise GraphMismatch(NAME, node, f"sums a {list(shape)} tensor over tp, which has no sequence "
-                                                f"dim of {seq} at dim {SEQ_DIM} to scatter")
-            sharded.add(_replace(node, tp_ops.reduce_scatter_to_sequence, (node.args[0], SEQ_DIM, tp)))
-        elif node.target is tp_ops.copy_to_tp and node.args[0] in sharded:
-            _replace(node, tp_ops.gather_from_sequence, (node.args[0], SEQ_DIM, tp))
-        elif any(a in sharded for a in node.all_input_nodes):
-            _check_token_wise(node)
-            node.args = tuple(_local_operand(a, node, sharded, stage, ctx) for a in node.args)
-            sharded.add(node)
-    graph.lint()
+    _Sharder(stage, ctx).run()
+
+
+class _Sharder(TokenRows):
+    """Follows the rank's T/tp tokens from each reduce-scatter to the next all-gather."""
+
+    name = NAME
+
+    def __init__(self, stage: Stage, ctx: PassContext):
+        self.stage, self.ctx, self.n = stage, ctx, ctx.coords.size("tp")
+        self.dims, self.merged, self.counts = {}, {}, set()
+        self.totals: dict[fx.Node, fx.Node] = {}
+        """A count over the rank's tokens summed over tp (the micro-batch's), made once."""
+
+    def run(self) -> None:
+        graph, seq = self.stage.graph.graph, self.ctx.config.train.seq_length
+        for node in list(graph.nodes):
+            if node.target is tp_ops.reduce_from_tp:
+                shape = tuple(node.meta["val"].shape)
+                if len(shape) < 2 or shape[SEQ_DIM] != seq:
+                    raise GraphMismatch(NAME, node, f"sums a {list(shape)} tensor over tp, which has no sequence "
+                                                    f"dim of {seq} at dim {SEQ_DIM} to scatter")
+                self.dims[_replace(node, tp_ops.reduce_scatter_to_sequence, (node.args[0], SEQ_DIM, self.n))] = SEQ_DIM
+            elif node.target is tp_ops.copy_to_tp and node.args[0] in self.dims:
+                if self.dims[node.args[0]] != SEQ_DIM or node.args[0] in self.merged:
+                    raise GraphMismatch(NAME, node, "gathers the rank's tokens from a view of them as rows; a "
+                                                    "column-parallel block reads (B, T, ...) activations")
+                _replace(node, tp_ops.gather_from_sequence, (node.args[0], SEQ_DIM, self.n))
+            elif any(a in self.dims for a in node.all_input_nodes):
+                self.propagate(node)
+            elif any(a in self.counts for a in node.all_input_nodes):
+                self.read_count(node)
+        graph.lint()
+
+    def propagate(self, node: fx.Node) -> None:
+        """Rewrite `node`, which reads the rank's tokens: a token-wise op, or a MoE layer's routing (TokenRows)."""
+        x = node.args[0] if node.args else None
+        dim = self.dims.get(x)
+        if node.target in VIEWS and dim is not None:
+            self.token_view(node, dim)
+        elif node.target in (aten.index_select.default, aten.index_add.default):
+            self.index(node)
+            node.update_arg(0, self.whole_operand(node.args[0], node))  # the experts' biases: a table
+        elif node.target is GROUPED_MM:
+            self.grouped_mm(node)
+            node.update_arg(1, self.whole_operand(node.args[1], node))  # the experts' weights
+        elif self.is_reduction_of_tokens(node, dim):
+            self.reduce(node)
+        elif node.target in ALONG and dim is not None:
+            self.along(node, dim)
+        elif node.target in ROUTING + (operator.getitem,) and dim is not None:
+            self.dims[node] = dim
+        elif node.target is aten.unsqueeze.default and dim is not None:
+            self.dims[node] = dim + (node.args[1] % node.meta["val"].dim() <= dim)
+        else:
+            dim = self.token_wise(node)
+            node.args = tuple(self.local_operand(a, node, dim) for a in node.args)
+            self.dims[node] = dim
+        if node in self.dims:
+            self.inherit_merged(node)
+
+    def token_wise(self, node: fx.Node) -> int:
+        """The dim of the rank's tokens in what `node` returns; GraphMismatch unless it works token by token."""
+        if node.op == "output":
+            raise GraphMismatch(NAME, node, "returns a sequence-sharded tensor; a column-parallel block (all-gather) "
+                                            "must come before the end of the program")
+        pointwise = is_op_overload(node.target) and torch.Tag.pointwise in node.target.tags
+        if node.target not in TOKEN_WISE and not pointwise and node.target is not aten.floor_divide.default:
+            raise GraphMismatch(NAME, node, "reads a sequence-sharded tensor but mixes tokens or is not known to be "
+                                            "token-wise; tokens may only meet inside tensor-parallel blocks: make "
+                                            "attention's projections column then row parallel and the embedding "
+                                            "vocab-parallel in tp_plan")
+        ndim = node.meta["val"].dim()
+        dims = {self.dims[a] + ndim - a.meta["val"].dim() for a in node.all_input_nodes if a in self.dims}
+        if len(dims) != 1:
+            raise GraphMismatch(NAME, node, f"combines values holding the rank's tokens on different dims {dims}")
+        dim = dims.pop()
+        if node.target is aten.layer_norm.default and len(node.args[1]) > ndim - 1 - dim:
+            raise GraphMismatch(NAME, node, f"normalizes over {node.args[1]}, which includes the sequence dim")
+        if node.target in REDUCTIONS:
+            reduced = node.args[0].meta["val"].dim()
+            if any(d % reduced <= dim for d in node.args[1]):
+                raise GraphMismatch(NAME, node, f"reduces over dims {node.args[1]}, which include the batch or "
+                                                f"sequence dim")
+        return dim
+
+    def local_operand(self, arg, node: fx.Node, dim: int):
+        """What `node` must read instead of `arg` when it runs on the rank's tokens only (tokens on `dim`)."""
+        if not isinstance(arg, fx.Node) or arg in self.dims or not arg.meta["val"].dtype.is_floating_point:
+            return arg
+        if node.target is aten.linear.default:
+            return self.whole_operand(arg, node)
+        out_ndim, shape = node.meta["val"].dim(), tuple(arg.meta["val"].shape)
+        at = dim - (out_ndim - len(shape))  # the operand's dim that broadcasts against the tokens
+        if at < 0 or shape[at] == 1:
+            return self.whole_operand(arg, node)
+        if node in self.merged or any(a in self.merged for a in node.all_input_nodes):
+            raise GraphMismatch(NAME, node, "reads a whole value against rows of the rank's tokens; sequence "
+                                            "parallel cuts whole values along a (B, T, ...) sequence dim only")
+        tp_rank = rank_constant(self.stage, "tp_rank", self.ctx.coords.axis_rank("tp"))
+        return insert_call(node, tp_ops.scatter_to_sequence, (arg, at, self.n, tp_rank), NAME, before=True)
+
+    def whole_operand(self, arg, node: fx.Node):
+        """A value every tp rank holds whole (a weight, a norm's scale) read with the rank's tokens: each rank's
+        tokens give part of its gradient, which copy_to_tp sums over tp."""
+        if not isinstance(arg, fx.Node) or arg in self.dims or not arg.meta["val"].dtype.is_floating_point:
+            return arg
+        return insert_call(node, tp_ops.copy_to_tp, (arg,), NAME, before=True)
+
+    def whole_count(self, count: fx.Node, reader: fx.Node) -> fx.Node:
+        """The micro-batch's count: the tp ranks' summed, made once."""
+        if count not in self.totals:
+            self.totals[count] = insert_call(reader, collectives.sum_counts, (count, tp_ops.GROUP), NAME,
+                                             before=True)
+        return self.totals[count]
+
+    def report_count(self, report: fx.Node) -> None:
+        """Reports are not added over tp when logged: the report reads the micro-batch's count; routing that read
+        it reads the rank's."""
+        count = report.args[0]
+        for user in [u for u in report.users if u.target in (aten.cumsum.default, aten.to.dtype,
+                                                              aten._to_copy.default)
+                     and not u.meta["val"].dtype.is_floating_point]:
+            user.replace_input_with(report, count)
+        report.update_arg(0, self.whole_count(count, report))
+
+    def rank_mean(self, mean: fx.Node) -> None:
+        """The loss is every tp rank's alike: the rank's mean becomes the micro-batch's."""
+        whole = insert_call(mean, tp_ops.mean_over_sequence, (mean, self.n), NAME)
+        mean.replace_all_uses_with(whole, delete_user_cb=lambda user: user is not whole)
 
 
 def _replace(node: fx.Node, fn, args: tuple) -> fx.Node:
     new = insert_call(node, fn, args, NAME)
+    new.meta["val"] = node.meta["val"]  # full shapes until the pass manager re-derives them
     node.replace_all_uses_with(new)
     node.graph.erase_node(node)
     return new
-
-
-def _check_token_wise(node: fx.Node) -> None:
-    if node.op == "output":
-        raise GraphMismatch(NAME, node, "returns a sequence-sharded tensor; a column-parallel block (all-gather) "
-                                        "must come before the end of the program")
-    if node.target not in TOKEN_WISE:
-        raise GraphMismatch(NAME, node, "reads a sequence-sharded tensor but mixes tokens or is not known to be "
-                                        "token-wise; tokens may only meet inside tensor-parallel blocks: make "
-                                        "attention's projections column then row parallel and the embedding "
-                                        "vocab-parallel in tp_plan")
-    if node.target is aten.layer_norm.default and len(node.args[1]) > node.meta["val"].dim() - 2:
-        raise GraphMismatch(NAME, node, f"normalizes over {node.args[1]}, which includes the sequence dim")
-    if node.target in REDUCTIONS:
-        ndim = node.args[0].meta["val"].dim()
-        if any(d % ndim <= SEQ_DIM for d in node.args[1]):
-            raise GraphMismatch(NAME, node, f"reduces over dims {node.args[1]}, which include the batch or "
-                                            f"sequence dim")
-
-
-def _local_operand(arg, node: fx.Node, sharded: set[fx.Node], stage: Stage, ctx: PassContext):
-    """What `node` must read instead of `arg` when it runs on the rank's tokens only."""
-    if not isinstance(arg, fx.Node) or arg in sharded or not arg.meta["val"].dtype.is_floating_point:
-        return arg
-    out_ndim, shape = node.meta["val"].dim(), tuple(arg.meta["val"].shape)
-    dim = SEQ_DIM - (out_ndim - len(shape))  # the operand's dim that broadcasts against the sequence
-    if dim >= 0 and shape[dim] > 1:
-        tp_rank = rank_constant(stage, "tp_rank", ctx.coords.axis_rank("tp"))
-        return insert_call(node, tp_ops.scatter_to_sequence, (arg, dim, ctx.coords.size("tp"), tp_rank), NAME, before=True)
-    return insert_call(node, tp_ops.copy_to_tp, (arg,), NAME, before=True)

@@ -232,8 +232,6 @@ CASES = [
      "moe_router_score_function='tanh' must be softmax or sigmoid"),
     ("negative load-balancing weight", "run_gpt", ["--num-experts", "4", "--moe-aux-loss-coeff", "-1"], None,
      "moe_aux_loss_coeff=-1.0 must be 0 or more"),
-    ("experts with sequence parallel", "run_gpt", ["--num-experts", "4", "--tp", "2", "--sequence-parallel"], None,
-     "num_experts=4 (mixture of experts) and sequence_parallel do not combine yet"),
     ("ep not dividing the experts", "run_gpt", ["--num-experts", "6", "--dp", "4", "--ep", "4"], None,
      "ep=4 does not divide num_experts=6 (each ep rank holds num_experts / ep of them); give an ep that divides both "
      "it and dp x cp = 4: 1, 2"),

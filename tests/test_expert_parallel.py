@@ -65,9 +65,10 @@ def test_gpt2_experts_split_over_ep_match_eager():
 
 @pytest.mark.parametrize("model, parallel", [(LLAMA, dict(dp=2, ep=2, tp=2, pp=2)),
                                              (dict(LLAMA, **DEEPSEEK), dict(dp=2, ep=2)),
-                                             (dict(LLAMA, **DEEPSEEK), dict(cp=2, ep=2))],
+                                             (dict(LLAMA, **DEEPSEEK), dict(cp=2, ep=2)),
+                                             (dict(LLAMA, **DEEPSEEK), dict(tp=2, dp=2, ep=2, sequence_parallel=True))],
                          ids=["llama-ep2-tp2-pp2", "llama-sigmoid-shared-expert-ep2",
-                              "llama-sigmoid-shared-expert-cp2-ep2"])
+                              "llama-sigmoid-shared-expert-cp2-ep2", "llama-sigmoid-shared-expert-tp2-sp-ep2"])
 def test_llama_experts_split_over_ep_match_eager(model, parallel):
     check({f"llama {parallel}": parallel}, in_one_process, model)
 
@@ -80,6 +81,16 @@ def test_experts_under_context_parallel_match_eager():
     check({"cp2": dict(cp=2), "cp4": dict(cp=4), "cp2 ep2": dict(cp=2, ep=2), "cp2 dp2 ep4": dict(cp=2, dp=2, ep=4),
            "cp2 tp2": dict(cp=2, tp=2), "cp2 pp2 all_gather": dict(cp=2, pp=2, cp_comm_type="all_gather")},
           in_one_process)
+
+
+def test_experts_under_sequence_parallel_match_eager():
+    """Sequence parallel splits the tokens over tp between the tensor-parallel blocks, and a MoE layer sits
+    there: each tp rank routes its own T/tp through experts it holds whole (their gradients summed over tp); the
+    load-balancing loss reads the micro-batch's counts and mean router probabilities (sums over tp), so every
+    tp rank has the same loss. With ep, pp, and cp on top."""
+    sp = dict(sequence_parallel=True)
+    check({"tp2 sp": dict(tp=2, **sp), "tp4 sp": dict(tp=4, **sp), "tp2 sp dp2 ep2": dict(tp=2, dp=2, ep=2, **sp),
+           "tp2 sp pp2": dict(tp=2, pp=2, **sp), "tp2 sp cp2 ep2": dict(tp=2, cp=2, ep=2, **sp)}, in_one_process)
 
 
 def test_under_context_parallel_routing_counts_the_ranks_tokens_and_the_balance_loss_the_micro_batchs():
@@ -142,20 +153,26 @@ def test_routing_statistics_logged_alike_on_ranks(tmp_path):
     """The logged tokens per expert (summed over the global batch: every token's k copies) and load-balancing
     loss (the mean over microbatches) of a pp2 dp2 ep2 run, its reports totalled over the ranks
     (gcompile.reported) and averaged over a log interval of 2 steps, are the mean of one rank's two steps
-    logged one by one: counts exactly, the loss at 1e-5; TensorBoard has them too."""
+    logged one by one: counts exactly, the loss at 1e-5; TensorBoard has them too. So are those of tp2 with
+    sequence parallel and cp2, where each rank routes a quarter of every sample's tokens: the counts, summed
+    over tp by the layer and over cp when logged, are the micro-batch's."""
     moe = ["--num-experts", 4, "--moe-router-topk", 2, "--moe-aux-loss-coeff", 0.01]
     train(checkpoint_config(*moe, "--log-interval", 1, "--run-dir", tmp_path / "one"), Coords.from_rank(0, {}),
           log=lambda _: None)
     ranks = checkpoint_config(*moe, "--log-interval", 2, "--pp", 2, "--dp", 2, "--ep", 2, "--run-dir", tmp_path / "ranks")
-    multirank.assert_succeeded(tmp_path, multirank.launch(tmp_path, WORKER, dict(configs=[ranks]), world=4))
-    one, four = (records(tmp_path / name) for name in ("one", "ranks"))
-    assert len(one) == 2 * len(four) == 2 * N
+    split_tokens = checkpoint_config(*moe, "--log-interval", 2, "--tp", 2, "--sequence-parallel", "--cp", 2,
+                                     "--run-dir", tmp_path / "split_tokens")
+    multirank.assert_succeeded(tmp_path, multirank.launch(tmp_path, WORKER, dict(configs=[ranks, split_tokens]),
+                                                          world=4))
+    one = records(tmp_path / "one")
     assert all(sum(layer) == 8 * 32 * 2 for a in one for layer in a["tokens_per_expert"])  # batch x seq x top-k
-    for a, b, mean in zip(one[::2], one[1::2], four):
-        pairs = zip(a["tokens_per_expert"], b["tokens_per_expert"])
-        assert mean["tokens_per_expert"] == [[(x + y) / 2 for x, y in zip(*layers)] for layers in pairs]
-        losses = [(x + y) / 2 for x, y in zip(a["load_balancing_loss"], b["load_balancing_loss"])]
-        assert all(abs(x - y) < 1e-5 * x for x, y in zip(losses, mean["load_balancing_loss"]))
+    for four in (records(tmp_path / name) for name in ("ranks", "split_tokens")):
+        assert len(one) == 2 * len(four) == 2 * N
+        for a, b, mean in zip(one[::2], one[1::2], four):
+            pairs = zip(a["tokens_per_expert"], b["tokens_per_expert"])
+            assert mean["tokens_per_expert"] == [[(x + y) / 2 for x, y in zip(*layers)] for layers in pairs]
+            losses = [(x + y) / 2 for x, y in zip(a["load_balancing_loss"], b["load_balancing_loss"])]
+            assert all(abs(x - y) < 1e-5 * x for x, y in zip(losses, mean["load_balancing_loss"]))
     events = EventAccumulator(str(tmp_path / "one" / "tensorboard"))
     events.Reload()
     assert {"load balancing loss", "load balancing loss/layer 1"} <= set(events.Tags()["scalars"])
