@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from gcompile.blend import BlendedDataset, parse_blend
+from gcompile import paths
 from gcompile.indexed_dataset import DataError, IndexedDataset
 from gcompile.prepare import META_SUFFIX, main, prepare
 
@@ -47,7 +48,7 @@ def default_corpus(cache_dir: str | None = None) -> str:
     writes its own temporary files and renames them into place, and both write
     the same bytes, so it does not matter whose rename lands last.
     """
-    cache_dir = cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "gcompile", "data")
+    cache_dir = cache_dir or os.path.join(paths.cache_home(), "data")
     tag = hashlib.sha256(STDLIB.encode()).hexdigest()[:8]
     prefix = os.path.join(cache_dir, f"stdlib-py{platform.python_version()}-{tag}")
     if not os.path.exists(prefix + ".idx"):
@@ -79,7 +80,7 @@ class DataConfig:
     split: str = "98,2"
     """train,valid[,test] weights cutting the token stream by position, as Megatron's '969,30,1'."""
     cache_dir: str | None = None
-    """Where the default corpus is prepared; None = ~/.cache/gcompile/data."""
+    """Where the default corpus is prepared; None = gcompile's cache folder (paths.cache_home()) /data."""
 
 
 def parse_split(split: str) -> list[float]:

@@ -10,8 +10,10 @@ Requires: the tensor_parallel pass ran (its `copy_to_tp` / `reduce_from_tp`
   nodes mark where the blocks start and end); activations are (B, T, ...), the
   sequence on dim 1, and T is divisible by tp (config.validate checks it).
 Ensures: every node between a reduce-scatter and the next all-gather is
-  token-wise (elementwise, LayerNorm over the hidden dim, linear) and holds T/tp
-  tokens; a replicated value used there is either cut to the rank's tokens
+  token-wise (elementwise, LayerNorm over the hidden dim, linear) or a MoE layer's
+  routing of the rank's tokens (passes/token_rows.py), and holds T/tp tokens; the
+  load-balancing loss reads the micro-batch's tokens per expert and mean router
+  probabilities (sums over tp); a replicated value used there is either cut to the rank's tokens
   (`scatter_to_sequence`, when it has the sequence dim) or has its gradient
   summed over tp (`copy_to_tp`: each rank's tokens contribute only part of it);
   nodes it makes carry `meta["pass"] == "sequence_parallel"`.
@@ -24,6 +26,10 @@ Rewrite (n = tp):
     layer_norm(h, [C], w, b)                 layer_norm(h, [C], copy_to_tp(w), copy_to_tp(b))
     add(h, b_o)                              add(h, copy_to_tp(b_o))
     add(e, pos)                   # pos (T,C) add(e, scatter_to_sequence(pos, 0, n, tp_rank))
+    view(h, [B*T, C])                        view(h, [B*T/n, C])          # a MoE layer's rows of tokens
+    grouped_mm(rows, w, ends)                grouped_mm(rows, copy_to_tp(w), ends)   # ends: the rank's counts
+    to(report(per_expert))                   to(report(sum_counts(per_expert, "tp")))
+    mean(probs, [0])                         mean_over_sequence(mean(probs, [0]), n)
 """
 
 import operator

@@ -288,3 +288,5 @@ def test_default_corpus_prepared_once_and_reused(tmp_path, monkeypatch):
     assert data.default_corpus(str(cache)) == prefix and os.path.getmtime(prefix + ".idx") == mtime
     train, valid = build_datasets(DataConfig(cache_dir=str(cache), split="1,1"), seq_length=4, seed=0)
     assert len(train) == (12 - 1) // 4 and len(valid) == (11 - 1) // 4  # 23 tokens, cut at 12
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))  # without a folder given: the user's cache
+    assert data.default_corpus() == str(tmp_path / "xdg" / "gcompile" / "data" / os.path.basename(prefix))
