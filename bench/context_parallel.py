@@ -42,7 +42,7 @@ from gcompile.train import split_microbatches
 from flags import (add_model_flags, add_worker_flags, gcompile_runtime, join_gloo,  # bench/, first on sys.path
                    median_step, model_section, spawn_ranks, torch_step)
 
-COMM_TYPES = ("all_gather", "p2p")
+COMM_TYPES = ("all_gather", "p2p", "a2a")
 TORCH = "torch"
 MIB = 2 ** 20
 TARGETS = dict(activations=0.6, tokens=0.85)

@@ -142,6 +142,13 @@ def reduce_scatter(x: torch.Tensor, group: str, group_size: int, dim: int = 0, o
     return _ops.wait_tensor(_ops.reduce_scatter_tensor(x.contiguous(), op, group_size, group))
 
 
+def exchange(x: torch.Tensor, group: str, group_size: int, split: int, join: int) -> torch.Tensor:
+    """`x` cut into n pieces along `split`, piece j to rank j of `group`; the pieces received joined along `join`
+    in rank order (one all-to-all)."""
+    pieces = torch.stack(x.chunk(group_size, dim=split))  # (n, ...): dim 0 is what all_to_all exchanges
+    return torch.cat(all_to_all(pieces, group, group_size).unbind(0), dim=join)
+
+
 def collective_nodes(gm) -> list[tuple["torch.fx.Node", str, dict]]:
     """(node, op name, arguments by schema name) of every functional collective call in a graph,
     in graph order; their wait_tensor calls are left out."""

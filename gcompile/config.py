@@ -44,7 +44,7 @@ class ModelChoice:
 
 TP_COMM_BACKENDS = ("auto", "shm", "gloo")
 """Values of parallel.tp_comm_backend (gcompile.mesh.tp_group_backend)."""
-CP_COMM_TYPES = ("all_gather", "p2p")
+CP_COMM_TYPES = ("all_gather", "p2p", "a2a")
 """Values of parallel.cp_comm_type."""
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 """Megatron-FSDP's --data-parallel-sharding-strategy values."""
@@ -79,8 +79,10 @@ class ParallelConfig:
     sample (chunks i and 2cp-1-i of 2cp) and attention sees every rank's keys and values (cp_comm_type)."""
     cp_comm_type: str = "p2p"
     """How context-parallel attention sees the other ranks' keys and values (Megatron's flag and default): p2p (a
-    ring of K/V blocks merged by online softmax, transfers overlapped: holds nothing of length seq_length) or
-    all_gather (gather K and V, then one masked attention: holds them, and a (T/cp, T) mask, whole)."""
+    ring of K/V blocks merged by online softmax, transfers overlapped: holds nothing of length seq_length),
+    all_gather (gather K and V, then one masked attention: holds them, and a (T/cp, T) mask, whole) or a2a
+    (Ulysses: all-to-alls turn the rank's tokens of every head into every token of 1/cp of the heads; the heads,
+    K and V's too, must divide by cp)."""
     ep: int = 1
     """Expert-parallel size (Megatron's --expert-model-parallel-size): each block's experts split over ep ranks
     folded into dp x cp, tokens sent to their experts' rank by all-to-all and back (passes/expert_parallel.py)."""
@@ -664,8 +666,8 @@ def _context_parallel_errors(config: RunConfig) -> list[str]:
     p, seq = config.parallel, config.train.seq_length
     errors = []
     if p.cp_comm_type not in CP_COMM_TYPES:
-        errors.append(f"cp_comm_type={p.cp_comm_type!r} must be {' or '.join(CP_COMM_TYPES)} (a2a, Ulysses', is "
-                      f"not built yet)")
+        errors.append(f"cp_comm_type={p.cp_comm_type!r} must be {', '.join(CP_COMM_TYPES[:-1])} or "
+                      f"{CP_COMM_TYPES[-1]}")
     if p.cp == 1:
         return errors
     if seq % (2 * p.cp):

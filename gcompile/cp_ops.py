@@ -9,6 +9,9 @@ gets the same attention work.
     causal_mask(seq, n, cp_rank, dtype)  which gathered keys each of the rank's queries sees, by global position
     attention(q, k, v, n, mask, ...)   K and V all-gathered over "cp" (backward: reduce-scatter, tp_ops.gather),
                                        the rank's queries against every key under the mask
+    heads_attention(q, k, v, n, ...)   Ulysses': q, k, v exchanged over "cp" (all-to-all) from the rank's tokens of
+                                       every head to every token of the rank's heads, attention over the whole
+                                       sequence, the output exchanged back
 
 The rank's index comes in as a 0-d int64 tensor, `cp_rank`, so every cp rank
 runs the same graph text.
@@ -17,7 +20,7 @@ runs the same graph text.
 import torch
 import torch.nn.functional as F
 
-from gcompile import tp_ops
+from gcompile import collectives, tp_ops
 
 GROUP = "cp"
 
@@ -52,3 +55,32 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int, mask: t
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale,
                                           enable_gqa=enable_gqa)
 
+
+def heads_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int, is_causal: bool, dropout_p: float,
+                    scale: float | None, enable_gqa: bool) -> torch.Tensor:
+    """Exact attention of the rank's tokens (B, heads, T/n, hs) as Ulysses computes it: an all-to-all each for q,
+    k and v gives each rank 1/n of the heads over the whole sequence, in sequence order (the load-balanced chunks
+    put back), so the attention is one device's for those heads; a fourth returns the output to the rank's
+    tokens. The heads (K and V's too) must divide by n."""
+    seq = q.shape[2] * n
+    gathered = torch.cat([positions(seq, n, r) for r in range(n)]).to(q.device)  # position of each gathered token
+    in_order = gathered.argsort()
+    q, k, v = (_Exchange.apply(t, 1, 2, n).index_select(2, in_order) for t in (q, k, v))
+    y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                                       enable_gqa=enable_gqa)
+    y = _Exchange.apply(y.index_select(2, gathered), 2, 1, n)
+    return y.transpose(1, 2).contiguous().transpose(1, 2)  # SDPA's layout, (B, T, heads, hs) in memory, which
+    # the graph's views of its output may rely on (capture drops a .contiguous() that did nothing)
+
+
+class _Exchange(torch.autograd.Function):
+    """All-to-all over "cp": cut along `split`, joined along `join`; backward, the same exchange reversed."""
+
+    @staticmethod
+    def forward(ctx, x, split, join, n):
+        ctx.split, ctx.join, ctx.n = split, join, n
+        return collectives.exchange(x, GROUP, n, split, join)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return collectives.exchange(grad, GROUP, ctx.n, ctx.join, ctx.split), None, None, None

@@ -1,12 +1,14 @@
-"""Context parallelism (Megatron-Core's, all-gather flavour) as a rewrite of the forward program.
+"""Context parallelism (Megatron-Core's) as a rewrite of the forward program.
 
 Every cp rank holds T/cp tokens of every sample in the load-balanced layout of
 gcompile/cp_ops.py (chunks i and 2cp-1-i of 2cp). Everything but attention works
-token by token, so it runs unchanged on the rank's tokens; attention gathers K
-and V from the cp ranks and masks by global positions, which gives the exact
-single-device result. Each rank's loss is the mean over its tokens; with equal
-token counts per rank, averaging parameter gradients over dp_cp (data_parallel)
-gives the single-device gradient.
+token by token, so it runs unchanged on the rank's tokens; attention sees every
+rank's keys and values by cp_comm_type (p2p: a ring of K/V blocks; all_gather:
+K and V gathered, masked by global positions; a2a: all-to-alls to 1/cp of the
+heads over the whole sequence), which gives the exact single-device result.
+Each rank's loss is the mean over its tokens; with equal token counts per rank,
+averaging parameter gradients over dp_cp (data_parallel) gives the single-device
+gradient.
 
 Requires: the whole model in one stage (runs after tensor_parallel and sequence_parallel,
   before pipeline_split); "idx" and
@@ -33,6 +35,8 @@ Rewrite (n = cp, P = the rank's global positions, T/n of them):
     view(x, [B, T, nh, hs])                    view(x, [B, T/n, nh, hs])
     sdpa(q, k, v, is_causal)     # (B,nh,T,hs) attention(q, k, v, n, mask, ...)   # all-gather K, V; mask:
                                                mask = causal_mask(T, n, cp_rank)  # P >= key positions, one per stage
+                                               heads_attention(q, k, v, n, ...)  # a2a: all-to-alls to 1/n of the
+                                                                                 # heads over all T, and back
     cross_entropy_loss(z, t)                   cross_entropy_loss(z, t)   # the mean over the rank's tokens
     per_expert = sum(one_hot(routed), [0])     per_expert = sum(one_hot(routed), [0])   # the rank's, for its routing
     share = to(per_expert) / (N*k)             share = to(sum_counts(per_expert, "cp")) / (N*k)
@@ -81,7 +85,7 @@ class _Splitter(TokenRows):
     keeps_counts = (collectives.sum_counts,)  # sequence parallel's sum over tp
 
     def __init__(self, stage: Stage, ctx: PassContext):
-        self.stage, self.n, self.ring = stage, ctx.coords.size("cp"), ctx.config.parallel.cp_comm_type == "p2p"
+        self.stage, self.n, self.comm_type = stage, ctx.coords.size("cp"), ctx.config.parallel.cp_comm_type
         self.cp_rank = rank_constant(stage, "cp_rank", ctx.coords.axis_rank("cp"))
         self.dims: dict[fx.Node, int] = {}
         """The sequence dim of every value that holds the rank's tokens."""
@@ -268,14 +272,23 @@ class _Splitter(TokenRows):
             raise GraphMismatch(NAME, node, "is an attention context parallel cannot rewrite: it needs q, k and "
                                             "v as (B, heads, T, head_dim), each from the batch, and no explicit "
                                             "mask (is_causal=True instead)")
-        if self.ring:
+        if self.comm_type == "p2p":
             if bound.get("dropout_p", 0.0) or bound.get("enable_gqa"):
                 raise GraphMismatch(NAME, node, "has attention dropout or enable_gqa, which the p2p ring does not "
-                                                "support; use cp_comm_type all_gather, or dropout 0 and K/V heads "
-                                                "repeated before attention")
+                                                "support; use cp_comm_type all_gather or a2a, or dropout 0 and K/V "
+                                                "heads repeated before attention")
             out = insert_call(node, ring_attention.attention, (q, k, v, self.n, self.cp_rank,
                                                                bool(bound.get("is_causal")), bound.get("scale"),
                                                                cp_ops.GROUP), NAME)
+        elif self.comm_type == "a2a":
+            heads = {full_shape(t)[1] for t in (q, k, v)}
+            if any(h % self.n for h in heads):
+                raise GraphMismatch(NAME, node, f"has {' and '.join(map(str, sorted(heads)))} heads on this rank, "
+                                                f"which cp={self.n} does not divide; cp_comm_type a2a gives each cp "
+                                                f"rank 1/cp of the heads (K and V's too): use p2p or all_gather")
+            out = insert_call(node, cp_ops.heads_attention, (q, k, v, self.n, bool(bound.get("is_causal")),
+                                                             bound.get("dropout_p", 0.0), bound.get("scale"),
+                                                             bound.get("enable_gqa", False)), NAME)
         else:
             mask = self.causal_mask(node, full_shape(k)[2], q.meta["val"].dtype) if bound.get("is_causal") else None
             out = insert_call(node, cp_ops.attention, (q, k, v, self.n, mask, bound.get("dropout_p", 0.0),

@@ -37,7 +37,8 @@ def test_layout_is_megatrons_load_balanced_one():
     assert sorted(torch.cat([positions(16, 4, r) for r in range(4)]).tolist()) == list(range(16))
 
 
-P2P, ALL_GATHER = dict(cp_comm_type="p2p"), dict(cp_comm_type="all_gather")  # p2p is the default
+P2P, ALL_GATHER, A2A = dict(cp_comm_type="p2p"), dict(cp_comm_type="all_gather"), dict(cp_comm_type="a2a")
+# p2p is the default
 
 
 def test_gpt2_matches_eager():
@@ -65,17 +66,35 @@ def test_gpt2_with_model_parallel_matches_eager():
                    in_one_process)
 
 
+def test_gpt2_ulysses_matches_eager():
+    """a2a: each rank attends with 1/cp of the heads over the whole sequence (GPT-2 here has 4 heads)."""
+    check_dp_cases({"cp2 a2a": small_config(cp=2, **A2A), "cp4 a2a": small_config(cp=4, **A2A),
+                    "cp2 dp2 a2a": small_config(cp=2, dp=2, **A2A), "cp2 pp2 a2a": small_config(cp=2, pp=2, **A2A),
+                    "cp2 tp2 sequence parallel a2a": small_config(cp=2, tp=2, sequence_parallel=True, **A2A)},
+                   in_one_process)
+
+
+def test_ulysses_exchanges_heads_for_tokens_with_all_to_alls():
+    config = small_config(cp=2, **A2A)
+    stage = build_rank_program(config, Coords.from_rank(1, config.mesh_sizes), log=lambda _: None).stages[0]
+    exchanges = [(op, args["group_name"]) for _, op, args in collective_nodes(stage.forward)]
+    assert exchanges == [("all_to_all_single", "cp")] * 8  # q, k, v in and the output out, 2 layers
+    assert [(op, args["group_name"]) for _, op, args in collective_nodes(stage.backward)] == exchanges
+
+
 @pytest.mark.slow
 def test_compiled_on_ranks_matches_eager(tmp_path):
-    """On gloo ranks, Inductor-compiled: the ring's transfers are real sends, not the harness's."""
+    """On gloo ranks, Inductor-compiled: the ring's transfers are real sends, not the harness's, and Ulysses'
+    all-to-alls real exchanges."""
     check_dp_cases({"cp2 dp2 compiled": small_config(cp=2, dp=2, compile=True),
-                    "cp2 dp2 all_gather compiled": small_config(cp=2, dp=2, compile=True, **ALL_GATHER)},
+                    "cp2 dp2 all_gather compiled": small_config(cp=2, dp=2, compile=True, **ALL_GATHER),
+                    "cp2 dp2 a2a compiled": small_config(cp=2, dp=2, compile=True, **A2A)},
                    lambda configs, batches: run_layouts(tmp_path, configs, batches, LRS))
 
 
 @pytest.mark.parametrize("layout", [dict(cp=2), dict(cp=4), dict(cp=2, tp=2, sequence_parallel=True),
-                                    dict(cp=2, **ALL_GATHER)],
-                         ids=["cp2", "cp4", "cp2-tp2-sp", "cp2-all_gather"])
+                                    dict(cp=2, **ALL_GATHER), dict(cp=4, **A2A), dict(cp=2, tp=2, **A2A)],
+                         ids=["cp2", "cp4", "cp2-tp2-sp", "cp2-all_gather", "cp4-a2a", "cp2-tp2-a2a"])
 def test_llama_matches_eager(layout):
     batches, reference = test_llama.expected(False, 2, 1)
     (result,) = harness.run_layouts([test_llama.config(**layout)], batches, LRS, cache=test_llama.BUILD)
