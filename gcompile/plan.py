@@ -12,7 +12,8 @@ that divides the per-rank batch; the dp sharding strategies no_shard and optim
 cheaper ones do not fit (each alone, then both): neither is faster here, both save memory.
 
 Each candidate is checked as a run would be (gcompile.config.validate: its one
-line is the refusal), then built: one program per pipeline rank (ranks that
+line is the refusal; a pass that cannot rewrite it, GraphMismatch, refuses it too),
+then built: one program per pipeline rank (ranks that
 differ only in tp, cp or dp position cost the same). Candidates share what they
 can (gcompile.pipeline.BuildCache: captures, the forward passes' results,
 lowerings); a stage graph on the line of two lowered ones (the same stage at other
@@ -46,9 +47,11 @@ from gcompile.machine import Machine, MachineError
 from gcompile import machine as machine_file
 from gcompile.log import counted
 from gcompile.lowering_line import Lines
+from gcompile.pass_manager import PassError
 from gcompile.pipeline import BuildCache, build_rank_program
 from gcompile import plan_cache
 from gcompile.plan_cache import Known, PlanCache, layout_key
+from passes.rewrite import GraphMismatch
 
 TRAIN_FIELDS = ("micro_batch_size", "recompute_activations")
 """Layout keys that live in the [train] section; the others are [parallel] fields."""
@@ -255,7 +258,13 @@ def _search_family(base: RunConfig, machine: Machine, budget_gb: float | None, m
             elif not build:
                 raise _Unknown
             else:
-                prediction, memory = evaluate(config, machine, cache or _process_cache())
+                try:
+                    prediction, memory = evaluate(config, machine, cache or _process_cache())
+                except PassError as e:
+                    if not isinstance(e.__cause__, GraphMismatch):
+                        raise  # a pass that broke, not one that cannot rewrite this layout
+                    found.append((False, (tried, str(e.__cause__), (str(e.__cause__),))))
+                    break
                 step = prediction.totals()
                 if key is not None:
                     added[key] = step, memory

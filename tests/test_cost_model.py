@@ -238,6 +238,18 @@ def test_planner_refuses_with_reasons_and_proposes_layouts_that_pass_the_checker
     assert tight.reasons == Counter({"over the budget of 0.0001 GiB": len(tight.refused)})  # counted without figures
 
 
+def test_a_layout_a_pass_cannot_rewrite_is_refused_with_its_line():
+    """Ulysses (a2a) gives each cp rank 1/cp of the heads: at cp 4, tiny's 2 heads do not divide (nor 1 at tp 2
+    cp 2), which only the context-parallel pass sees; the other layouts are planned."""
+    base = tiny(cp_comm_type="a2a")
+    found = search(base, 4, flat_machine(), schedules=("1f1b",), micro_batch_sizes=(1,))
+    refused = {(layout["tp"], layout.get("cp")): why for layout, why in found.refused if layout.get("cp", 1) > 1}
+    assert refused[1, 4].startswith("context_parallel: node scaled_dot_product_attention") and \
+        "has 2 heads on this rank, which cp=4 does not divide" in refused[1, 4]
+    assert "has 1 heads on this rank, which cp=2 does not divide" in refused[2, 2]  # tp halves them
+    assert (1, 2) not in refused and any((c.layout["tp"], c.layout.get("cp")) == (1, 2) for c in found.ranked)
+
+
 def test_planning_in_worker_processes_finds_what_one_process_finds(monkeypatch):
     """A search this small (8 layouts) stays in this process even with workers; given a worker per layout,
     it finds the same."""
