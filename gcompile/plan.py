@@ -10,6 +10,7 @@ interleaved (2 chunks per rank) schedules; every micro-batch size of 1, 2, 4 or 
 that divides the per-rank batch; the dp sharding strategies no_shard and optim
 (ZeRO-1), and ZeRO-3 (optim_grads_params) and full recompute only where the
 cheaper ones do not fit (each alone, then both): neither is faster here, both save memory.
+Where cp > 1, the config's cp_comm_type, or each of --cp-comm-types.
 
 Each candidate is checked as a run would be (gcompile.config.validate: its one
 line is the refusal; a pass that cannot rewrite it, GraphMismatch, refuses it too),
@@ -40,7 +41,7 @@ from dataclasses import dataclass, field
 from gcompile.arguments import ArgumentParser
 from gcompile.axes import Coords
 from gcompile.check import estimate_memory
-from gcompile.config import ConfigError, RunConfig, parse_args, validate
+from gcompile.config import CP_COMM_TYPES, ConfigError, RunConfig, parse_args, validate
 from gcompile.models.moe_config import MoEConfig
 from gcompile.cost_model import Prediction, StepTime, predict, rates_of
 from gcompile.machine import Machine, MachineError
@@ -109,8 +110,10 @@ def _powers_of_two(limit: int, divides: int) -> list[int]:
     return [n for n in (1, 2, 4, 8) if n <= limit and divides % n == 0]
 
 
-def layouts(base: RunConfig, world: int, schedules=SCHEDULES, micro_batch_sizes=MICRO_BATCH_SIZES) -> list[dict]:
-    """Every candidate shape of `world` ranks, before validation, memory savers left out."""
+def layouts(base: RunConfig, world: int, schedules=SCHEDULES, micro_batch_sizes=MICRO_BATCH_SIZES,
+            cp_comm_types: tuple[str, ...] = ()) -> list[dict]:
+    """Every candidate shape of `world` ranks, before validation, memory savers left out; with cp > 1 one for each
+    of `cp_comm_types` (none given: the base config's, not named in the layout)."""
     m, t = base.model, base.train
     experts = m.num_experts if isinstance(m, MoEConfig) else 0
     found = []
@@ -128,11 +131,12 @@ def layouts(base: RunConfig, world: int, schedules=SCHEDULES, micro_batch_sizes=
                             if t.global_batch_size % (mbs * dp):
                                 continue
                             for sharding in SHARDING if dp * cp > 1 else ("no_shard",):
-                                layout = dict(tp=tp, cp=cp, pp=pp, dp=dp, ep=ep, pipeline_schedule=schedule,
-                                              virtual_pipeline_size=vpp, micro_batch_size=mbs,
-                                              data_parallel_sharding_strategy=sharding)
-                                found.append({k: v for k, v in layout.items()
-                                              if not (k in ("cp", "ep", "virtual_pipeline_size") and v == 1)})
+                                for comm in cp_comm_types if cp > 1 and cp_comm_types else (None,):
+                                    layout = dict(tp=tp, cp=cp, cp_comm_type=comm, pp=pp, dp=dp, ep=ep,
+                                                  pipeline_schedule=schedule, virtual_pipeline_size=vpp,
+                                                  micro_batch_size=mbs, data_parallel_sharding_strategy=sharding)
+                                    found.append({k: v for k, v in layout.items() if v is not None and
+                                                  not (k in ("cp", "ep", "virtual_pipeline_size") and v == 1)})
     return found
 
 
@@ -161,13 +165,13 @@ def evaluate(config: RunConfig, machine: Machine, cache) -> tuple[Prediction, in
 
 def search(base: RunConfig, world: int, machine: Machine, budget_gb: float | None = None, cache=None,
            progress=lambda line: None, schedules=SCHEDULES, micro_batch_sizes=MICRO_BATCH_SIZES,
-           workers: int = 1, kept: PlanCache | None = None) -> Search:
+           workers: int = 1, kept: PlanCache | None = None, cp_comm_types: tuple[str, ...] = ()) -> Search:
     """Every layout of `layouts`, refused with its reason or predicted; `ranked` fastest first. `workers` > 1
     builds in up to that many processes (one per LAYOUTS_PER_WORKER layouts), each a family of layouts at a
     time (`_family`: what shares lowerings). `kept`: earlier runs' predictions, used where they are for this
     machine file and code; what this one predicts goes to `kept.added` (`kept_predictions` saves it)."""
     result, start = Search(), time.perf_counter()
-    shapes = layouts(base, world, schedules, micro_batch_sizes)
+    shapes = layouts(base, world, schedules, micro_batch_sizes, cp_comm_types)
     result.layouts = len(shapes)
     families = {}
     for layout in shapes:
@@ -325,19 +329,25 @@ def no_layout(found: Search, world: int) -> str:
             f"--global-batch-size")
 
 
-def search_space(schedules: str, micro_batch_sizes: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
-    """--schedules and --micro-batch-sizes read; ConfigError naming a bad entry."""
-    names = tuple(s.strip() for s in schedules.split(",") if s.strip())
-    unknown = [n for n in names if n not in SCHEDULES]
-    if unknown or not names:
-        raise ConfigError(f"--schedules {schedules!r}: choose from {', '.join(SCHEDULES)}")
+def search_space(schedules: str, micro_batch_sizes: str,
+                 cp_comm_types: str | None = None) -> tuple[tuple[str, ...], tuple[int, ...], tuple[str, ...]]:
+    """--schedules, --micro-batch-sizes and --cp-comm-types read; ConfigError naming a bad entry."""
+    names = _names(schedules, SCHEDULES, "--schedules")
+    comms = _names(cp_comm_types, CP_COMM_TYPES, "--cp-comm-types") if cp_comm_types is not None else ()
     try:
         sizes = tuple(int(s) for s in micro_batch_sizes.split(","))
     except ValueError:
         sizes = ()
     if not sizes or min(sizes) < 1:
         raise ConfigError(f"--micro-batch-sizes {micro_batch_sizes!r}: give positive whole numbers, e.g. 1,2,4")
-    return names, sizes
+    return names, sizes, comms
+
+
+def _names(given: str, known: tuple[str, ...], flag: str) -> tuple[str, ...]:
+    names = tuple(s.strip() for s in given.split(",") if s.strip())
+    if not names or any(n not in known for n in names):
+        raise ConfigError(f"{flag} {given!r}: choose from {', '.join(known)}")
+    return names
 
 
 @contextlib.contextmanager
@@ -384,6 +394,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--schedules", default=",".join(SCHEDULES), help="pipeline schedules to try (comma-separated)")
     p.add_argument("--micro-batch-sizes", default=",".join(map(str, MICRO_BATCH_SIZES)),
                    help="micro-batch sizes to try (comma-separated)")
+    p.add_argument("--cp-comm-types", help=f"context-parallel attentions to try where cp > 1 (comma-separated, of "
+                                            f"{', '.join(CP_COMM_TYPES)}; default: the config's cp_comm_type)")
     p.add_argument("--workers", type=int, default=cores(),
                    help=f"processes that build layouts at once, one per {LAYOUTS_PER_WORKER} layouts at most "
                         f"(default: this machine's cores, {cores()})")
@@ -404,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
         for flag, value in (("--top", args.top), ("--refused", args.refused)):
             if value < 0:
                 raise ConfigError(f"{flag} {value} must be 0 or more")
-        schedules, sizes = search_space(args.schedules, args.micro_batch_sizes)
+        schedules, sizes, comms = search_space(args.schedules, args.micro_batch_sizes, args.cp_comm_types)
         base, actions = parse_args(rest)
         if asked := [f"--{name.replace('_', '-')}" for name in ("check_plan", "dump_only", "auto_layout")
                      if getattr(actions, name)]:
@@ -417,7 +429,8 @@ def main(argv: list[str] | None = None) -> int:
     budget = args.memory_budget_gb if args.memory_budget_gb is not None else base.parallel.memory_budget_gb
     with kept_predictions(fresh=args.fresh) as kept:
         found = search(base, args.world_size, machine, budget, progress=lambda line: print(line, file=sys.stderr),
-                       schedules=schedules, micro_batch_sizes=sizes, workers=args.workers, kept=kept)
+                       schedules=schedules, micro_batch_sizes=sizes, workers=args.workers, kept=kept,
+                       cp_comm_types=comms)
     if found.layouts:  # else no table, only the error below
         print(format_search(found, args.world_size, args.top, args.refused))
     if found.ranked and (note := machine.extrapolated(args.world_size)):

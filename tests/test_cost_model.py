@@ -240,10 +240,12 @@ def test_planner_refuses_with_reasons_and_proposes_layouts_that_pass_the_checker
 
 def test_a_layout_a_pass_cannot_rewrite_is_refused_with_its_line():
     """Ulysses (a2a) gives each cp rank 1/cp of the heads: at cp 4, tiny's 2 heads do not divide (nor 1 at tp 2
-    cp 2), which only the context-parallel pass sees; the other layouts are planned."""
-    base = tiny(cp_comm_type="a2a")
-    found = search(base, 4, flat_machine(), schedules=("1f1b",), micro_batch_sizes=(1,))
-    refused = {(layout["tp"], layout.get("cp")): why for layout, why in found.refused if layout.get("cp", 1) > 1}
+    cp 2), which only the context-parallel pass sees; the other layouts are planned, each comm type asked for."""
+    found = search(tiny(), 4, flat_machine(), schedules=("1f1b",), micro_batch_sizes=(1,),
+                   cp_comm_types=("p2p", "a2a"))
+    assert {c.layout.get("cp_comm_type") for c in found.ranked} == {None, "p2p", "a2a"}  # None: cp 1
+    refused = {(layout["tp"], layout.get("cp")): why for layout, why in found.refused
+               if layout.get("cp_comm_type") == "a2a"}
     assert refused[1, 4].startswith("context_parallel: node scaled_dot_product_attention") and \
         "has 2 heads on this rank, which cp=4 does not divide" in refused[1, 4]
     assert "has 1 heads on this rank, which cp=2 does not divide" in refused[2, 2]  # tp halves them
