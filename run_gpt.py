@@ -150,6 +150,9 @@ def main(argv: list[str]) -> int:
             argv = auto_layout(config, flags, argv)
             config, flags = parse_args(argv)
         if not under_launcher():
+            if config.parallel.sequence_parallel and config.parallel.tp == 1:
+                print("note: --sequence-parallel does nothing at tp 1 (it shards the sequence over tp ranks)",
+                      file=sys.stderr)
             if flags.dump_only or flags.check_plan:
                 return plan_only(config, flags.dump_only, flags.machine)
             if config.world_size > 1:

@@ -89,7 +89,8 @@ class ParallelConfig:
     expert_tensor_parallel_size: int = 1
     """Megatron's --expert-tensor-parallel-size; only 1 is built: every tp rank holds its experts whole."""
     sequence_parallel: bool = False
-    """Shard LayerNorm/residual regions along the sequence across the tp ranks."""
+    """Shard LayerNorm/residual regions along the sequence across the tp ranks; at tp 1 it does nothing (as in
+    Megatron, which turns it off there), so a config or a plan may ask for it whatever tp a layout has."""
     tp_plan: tuple[str, ...] = ()
     """Tensor-parallel plan: module-glob=placement (column, row, vocab, replicate), first match wins;
     empty = the model's default plan (GPT-2: Megatron's)."""
@@ -606,8 +607,6 @@ def validate(config: RunConfig) -> None:
                       f"or {SCHEDULES[-1]}")
     from gcompile.tp_plan import plan_errors  # builds the model on meta: torch, which --help does without
     errors += plan_errors(config.model_spec, m, config.tp_plan, p.tp, written=bool(p.tp_plan))
-    if p.sequence_parallel and p.tp == 1:
-        errors.append("sequence_parallel shards the sequence over the tp ranks and needs tp > 1 (tp=1)")
     if p.sequence_parallel and t.seq_length % p.tp:
         errors.append(f"seq_length={t.seq_length} is not divisible by tp={p.tp} (sequence_parallel)")
     if p.overlap_grad_reduce and p.pipeline_schedule in SPLIT_BACKWARD:

@@ -56,7 +56,7 @@ def builtin_passes(config: RunConfig) -> list[str]:
     names = []
     if p.tp > 1:
         names.append("tensor_parallel")
-    if p.sequence_parallel:
+    if p.sequence_parallel and p.tp > 1:
         names.append("sequence_parallel")
     if p.cp > 1:
         names.append("context_parallel")

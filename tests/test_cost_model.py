@@ -20,7 +20,7 @@ from gcompile.check import check_plan
 from gcompile.config import build_config, parse_args
 from gcompile.cost_model import Rates, StepTime, _concurrency, graph_time, predict, rates_for
 from gcompile.machine import Link, Machine, MachineError, rate_at
-from gcompile.pipeline import BuildCache, build_rank_program
+from gcompile.pipeline import BuildCache, builtin_passes, build_rank_program
 from gcompile.plan import Search, configure, evaluate, format_search, search
 from gcompile.plan_cache import PlanCache, code_version, layout_key
 from gcompile.schedule import Action, Kind, Span, build_schedule, simulate
@@ -250,6 +250,13 @@ def test_a_layout_a_pass_cannot_rewrite_is_refused_with_its_line():
         "has 2 heads on this rank, which cp=4 does not divide" in refused[1, 4]
     assert "has 1 heads on this rank, which cp=2 does not divide" in refused[2, 2]  # tp halves them
     assert (1, 2) not in refused and any((c.layout["tp"], c.layout.get("cp")) == (1, 2) for c in found.ranked)
+
+
+def test_sequence_parallel_asked_of_a_plan_is_on_wherever_tp_is_above_one():
+    """As in Megatron, sequence parallel at tp 1 does nothing, so a plan (and --auto-layout) may ask for it."""
+    found = search(tiny(sequence_parallel=True), 2, flat_machine(), schedules=("1f1b",), micro_batch_sizes=(1,))
+    passes = {c.layout["tp"]: builtin_passes(c.config) for c in found.ranked}
+    assert "sequence_parallel" in passes[2] and "sequence_parallel" not in passes[1]
 
 
 def test_planning_in_worker_processes_finds_what_one_process_finds(monkeypatch):

@@ -215,7 +215,6 @@ def test_plan_mismatch_names_the_node():
     (["--tp", "3", "--tp-plan", "*.mlp.c_fc=column,*.mlp.c_proj=row"],
      "ffn hidden size 4*n_embd=512 is not divisible by tp=3"),
     (["--tp", "3", "--tp-plan", "*.mlp.c_proj=column"], "hidden size n_embd=128 is not divisible by tp=3"),
-    (["--sequence-parallel"], "sequence_parallel shards the sequence over the tp ranks and needs tp > 1"),
     (["--tp", "2", "--sequence-parallel", "--seq-length", "63"], "seq_length=63 is not divisible by tp=2"),
     (["--tp-plan", "attention"], "tp_plan entry 'attention' must be pattern=placement"),
     (["--tp-plan", "*.c_fc=diagonal"], "placement must be one of column, row, vocab, replicate"),
