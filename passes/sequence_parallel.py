@@ -66,12 +66,8 @@ def sequence_parallel_pass(program: Program, ctx: PassContext) -> Program:
                          f"(passes so far: {', '.join(program.history)})")
     program = program.clone()
     for stage in program.stages:
-        _shard_sequence(stage, ctx)
+        _Sharder(stage, ctx).run()
     return program
-
-
-def _shard_sequence(stage: Stage, ctx: PassContext) -> None:
-    _Sharder(stage, ctx).run()
 
 
 class _Sharder(TokenRows):
@@ -191,9 +187,7 @@ class _Sharder(TokenRows):
         """Reports are not added over tp when logged: the report reads the micro-batch's count; routing that read
         it reads the rank's."""
         count = report.args[0]
-        for user in [u for u in report.users if u.target in (aten.cumsum.default, aten.to.dtype,
-                                                              aten._to_copy.default)
-                     and not u.meta["val"].dtype.is_floating_point]:
+        for user in [u for u in report.users if self.routes(u)]:
             user.replace_input_with(report, count)
         report.update_arg(0, self.whole_count(count, report))
 

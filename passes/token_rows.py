@@ -147,15 +147,19 @@ class TokenRows:
         """`node` reads a count over the rank's tokens. Routing keeps the rank's own: its offsets (a cumulative
         sum, an integer conversion) and the grouped matmuls they split (`grouped_mm`). Anything else (the
         load-balancing loss's share per expert) reads the micro-batch's count, as one device counts."""
-        integer = isinstance(node.meta.get("val"), torch.Tensor) and not node.meta["val"].dtype.is_floating_point
-        if integer and node.target in (aten.cumsum.default, aten.to.dtype, aten._to_copy.default,
-                                       *self.keeps_counts):
+        if self.routes(node):
             self.counts.add(node)
         elif node.target is REPORT:
             self.report_count(node)
         else:
             for count in [a for a in node.all_input_nodes if a in self.counts]:
                 node.replace_input_with(count, self.whole_count(count, node))
+
+    def routes(self, node: fx.Node) -> bool:
+        """Whether `node` makes routing's offsets of a count (a cumulative sum, an integer conversion)."""
+        integer = isinstance(node.meta.get("val"), torch.Tensor) and not node.meta["val"].dtype.is_floating_point
+        return integer and node.target in (aten.cumsum.default, aten.to.dtype, aten._to_copy.default,
+                                           *self.keeps_counts)
 
     def is_reduction_of_tokens(self, node: fx.Node, dim: int | None) -> bool:
         return node.target in (aten.sum.dim_IntList, aten.mean.dim) and dim is not None and \
