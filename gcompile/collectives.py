@@ -87,7 +87,8 @@ def all_reduce(x: torch.Tensor, group: str, op: str = "sum") -> torch.Tensor:
 
 def sum_counts(count: torch.Tensor, group: str) -> torch.Tensor:
     """Integer counts (a MoE layer's tokens per expert) summed over `group`: what each rank counted over its share
-    of the tokens, made the micro-batch's; no gradient."""
+    of the tokens, made the micro-batch's; no gradient. An all-reduce by a name of its own, which the passes
+    that split tokens recognise (one does not sum again what another summed) and dumps show."""
     return all_reduce(count, group)
 
 

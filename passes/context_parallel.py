@@ -51,11 +51,10 @@ from gcompile import collectives, cp_ops, ring_attention, tp_ops
 from gcompile.pass_manager import PassContext, register_pass
 from gcompile.program import Program, Stage
 from gcompile.report import REPORT
-from gcompile.torch_api import is_op_overload
 from passes.rewrite import GraphMismatch, insert_call, rank_constant, whole_model_copy
 from passes.sequence_parallel import TOKEN_WISE
 from passes.tensor_parallel import BROADCASTING, SHAPE_PRESERVING, VIEWS, full_shape
-from passes.token_rows import ALONG, GROUPED_MM, ROUTING, TokenRows
+from passes.token_rows import ALONG, GROUPED_MM, ROUTING, TokenRows, is_elementwise
 
 NAME = "context_parallel"
 aten = torch.ops.aten
@@ -81,7 +80,7 @@ def context_parallel_pass(program: Program, ctx: PassContext) -> Program:
 
 
 class _Splitter(TokenRows):
-    name = NAME
+    name, group = NAME, cp_ops.GROUP
     keeps_counts = (collectives.sum_counts,)  # sequence parallel's sum over tp
 
     def __init__(self, stage: Stage, ctx: PassContext):
@@ -93,9 +92,7 @@ class _Splitter(TokenRows):
         """local_tokens(x, dim) by (x, dim), shared by the ops that read it."""
         self.masks: dict[torch.dtype, fx.Node] = {}
         """The causal mask by dtype, shared by the stage's attentions."""
-        self.merged, self.counts = {}, set()
-        self.totals: dict[fx.Node, fx.Node] = {}
-        """A count over the rank's tokens summed over the cp ranks (the micro-batch's), made once."""
+        self.merged, self.counts, self.totals = {}, set(), {}
         self.means: list[fx.Node] = []
         """Means over the rank's tokens outside the loss ops (a MoE layer's mean router probabilities)."""
 
@@ -149,8 +146,7 @@ class _Splitter(TokenRows):
             if node.args[0] in self.dims or node.args[1] not in self.dims:
                 raise GraphMismatch(NAME, node, "looks up a table that holds the rank's tokens")
             self.dims[node] = self.dims[node.args[1]]
-        elif target in BROADCASTING or target is aten.floor_divide.default or \
-                is_op_overload(target) and torch.Tag.pointwise in target.tags:
+        elif target in BROADCASTING or is_elementwise(target):
             self.broadcast(node)
         elif dim is None:
             raise GraphMismatch(NAME, node, "reads the rank's tokens in an argument other than the first; only "
@@ -227,12 +223,6 @@ class _Splitter(TokenRows):
             args.append(a)
         node.args = tuple(args)
         self.dims[node] = dim
-
-    def whole_count(self, count: fx.Node, reader: fx.Node) -> fx.Node:
-        """The micro-batch's count: the cp ranks' summed, made once."""
-        if count not in self.totals:
-            self.totals[count] = insert_call(reader, collectives.sum_counts, (count, cp_ops.GROUP), NAME, before=True)
-        return self.totals[count]
 
     def report_count(self, report: fx.Node) -> None:
         self.counts.add(report)  # the rank's: reports add over dp x cp when logged

@@ -37,13 +37,12 @@ import operator
 import torch
 import torch.fx as fx
 
-from gcompile import collectives, tp_ops
+from gcompile import tp_ops
 from gcompile.pass_manager import PassContext, register_pass
 from gcompile.program import Program, Stage
-from gcompile.torch_api import is_op_overload
 from passes.rewrite import GraphMismatch, insert_call, rank_constant
 from passes.tensor_parallel import VIEWS
-from passes.token_rows import ALONG, GROUPED_MM, ROUTING, TokenRows
+from passes.token_rows import ALONG, GROUPED_MM, ROUTING, TokenRows, is_elementwise
 
 NAME = "sequence_parallel"
 SEQ_DIM = 1
@@ -73,13 +72,11 @@ def sequence_parallel_pass(program: Program, ctx: PassContext) -> Program:
 class _Sharder(TokenRows):
     """Follows the rank's T/tp tokens from each reduce-scatter to the next all-gather."""
 
-    name = NAME
+    name, group = NAME, tp_ops.GROUP
 
     def __init__(self, stage: Stage, ctx: PassContext):
         self.stage, self.ctx, self.n = stage, ctx, ctx.coords.size("tp")
-        self.dims, self.merged, self.counts = {}, {}, set()
-        self.totals: dict[fx.Node, fx.Node] = {}
-        """A count over the rank's tokens summed over tp (the micro-batch's), made once."""
+        self.dims, self.merged, self.counts, self.totals = {}, {}, set(), {}
 
     def run(self) -> None:
         graph, seq = self.stage.graph.graph, self.ctx.config.train.seq_length
@@ -133,8 +130,7 @@ class _Sharder(TokenRows):
         if node.op == "output":
             raise GraphMismatch(NAME, node, "returns a sequence-sharded tensor; a column-parallel block (all-gather) "
                                             "must come before the end of the program")
-        pointwise = is_op_overload(node.target) and torch.Tag.pointwise in node.target.tags
-        if node.target not in TOKEN_WISE and not pointwise and node.target is not aten.floor_divide.default:
+        if node.target not in TOKEN_WISE and not is_elementwise(node.target):
             raise GraphMismatch(NAME, node, "reads a sequence-sharded tensor but mixes tokens or is not known to be "
                                             "token-wise; tokens may only meet inside tensor-parallel blocks: make "
                                             "attention's projections column then row parallel and the embedding "
@@ -175,13 +171,6 @@ class _Sharder(TokenRows):
         if not isinstance(arg, fx.Node) or arg in self.dims or not arg.meta["val"].dtype.is_floating_point:
             return arg
         return insert_call(node, tp_ops.copy_to_tp, (arg,), NAME, before=True)
-
-    def whole_count(self, count: fx.Node, reader: fx.Node) -> fx.Node:
-        """The micro-batch's count: the tp ranks' summed, made once."""
-        if count not in self.totals:
-            self.totals[count] = insert_call(reader, collectives.sum_counts, (count, tp_ops.GROUP), NAME,
-                                             before=True)
-        return self.totals[count]
 
     def report_count(self, report: fx.Node) -> None:
         """Reports are not added over tp when logged: the report reads the micro-batch's count; routing that read

@@ -25,9 +25,11 @@ import math
 import torch
 import torch.fx as fx
 
+from gcompile import collectives
 from gcompile.models import moe  # noqa: F401  registers gcompile::grouped_mm, the experts' op
 from gcompile.report import REPORT
-from passes.rewrite import GraphMismatch
+from gcompile.torch_api import is_op_overload
+from passes.rewrite import GraphMismatch, insert_call
 from passes.tensor_parallel import full_shape
 
 aten = torch.ops.aten
@@ -43,11 +45,12 @@ GROUPED_MM = torch.ops.gcompile.grouped_mm.default
 
 
 class TokenRows:
-    """The rules; the class mixing them in sets `name` (its pass), `n`, `dims`, `merged` and `counts`, and says
-    what a count read outside routing (`whole_count`), a reported count (`report_count`) and a mean over the
+    """The rules; the class mixing them in sets `name` (its pass), `group` (the ranks that split the tokens), `n`,
+    `dims`, `merged`, `counts` and `totals`, and says what a reported count (`report_count`) and a mean over the
     rank's tokens (`rank_mean`) become."""
 
     name: str
+    group: str
     n: int
     dims: dict[fx.Node, int]
     """The dim where each value holds the rank's tokens."""
@@ -56,11 +59,17 @@ class TokenRows:
     tokens, k routed copies of each); absent, (1, 1)."""
     counts: set[fx.Node]
     """Integer sums over the rank's tokens (a MoE layer's tokens per expert), and what routing makes of them."""
+    totals: dict[fx.Node, fx.Node]
+    """A count summed over `group` (the micro-batch's), made once."""
     keeps_counts: tuple = ()
     """Ops that leave a count the rank's own (another pass's sum over its group, already applied)."""
 
     def whole_count(self, count: fx.Node, reader: fx.Node) -> fx.Node:
-        raise NotImplementedError
+        """The micro-batch's count: the ranks' of `group` summed (made before `reader`, its first reader)."""
+        if count not in self.totals:
+            self.totals[count] = insert_call(reader, collectives.sum_counts, (count, self.group), self.name,
+                                             before=True)
+        return self.totals[count]
 
     def report_count(self, report: fx.Node) -> None:
         raise NotImplementedError
@@ -164,3 +173,9 @@ class TokenRows:
     def is_reduction_of_tokens(self, node: fx.Node, dim: int | None) -> bool:
         return node.target in (aten.sum.dim_IntList, aten.mean.dim) and dim is not None and \
             any(d % len(full_shape(node.args[0])) == dim for d in node.args[1])
+
+
+def is_elementwise(target) -> bool:
+    """Ops that compute each entry from the entries at its place (broadcasting), so from its token alone: torch's
+    pointwise ops, and floor_divide (a routed copy's token), which torch does not tag."""
+    return target is aten.floor_divide.default or is_op_overload(target) and torch.Tag.pointwise in target.tags
