@@ -301,6 +301,8 @@ CASES = [
     ("plan workers not a number", "plan", ["--world-size", "2", "--workers", "two"], None,
      "argument --workers: invalid int value: 'two' (python -m gcompile.plan --help lists the flags)"),
     ("plan no world size", "plan", [], None, "the following arguments are required: --world-size"),
+    ("plan cp comm type unknown", "plan", ["--world-size", "2", "--cp-comm-types", "p2p,ring"], None,
+     "--cp-comm-types 'p2p,ring': choose from all_gather, p2p, a2a"),
     ("plan run flag is not a prefix of a plan flag", "plan", ["--world-size", "2", "--micro-batch-size", "0"], None,
      "micro-batch-size=0 must be at least 1"),  # not --micro-batch-sizes: flags are never abbreviated
     ("calibrate unknown flag", "calibrate", ["--bogus"], None, "unrecognized arguments: --bogus"),
