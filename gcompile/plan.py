@@ -8,8 +8,9 @@ Candidates: tp x cp x pp x dp = world (tp and cp powers of two up to 8), ep over
 the dp x cp ranks where the model has experts; with a pipeline the 1f1b, zb1f1b and
 interleaved (2 chunks per rank) schedules; every micro-batch size of 1, 2, 4 or 8
 that divides the per-rank batch; the dp sharding strategies no_shard and optim
-(ZeRO-1), and ZeRO-3 (optim_grads_params) and full recompute only where the
-cheaper ones do not fit (each alone, then both): neither is faster here, both save memory.
+(ZeRO-1); sequence parallel (where tp > 1), ZeRO-3 (optim_grads_params) and full
+recompute only where the cheaper ones do not fit (each alone, then in pairs, then all
+three): none is faster here, all save memory.
 Where cp > 1, the config's cp_comm_type, or each of --cp-comm-types.
 
 Each candidate is checked as a run would be (gcompile.config.validate: its one
@@ -30,6 +31,7 @@ by the same code, is not built again (--fresh builds every one).
 import contextlib
 import dataclasses
 import functools
+import itertools
 import multiprocessing
 import os
 import sys
@@ -59,9 +61,13 @@ TRAIN_FIELDS = ("micro_batch_size", "recompute_activations")
 SCHEDULES = ("1f1b", "zb1f1b", "interleaved")
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
 SHARDING = ("no_shard", "optim")
-SAVING = ({"data_parallel_sharding_strategy": "optim_grads_params"}, {"recompute_activations": True},
-          {"data_parallel_sharding_strategy": "optim_grads_params", "recompute_activations": True})
-"""Memory savers tried, in order, only for a candidate over the budget."""
+SAVERS = ({"sequence_parallel": True}, {"data_parallel_sharding_strategy": "optim_grads_params"},
+          {"recompute_activations": True})
+SAVING = tuple({k: v for saver in chosen for k, v in saver.items()}
+               for n in range(1, len(SAVERS) + 1) for chosen in itertools.combinations(SAVERS, n))
+"""Memory savers tried, in order (each alone, then in pairs, then all three), only for a candidate over the
+budget. Sequence parallel first: it shards the activations tp does not (norms, residuals, dropout masks) for
+collectives of the same volume, which is why Megatron pairs it with every tp > 1."""
 LAYOUTS_PER_WORKER = 10
 """A worker process starts only for this many layouts: each imports torch and captures the model again first,
 seconds that a small search does not win back (tiny on 2 ranks here: 8 layouts, one process 10.2 s, two
@@ -235,7 +241,8 @@ def _search_family(base: RunConfig, machine: Machine, budget_gb: float | None, m
                    cache: BuildCache | None = None, known: Known | None = None, machine_text: str = "",
                    build: bool = True) -> tuple[list[list[tuple[bool, Candidate | tuple]]], Known, int]:
     """Per member, (True, candidate) or (False, (layout, why, its reasons as counted)) for each layout tried, in
-    order: one over the budget is tried again with each memory saver until one fits. Then what it predicted that
+    order: one over the budget is tried again with each memory saver until one fits (a saver this layout
+    cannot run is refused and the next tried). Then what it predicted that
     `known` (by gcompile.plan_cache.layout_key with `machine_text`) did not hold, and how many predictions it
     took from `known`; without `build`, a layout `known` does not hold raises _Unknown."""
     known = known or {}
@@ -246,6 +253,8 @@ def _search_family(base: RunConfig, machine: Machine, budget_gb: float | None, m
         for saver in ({},) + SAVING:
             if "data_parallel_sharding_strategy" in saver and layout["dp"] * layout.get("cp", 1) == 1:
                 continue  # nothing to shard over
+            if "sequence_parallel" in saver and (layout["tp"] == 1 or base.parallel.sequence_parallel):
+                continue  # nothing to shard over, or the run shards the sequence already
             tried = {**layout, **saver}
             if tuple(tried.items()) in seen:  # no_shard and optim meet again under ZeRO-3
                 continue
@@ -254,6 +263,8 @@ def _search_family(base: RunConfig, machine: Machine, budget_gb: float | None, m
                 config = configure(base, tried)
             except ConfigError as e:
                 found.append((False, (tried, str(e), e.reasons)))
+                if saver:
+                    continue  # another saver may still run and fit
                 break
             key = layout_key(config, machine_text)
             if key in known:
@@ -268,6 +279,8 @@ def _search_family(base: RunConfig, machine: Machine, budget_gb: float | None, m
                     if not isinstance(e.__cause__, GraphMismatch):
                         raise  # a pass that broke, not one that cannot rewrite this layout
                     found.append((False, (tried, str(e.__cause__), (str(e.__cause__),))))
+                    if saver:
+                        continue
                     break
                 step = prediction.totals()
                 if key is not None:

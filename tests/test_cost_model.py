@@ -505,3 +505,35 @@ def test_planner_saves_memory_only_for_a_layout_over_the_budget():
     assert "over the budget" in kept.refused[0][1]
     roomy = search(base, 1, flat_machine(), budget_gb=1.0, cache=cache, micro_batch_sizes=(2,))
     assert [c.layout.get("recompute_activations") for c in roomy.ranked] == [None]
+
+
+def test_planner_shards_the_sequence_of_a_tp_layout_over_the_budget():
+    """Two ranks of tp: over a budget sequence parallel meets, the tp layout it keeps shards the sequence; a
+    layout without tp is never given it (nothing to shard over)."""
+    base, cache = tiny(), BuildCache()
+    tp2 = {"tp": 2, "pp": 1, "dp": 1, "pipeline_schedule": "1f1b", "micro_batch_size": 4,
+           "data_parallel_sharding_strategy": "no_shard"}
+    _, whole = evaluate(configure(base, tp2), flat_machine(), cache)
+    _, sharded = evaluate(configure(base, {**tp2, "sequence_parallel": True}), flat_machine(), cache)
+    assert sharded < whole
+    found = search(base, 2, flat_machine(), budget_gb=(whole + sharded) / 2 / 2 ** 30, cache=cache,
+                   micro_batch_sizes=(4,), schedules=("1f1b",))
+    assert [c.layout.get("sequence_parallel") for c in found.ranked if c.layout["tp"] == 2] == [True]
+    tried = [c.layout for c in found.ranked] + [layout for layout, _ in found.refused]
+    assert all("sequence_parallel" not in layout for layout in tried if layout["tp"] == 1)
+    assert any(layout == tp2 and "over the budget" in why for layout, why in found.refused)
+
+
+def test_a_memory_saver_the_layout_cannot_run_is_refused_and_the_next_tried():
+    """seq_length 31 over tp 2 cannot be sharded: sequence parallel is refused with validation's line, and
+    recompute, the next saver, is kept."""
+    base, cache = tiny(), BuildCache()
+    base = dataclasses.replace(base, train=dataclasses.replace(base.train, seq_length=31))
+    tp2 = {"tp": 2, "pp": 1, "dp": 1, "pipeline_schedule": "1f1b", "micro_batch_size": 2,
+           "data_parallel_sharding_strategy": "no_shard"}
+    _, whole = evaluate(configure(base, tp2), flat_machine(), cache)
+    _, recomputed = evaluate(configure(base, {**tp2, "recompute_activations": True}), flat_machine(), cache)
+    [found], _, _ = plan._search_family(base, flat_machine(), (whole + recomputed) / 2 / 2 ** 30, [tp2], cache)
+    assert [(ok, "sequence_parallel" in c[0] if not ok else c.layout.get("recompute_activations"))
+            for ok, c in found] == [(False, False), (False, True), (True, True)]
+    assert "not divisible by tp=2 (sequence_parallel)" in found[1][1][1]
