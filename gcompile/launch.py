@@ -97,9 +97,10 @@ def spawn_local(world_size: int, argv: list[str], config: RunConfig | None = Non
         del store
 
 
-PRELOAD = ["__main__", "torch", "torch.distributed", "gcompile.train"]
+PRELOAD = ["__main__", "torch", "torch.distributed", "gcompile.train", "gcompile.fork_server"]
 """What the server ranks fork from imports: the launching script (run_gpt.py), what it imports, and what every
-rank imports. None of it may initialize CUDA, whose driver a forked process cannot use after its parent did."""
+rank imports; and gcompile.fork_server, which makes the server outlive a SIGTERM to the launcher's process
+group. None of it may initialize CUDA, whose driver a forked process cannot use after its parent did."""
 _RANKS = multiprocessing.get_context("forkserver")
 _RANKS.set_forkserver_preload(PRELOAD)
 _PR_SET_NAME = 15  # linux/prctl.h
@@ -116,6 +117,7 @@ def _run_rank(argv: list[str], env: dict[str, str], stdout: int, stderr: int, la
     session, standard streams), and its start method: under forkserver's, multiprocessing registers each lock
     it makes (tqdm makes one) for cleanup, and a stopped rank's would be reported leaked on the launcher's
     stderr."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the server ignores it (gcompile.fork_server); a rank does not
     multiprocessing.set_start_method(None, force=True)  # this platform's default, not the server's forkserver
     os.environ.clear()
     os.environ.update(env, **{shutdown.LAUNCHER: str(launcher)})

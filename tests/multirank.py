@@ -13,6 +13,7 @@ interpreter pays, which over the suite's launches add up to minutes on two cores
 import multiprocessing
 import os
 import runpy
+import signal
 import sys
 
 import torch
@@ -67,6 +68,7 @@ _FORKS.set_forkserver_preload([*PRELOAD, "torch.distributed.checkpoint", "torch.
 
 def _run_rank(worker: str, argv: list[str], rank: int, world: int, log_path: str) -> None:
     """In a forked rank: its environment and output file, then the worker script as __main__."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the server ignores it (gcompile.fork_server); a rank does not
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     with open(log_path, "w") as log:

@@ -25,12 +25,14 @@ TINY = ["--config", os.path.join(ROOT, "configs", "tiny.toml"), "--eval-interval
 FOREVER = ["--train-iters", "1000000"]
 
 
-def start(tmp_path, *flags) -> subprocess.Popen:
-    """`python run_gpt.py` on the tiny model, output to tmp_path/stdout and tmp_path/stderr."""
+def start(tmp_path, *flags, own_group: bool = False) -> subprocess.Popen:
+    """`python run_gpt.py` on the tiny model, output to tmp_path/stdout and tmp_path/stderr; with `own_group`, the
+    leader of a process group of its own (as a job scheduler starts a job step)."""
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     with open(tmp_path / "stdout", "w") as out, open(tmp_path / "stderr", "w") as err:
         return subprocess.Popen([sys.executable, os.path.join(ROOT, "run_gpt.py"), *TINY, "--run-dir",
-                                 str(tmp_path / "run"), *map(str, flags)], stdout=out, stderr=err, env=env)
+                                 str(tmp_path / "run"), *map(str, flags)], stdout=out, stderr=err, env=env,
+                                start_new_session=own_group)
 
 
 def output(tmp_path) -> tuple[str, str]:
@@ -198,6 +200,24 @@ def test_sigterm_with_exit_signal_handler_saves_where_every_rank_stops_and_resum
     straight = parse_args(TINY + end + ["--run-dir", str(tmp_path / "straight")])[0]
     assert_succeeded(tmp_path, launch(tmp_path, WORKER, dict(configs=[resumed, straight]), world=2))
     assert cut + losses(tmp_path / "resumed") == losses(tmp_path / "straight")
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launchers_process_group_still_saves(tmp_path):
+    """`kill -TERM -- -PGID` (a scheduler ending a job step) reaches the launcher and the fork server its ranks
+    came from, not the ranks (sessions of their own). multiprocessing reads every rank of a dead fork server as
+    exited, so the server must outlive the signal for the launcher to wait for the save."""
+    save = tmp_path / "save"
+    proc = start(tmp_path, "--dp", 2, *FOREVER, "--exit-signal-handler", "--save", save, own_group=True)
+    wait_for_iteration(tmp_path, proc, 2, rank=1)
+    processes = run_processes(proc)
+    os.killpg(proc.pid, signal.SIGTERM)
+    assert proc.wait(timeout=300) == 143
+    stdout, stderr = output(tmp_path)
+    assert stderr.splitlines() == ["run_gpt.py: stopped by SIGTERM"] and "Traceback" not in stdout
+    stopped_at = int((save / TRACKER).read_text())
+    assert f"exiting at iteration {stopped_at} on SIGTERM" in stdout and stopped_at >= 2
+    assert_all_gone(processes)
 
 
 @pytest.mark.slow
