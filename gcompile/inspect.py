@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             out = list_ranks(args.dir)
     except InspectError as e:
-        print(f"gcompile.inspect: error: {e}", file=sys.stderr)
+        print(f"{p.prog}: error: {e}", file=sys.stderr)
         return 2
     sys.stdout.write(out if out.endswith("\n") else out + "\n")
     return 0

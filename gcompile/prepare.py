@@ -52,7 +52,7 @@ def find_files(inputs: list[str], pattern: str = "*", skip_dirs: tuple[str, ...]
                 files += [os.path.join(root, n) for n in sorted(fnmatch.filter(names, pattern))
                           if os.path.isfile(os.path.join(root, n))]
         else:
-            raise DataError(f"--input {path}: no such file or folder")
+            raise DataError(f"--input {path}: no such file or folder; give files, or folders holding them")
     if not files:
         raise DataError(f"--input {' '.join(inputs)}: no files matching --pattern {pattern!r}")
     return files
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> None:
         dataset = prepare(args.input, args.output, args.pattern, spec=spec, append_eod=args.append_eod,
                           train_vocab_size=args.vocab_size, workers=args.workers)
     except (DataError, tok.TokenizerError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"{prep.prog}: error: {e}", file=sys.stderr)
         sys.exit(2)
     print(f"{args.output}.bin/.idx: {len(dataset)} documents, {len(dataset.tokens)} tokens")
 

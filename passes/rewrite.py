@@ -26,7 +26,8 @@ def source_line(node: fx.Node) -> str:
     if not ours:
         return "no source line recorded"
     file, line, code = ours[-1]
-    return f"{file}:{line}: {code.strip()}"
+    relative = os.path.relpath(file)
+    return f"{file if relative.startswith('..') else relative}:{line}: {code.strip()}"  # as the user named it
 
 
 _TORCH_DIR = os.path.dirname(inspect.getfile(torch))

@@ -260,7 +260,7 @@ def test_prepare_cli_errors_are_one_line_and_status_2(tmp_path, args, match):
     result = run_cli("prepare", *args, "--output", str(tmp_path / "o"))
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ")
+    assert len(lines) == 1 and lines[0].startswith("python -m gcompile.data prepare: error: ")
     assert re.search(match, lines[0])
 
 

@@ -193,5 +193,5 @@ def test_bad_tokenizer_flags_are_one_line(corpus, tmp_path, capsys, args, messag
     args = [str(tmp_path / a) if a in ("NOPE", "BAD", "NO_EOD") else a for a in args]
     assert cli("--input", corpus, "--output", tmp_path / "out", *args) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: ") and re.search(message, err[0]), err
+    assert len(err) == 1 and err[0].startswith("python -m gcompile.data prepare: error: ") and re.search(message, err[0]), err
     assert not os.path.exists(tmp_path / "out.bin")
