@@ -6,7 +6,8 @@
 
 Candidates: tp x cp x pp x dp = world (tp and cp powers of two up to 8), ep over
 the dp x cp ranks where the model has experts; with a pipeline the 1f1b, zb1f1b and
-interleaved (2 chunks per rank) schedules; every micro-batch size of 1, 2, 4 or 8
+interleaved (every number of stages per rank, vpp, that splits the layers evenly) schedules;
+every micro-batch size of 1, 2, 4 or 8
 that divides the per-rank batch; the dp sharding strategies no_shard and optim
 (ZeRO-1); sequence parallel (where tp > 1), ZeRO-3 (optim_grads_params) and full
 recompute only where the cheaper ones do not fit (each alone, then in pairs, then all
@@ -116,6 +117,13 @@ def _powers_of_two(limit: int, divides: int) -> list[int]:
     return [n for n in (1, 2, 4, 8) if n <= limit and divides % n == 0]
 
 
+def _chunks(layers: int, pp: int) -> list[int]:
+    """Interleaved's stages per rank (vpp) that cut `layers` into pp x vpp stages of whole layers, more than one;
+    where pp does not divide them, 2 (validation says why it cannot split)."""
+    per_rank = layers // pp if layers % pp == 0 else 2
+    return [vpp for vpp in range(2, per_rank + 1) if per_rank % vpp == 0] or [2]
+
+
 def layouts(base: RunConfig, world: int, schedules=SCHEDULES, micro_batch_sizes=MICRO_BATCH_SIZES,
             cp_comm_types: tuple[str, ...] = ()) -> list[dict]:
     """Every candidate shape of `world` ranks, before validation, memory savers left out; with cp > 1 one for each
@@ -131,7 +139,8 @@ def layouts(base: RunConfig, world: int, schedules=SCHEDULES, micro_batch_sizes=
                 eps = [e for e in range(1, dp * cp + 1) if (dp * cp) % e == 0 and e <= experts] if experts else [1]
                 for ep in eps:
                     pipelines = [("1f1b", 1)] if pp == 1 else \
-                        [(name, 2 if name == "interleaved" else 1) for name in schedules]
+                        [(name, vpp) for name in schedules for vpp in (_chunks(m.n_layer, pp) if name == "interleaved"
+                                                                       else (1,))]
                     for schedule, vpp in pipelines:
                         for mbs in micro_batch_sizes:
                             if t.global_batch_size % (mbs * dp):

@@ -21,7 +21,7 @@ from gcompile.config import build_config, parse_args
 from gcompile.cost_model import Rates, StepTime, _concurrency, graph_time, predict, rates_for
 from gcompile.machine import Link, Machine, MachineError, rate_at
 from gcompile.pipeline import BuildCache, builtin_passes, build_rank_program
-from gcompile.plan import Search, configure, evaluate, format_search, search
+from gcompile.plan import Search, configure, evaluate, format_search, layouts, search
 from gcompile.plan_cache import PlanCache, code_version, layout_key
 from gcompile.schedule import Action, Kind, Span, build_schedule, simulate
 from gcompile.world import build_world
@@ -537,3 +537,22 @@ def test_a_memory_saver_the_layout_cannot_run_is_refused_and_the_next_tried():
     assert [(ok, "sequence_parallel" in c[0] if not ok else c.layout.get("recompute_activations"))
             for ok, c in found] == [(False, False), (False, True), (True, True)]
     assert "not divisible by tp=2 (sequence_parallel)" in found[1][1][1]
+
+
+def test_interleaved_layouts_try_every_even_split_of_the_layers():
+    """12 layers: over pp 2, 2, 3 or 6 stages per rank; over pp 4, 3; over pp 8 none splits evenly, and the one
+    tried (vpp 2) is refused by validation with its reason."""
+    base = build_config({"model": dict(n_layer=12, n_head=2, n_embd=32, block_size=32),
+                         "train": dict(micro_batch_size=1, global_batch_size=16, seq_length=32)})
+
+    def chunks(world: int) -> dict[int, list[int]]:
+        found = {}
+        for layout in layouts(base, world, schedules=("interleaved",), micro_batch_sizes=(1,)):
+            if layout["pp"] > 1 and layout["tp"] == layout["dp"] == 1 and "cp" not in layout and \
+                    layout["data_parallel_sharding_strategy"] == "no_shard":
+                found.setdefault(layout["pp"], []).append(layout["virtual_pipeline_size"])
+        return found
+    assert chunks(2) == {2: [2, 3, 6]} and chunks(4) == {4: [3]} and chunks(8) == {8: [2]}
+    with pytest.raises(plan.ConfigError, match="cannot be split into pp 8 \\* vpp 2"):
+        configure(base, {"tp": 1, "pp": 8, "dp": 1, "pipeline_schedule": "interleaved", "virtual_pipeline_size": 2,
+                         "micro_batch_size": 1, "data_parallel_sharding_strategy": "no_shard"})

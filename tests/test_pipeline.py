@@ -69,6 +69,7 @@ CASES = {
     "pp2-gpipe-m8": config(pp=2, schedule="gpipe", m=8),
     "pp2-interleaved-m4": config(pp=2, vpp=2, schedule="interleaved", m=4),
     "pp2-interleaved-m8": config(pp=2, vpp=2, schedule="interleaved", m=8),
+    "pp2-interleaved-vpp3-m4": config(pp=2, vpp=3, schedule="interleaved", m=4, n_layer=6),
     "pp2-1f1b-m4-recompute": config(pp=2, schedule="1f1b", m=4, recompute_activations=True),
     "pp2-layers-3-1": config(pp=2, schedule="1f1b", m=4, layers=(3, 1)),
     "pp4-1f1b-m4": config(pp=4, schedule="1f1b", m=4),
