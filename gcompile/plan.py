@@ -9,9 +9,9 @@ the dp x cp ranks where the model has experts; with a pipeline the 1f1b, zb1f1b 
 interleaved (every number of stages per rank, vpp, that splits the layers evenly) schedules;
 every micro-batch size of 1, 2, 4 or 8
 that divides the per-rank batch; the dp sharding strategies no_shard and optim
-(ZeRO-1); sequence parallel (where tp > 1), ZeRO-3 (optim_grads_params) and full
-recompute only where the cheaper ones do not fit (each alone, then in pairs, then all
-three): none is faster here, all save memory.
+(ZeRO-1); sequence parallel (where tp > 1), ZeRO-2 (optim_grads), ZeRO-3
+(optim_grads_params) and full recompute only where the cheaper ones do not fit (each
+alone, then in pairs, then in threes): none is faster here, all save memory.
 Where cp > 1, the config's cp_comm_type, or each of --cp-comm-types.
 
 Each candidate is checked as a run would be (gcompile.config.validate: its one
@@ -62,13 +62,15 @@ TRAIN_FIELDS = ("micro_batch_size", "recompute_activations")
 SCHEDULES = ("1f1b", "zb1f1b", "interleaved")
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
 SHARDING = ("no_shard", "optim")
-SAVERS = ({"sequence_parallel": True}, {"data_parallel_sharding_strategy": "optim_grads_params"},
-          {"recompute_activations": True})
+SAVERS = ({"sequence_parallel": True}, {"data_parallel_sharding_strategy": "optim_grads"},
+          {"data_parallel_sharding_strategy": "optim_grads_params"}, {"recompute_activations": True})
 SAVING = tuple({k: v for saver in chosen for k, v in saver.items()}
-               for n in range(1, len(SAVERS) + 1) for chosen in itertools.combinations(SAVERS, n))
-"""Memory savers tried, in order (each alone, then in pairs, then all three), only for a candidate over the
+               for n in range(1, len(SAVERS) + 1) for chosen in itertools.combinations(SAVERS, n)
+               if len({k for saver in chosen for k in saver}) == n)  # one sharding strategy at a time
+"""Memory savers tried, in order (each alone, then in pairs, then in threes), only for a candidate over the
 budget. Sequence parallel first: it shards the activations tp does not (norms, residuals, dropout masks) for
-collectives of the same volume, which is why Megatron pairs it with every tp > 1."""
+collectives of the same volume, which is why Megatron pairs it with every tp > 1. Then ZeRO-2 (gradients
+sharded too) before ZeRO-3 (weights too), and full recompute."""
 LAYOUTS_PER_WORKER = 10
 """A worker process starts only for this many layouts: each imports torch and captures the model again first,
 seconds that a small search does not win back (tiny on 2 ranks here: 8 layouts, one process 10.2 s, two

@@ -556,3 +556,18 @@ def test_interleaved_layouts_try_every_even_split_of_the_layers():
     with pytest.raises(plan.ConfigError, match="cannot be split into pp 8 \\* vpp 2"):
         configure(base, {"tp": 1, "pp": 8, "dp": 1, "pipeline_schedule": "interleaved", "virtual_pipeline_size": 2,
                          "micro_batch_size": 1, "data_parallel_sharding_strategy": "no_shard"})
+
+
+def test_zero_2_is_tried_before_zero_3():
+    """dp 2 over a budget that sharding the gradients meets: the layout kept is ZeRO-2, not ZeRO-3, whose
+    all-gathers of every layer it does not need."""
+    base, cache = tiny(), BuildCache()
+    dp2 = {"tp": 1, "pp": 1, "dp": 2, "pipeline_schedule": "1f1b", "micro_batch_size": 2,
+           "data_parallel_sharding_strategy": "optim"}
+    memory = {sharding: evaluate(configure(base, {**dp2, "data_parallel_sharding_strategy": sharding}),
+                                 flat_machine(), cache)[1] for sharding in ("optim", "optim_grads")}
+    assert memory["optim_grads"] < memory["optim"]
+    budget = (memory["optim"] + memory["optim_grads"]) / 2 / 2 ** 30
+    [found], _, _ = plan._search_family(base, flat_machine(), budget, [dp2], cache)
+    assert [(ok, (c.layout if ok else c[0])["data_parallel_sharding_strategy"]) for ok, c in found] == \
+        [(False, "optim"), (True, "optim_grads")]
