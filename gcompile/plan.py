@@ -11,7 +11,8 @@ every micro-batch size of 1, 2, 4 or 8
 that divides the per-rank batch; the dp sharding strategies no_shard and optim
 (ZeRO-1); sequence parallel (where tp > 1), ZeRO-2 (optim_grads), ZeRO-3
 (optim_grads_params) and full recompute only where the cheaper ones do not fit (each
-alone, then in pairs, then in threes): none is faster here, all save memory.
+alone, then in pairs, then in threes; every one of a tier that fits is ranked): none is
+faster here, all save memory.
 Where cp > 1, the config's cp_comm_type, or each of --cp-comm-types.
 
 Each candidate is checked as a run would be (gcompile.config.validate: its one
@@ -64,13 +65,14 @@ MICRO_BATCH_SIZES = (1, 2, 4, 8)
 SHARDING = ("no_shard", "optim")
 SAVERS = ({"sequence_parallel": True}, {"data_parallel_sharding_strategy": "optim_grads"},
           {"data_parallel_sharding_strategy": "optim_grads_params"}, {"recompute_activations": True})
-SAVING = tuple({k: v for saver in chosen for k, v in saver.items()}
-               for n in range(1, len(SAVERS) + 1) for chosen in itertools.combinations(SAVERS, n)
-               if len({k for saver in chosen for k in saver}) == n)  # one sharding strategy at a time
-"""Memory savers tried, in order (each alone, then in pairs, then in threes), only for a candidate over the
-budget. Sequence parallel first: it shards the activations tp does not (norms, residuals, dropout masks) for
-collectives of the same volume, which is why Megatron pairs it with every tp > 1. Then ZeRO-2 (gradients
-sharded too) before ZeRO-3 (weights too), and full recompute."""
+SAVING = tuple(tuple({k: v for saver in chosen for k, v in saver.items()}
+                     for chosen in itertools.combinations(SAVERS, n)
+                     if len({k for saver in chosen for k in saver}) == n)  # one sharding strategy at a time
+               for n in range(1, len(SAVERS)))
+"""Memory savers for a candidate over the budget, in tiers: each alone, then in pairs, then in threes. Every
+saver of a tier is tried and each that fits is ranked; the next tier only where none did. Sequence parallel
+shards the activations tp does not (norms, residuals, dropout masks) for collectives of the same volume, which
+is why Megatron pairs it with every tp > 1; ZeRO-2 shards the gradients, ZeRO-3 the weights too."""
 LAYOUTS_PER_WORKER = 10
 """A worker process starts only for this many layouts: each imports torch and captures the model again first,
 seconds that a small search does not win back (tiny on 2 ranks here: 8 layouts, one process 10.2 s, two
@@ -252,57 +254,68 @@ def _search_family(base: RunConfig, machine: Machine, budget_gb: float | None, m
                    cache: BuildCache | None = None, known: Known | None = None, machine_text: str = "",
                    build: bool = True) -> tuple[list[list[tuple[bool, Candidate | tuple]]], Known, int]:
     """Per member, (True, candidate) or (False, (layout, why, its reasons as counted)) for each layout tried, in
-    order: one over the budget is tried again with each memory saver until one fits (a saver this layout
-    cannot run is refused and the next tried). Then what it predicted that
+    order: one over the budget is tried again with the memory savers (SAVING), a tier at a time, until a tier
+    has one that fits (a saver this layout cannot run is refused, the others tried). Then what it predicted that
     `known` (by gcompile.plan_cache.layout_key with `machine_text`) did not hold, and how many predictions it
     took from `known`; without `build`, a layout `known` does not hold raises _Unknown."""
     known = known or {}
-    everything, seen, added, reused = [], set(), {}, 0
+    everything, seen, added, reused = [], {}, {}, 0
     for layout in members:
         found = []
         everything.append(found)
-        for saver in ({},) + SAVING:
-            if "data_parallel_sharding_strategy" in saver and layout["dp"] * layout.get("cp", 1) == 1:
-                continue  # nothing to shard over
-            if "sequence_parallel" in saver and (layout["tp"] == 1 or base.parallel.sequence_parallel):
-                continue  # nothing to shard over, or the run shards the sequence already
-            tried = {**layout, **saver}
-            if tuple(tried.items()) in seen:  # no_shard and optim meet again under ZeRO-3
-                continue
-            seen.add(tuple(tried.items()))
-            try:
-                config = configure(base, tried)
-            except ConfigError as e:
-                found.append((False, (tried, str(e), e.reasons)))
-                if saver:
-                    continue  # another saver may still run and fit
+        for tier in (({},),) + SAVING:
+            outcomes = []
+            for saver in tier:
+                if "data_parallel_sharding_strategy" in saver and layout["dp"] * layout.get("cp", 1) == 1:
+                    continue  # nothing to shard over
+                if "sequence_parallel" in saver and (layout["tp"] == 1 or base.parallel.sequence_parallel):
+                    continue  # nothing to shard over, or the run shards the sequence already
+                tried = {**layout, **saver}
+                if tuple(tried.items()) not in seen:  # no_shard and optim meet again under ZeRO-2 and -3
+                    outcome, from_known = _try(base, machine, budget_gb, tried, cache, known, machine_text, build,
+                                               added)
+                    found.append(outcome)
+                    reused += from_known
+                    seen[tuple(tried.items())] = outcome
+                outcomes.append(seen[tuple(tried.items())])
+            if any(ok for ok, _ in outcomes):
                 break
-            key = layout_key(config, machine_text)
-            if key in known:
-                step, memory = known[key]
-                reused += 1
-            elif not build:
-                raise _Unknown
-            else:
-                try:
-                    prediction, memory = evaluate(config, machine, cache or _process_cache())
-                except PassError as e:
-                    if not isinstance(e.__cause__, GraphMismatch):
-                        raise  # a pass that broke, not one that cannot rewrite this layout
-                    found.append((False, (tried, str(e.__cause__), (str(e.__cause__),))))
-                    if saver:
-                        continue
-                    break
-                step = prediction.totals()
-                if key is not None:
-                    added[key] = step, memory
-            if budget_gb is None or memory <= budget_gb * 2 ** 30:
-                found.append((True, Candidate(tried, config, step, memory)))
-                break
-            over = f"over the budget of {budget_gb} GiB"
-            needs = f"needs about {memory / 2 ** 30:.3g} GiB on its largest rank"
-            found.append((False, (tried, f"{over}; {needs}", (over,))))
+            if tier == ({},) and not outcomes[0][1][1].startswith(_OVER):
+                break  # the layout itself cannot run: no saver makes it
     return everything, added, reused
+
+
+_OVER = "over the budget"
+
+
+def _try(base: RunConfig, machine: Machine, budget_gb: float | None, tried: dict, cache: BuildCache | None,
+         known: Known, machine_text: str, build: bool, added: Known) -> tuple[tuple[bool, Candidate | tuple], bool]:
+    """One layout: (True, candidate) or (False, (layout, why, its reasons as counted)), and whether its
+    prediction came from `known` (what it predicts anew goes to `added`)."""
+    try:
+        config = configure(base, tried)
+    except ConfigError as e:
+        return (False, (tried, str(e), e.reasons)), False
+    key = layout_key(config, machine_text)
+    if key in known:
+        step, memory = known[key]
+    elif not build:
+        raise _Unknown
+    else:
+        try:
+            prediction, memory = evaluate(config, machine, cache or _process_cache())
+        except PassError as e:
+            if not isinstance(e.__cause__, GraphMismatch):
+                raise  # a pass that broke, not one that cannot rewrite this layout
+            return (False, (tried, str(e.__cause__), (str(e.__cause__),))), False
+        step = prediction.totals()
+        if key is not None:
+            added[key] = step, memory
+    if budget_gb is None or memory <= budget_gb * 2 ** 30:
+        return (True, Candidate(tried, config, step, memory)), key in known
+    over = f"{_OVER} of {budget_gb} GiB"
+    needs = f"needs about {memory / 2 ** 30:.3g} GiB on its largest rank"
+    return (False, (tried, f"{over}; {needs}", (over,))), key in known
 
 
 @functools.cache

@@ -518,7 +518,8 @@ def test_planner_shards_the_sequence_of_a_tp_layout_over_the_budget():
     assert sharded < whole
     found = search(base, 2, flat_machine(), budget_gb=(whole + sharded) / 2 / 2 ** 30, cache=cache,
                    micro_batch_sizes=(4,), schedules=("1f1b",))
-    assert [c.layout.get("sequence_parallel") for c in found.ranked if c.layout["tp"] == 2] == [True]
+    kept = [c.layout for c in found.ranked if c.layout["tp"] == 2]
+    assert {**tp2, "sequence_parallel": True} in kept and tp2 not in kept
     tried = [c.layout for c in found.ranked] + [layout for layout, _ in found.refused]
     assert all("sequence_parallel" not in layout for layout in tried if layout["tp"] == 1)
     assert any(layout == tp2 and "over the budget" in why for layout, why in found.refused)
@@ -558,9 +559,9 @@ def test_interleaved_layouts_try_every_even_split_of_the_layers():
                          "micro_batch_size": 1, "data_parallel_sharding_strategy": "no_shard"})
 
 
-def test_zero_2_is_tried_before_zero_3():
-    """dp 2 over a budget that sharding the gradients meets: the layout kept is ZeRO-2, not ZeRO-3, whose
-    all-gathers of every layer it does not need."""
+def test_every_saver_of_a_tier_that_fits_is_ranked_and_the_next_tier_is_not_tried():
+    """dp 2 over a budget that sharding the gradients meets: ZeRO-2, ZeRO-3 and recompute each fit and are each
+    ranked (the planner picks by predicted time, not by the order it tried them); no pair of savers is built."""
     base, cache = tiny(), BuildCache()
     dp2 = {"tp": 1, "pp": 1, "dp": 2, "pipeline_schedule": "1f1b", "micro_batch_size": 2,
            "data_parallel_sharding_strategy": "optim"}
@@ -569,5 +570,8 @@ def test_zero_2_is_tried_before_zero_3():
     assert memory["optim_grads"] < memory["optim"]
     budget = (memory["optim"] + memory["optim_grads"]) / 2 / 2 ** 30
     [found], _, _ = plan._search_family(base, flat_machine(), budget, [dp2], cache)
-    assert [(ok, (c.layout if ok else c[0])["data_parallel_sharding_strategy"]) for ok, c in found] == \
-        [(False, "optim"), (True, "optim_grads")]
+    tried = [(ok, {k: v for k, v in (c.layout if ok else c[0]).items() if k not in dp2 or dp2[k] != v})
+             for ok, c in found]
+    assert tried == [(False, {}), (True, {"data_parallel_sharding_strategy": "optim_grads"}),
+                     (True, {"data_parallel_sharding_strategy": "optim_grads_params"}),
+                     (True, {"recompute_activations": True})]
