@@ -65,10 +65,10 @@ MICRO_BATCH_SIZES = (1, 2, 4, 8)
 SHARDING = ("no_shard", "optim")
 SAVERS = ({"sequence_parallel": True}, {"data_parallel_sharding_strategy": "optim_grads"},
           {"data_parallel_sharding_strategy": "optim_grads_params"}, {"recompute_activations": True})
-SAVING = tuple(tuple({k: v for saver in chosen for k, v in saver.items()}
-                     for chosen in itertools.combinations(SAVERS, n)
-                     if len({k for saver in chosen for k in saver}) == n)  # one sharding strategy at a time
-               for n in range(1, len(SAVERS)))
+SAVING = tuple(filter(None, (tuple({k: v for saver in chosen for k, v in saver.items()}
+                                   for chosen in itertools.combinations(SAVERS, n)
+                                   if len({k for saver in chosen for k in saver}) == n)  # one sharding strategy
+                             for n in range(1, len(SAVERS) + 1))))
 """Memory savers for a candidate over the budget, in tiers: each alone, then in pairs, then in threes. Every
 saver of a tier is tried and each that fits is ranked; the next tier only where none did. Sequence parallel
 shards the activations tp does not (norms, residuals, dropout masks) for collectives of the same volume, which
@@ -121,9 +121,12 @@ def _powers_of_two(limit: int, divides: int) -> list[int]:
     return [n for n in (1, 2, 4, 8) if n <= limit and divides % n == 0]
 
 
-def _chunks(layers: int, pp: int) -> list[int]:
+def _chunks(layers: int, pp: int, listed: tuple[int, ...] = ()) -> list[int]:
     """Interleaved's stages per rank (vpp) that cut `layers` into pp x vpp stages of whole layers, more than one;
-    where pp does not divide them, 2 (validation says why it cannot split)."""
+    with the user's split (`listed`, pipeline_layers), the one it gives. Where none can, 2 (validation says
+    why)."""
+    if listed:
+        return [len(listed) // pp] if len(listed) % pp == 0 and len(listed) // pp > 1 else [2]
     per_rank = layers // pp if layers % pp == 0 else 2
     return [vpp for vpp in range(2, per_rank + 1) if per_rank % vpp == 0] or [2]
 
@@ -142,9 +145,9 @@ def layouts(base: RunConfig, world: int, schedules=SCHEDULES, micro_batch_sizes=
                 dp = rest // pp
                 eps = [e for e in range(1, dp * cp + 1) if (dp * cp) % e == 0 and e <= experts] if experts else [1]
                 for ep in eps:
+                    chunks = _chunks(m.n_layer, pp, base.parallel.pipeline_layers)
                     pipelines = [("1f1b", 1)] if pp == 1 else \
-                        [(name, vpp) for name in schedules for vpp in (_chunks(m.n_layer, pp) if name == "interleaved"
-                                                                       else (1,))]
+                        [(name, vpp) for name in schedules for vpp in (chunks if name == "interleaved" else (1,))]
                     for schedule, vpp in pipelines:
                         for mbs in micro_batch_sizes:
                             if t.global_batch_size % (mbs * dp):
@@ -261,15 +264,16 @@ def _search_family(base: RunConfig, machine: Machine, budget_gb: float | None, m
     known = known or {}
     everything, seen, added, reused = [], {}, {}, 0
     for layout in members:
-        found = []
+        found, cannot = [], []  # the savers this layout cannot run: no combination with one is tried
         everything.append(found)
         for tier in (({},),) + SAVING:
-            outcomes = []
+            fits = False
             for saver in tier:
                 if "data_parallel_sharding_strategy" in saver and layout["dp"] * layout.get("cp", 1) == 1:
                     continue  # nothing to shard over
-                if "sequence_parallel" in saver and (layout["tp"] == 1 or base.parallel.sequence_parallel):
-                    continue  # nothing to shard over, or the run shards the sequence already
+                if "sequence_parallel" in saver and layout["tp"] == 1 or _already(base, layout, saver) or \
+                        any(refused.items() <= saver.items() for refused in cannot):
+                    continue  # nothing to shard over, the run does it already, or it cannot
                 tried = {**layout, **saver}
                 if tuple(tried.items()) not in seen:  # no_shard and optim meet again under ZeRO-2 and -3
                     outcome, from_known = _try(base, machine, budget_gb, tried, cache, known, machine_text, build,
@@ -277,15 +281,24 @@ def _search_family(base: RunConfig, machine: Machine, budget_gb: float | None, m
                     found.append(outcome)
                     reused += from_known
                     seen[tuple(tried.items())] = outcome
-                outcomes.append(seen[tuple(tried.items())])
-            if any(ok for ok, _ in outcomes):
+                ok, outcome = seen[tuple(tried.items())]
+                fits = fits or ok
+                if not ok and outcome[2] != (_over(budget_gb),):
+                    cannot.append(saver)
+            if fits or {} in cannot:  # one fits, or the layout itself cannot run
                 break
-            if tier == ({},) and not outcomes[0][1][1].startswith(_OVER):
-                break  # the layout itself cannot run: no saver makes it
     return everything, added, reused
 
 
-_OVER = "over the budget"
+def _over(budget_gb: float | None) -> str:
+    return f"over the budget of {budget_gb} GiB"
+
+
+def _already(base: RunConfig, layout: dict, saver: dict) -> bool:
+    """Whether the run planned for does what `saver` sets already, where the layout leaves it (a config with
+    recompute on, say)."""
+    return any(key not in layout and getattr(base.train if key in TRAIN_FIELDS else base.parallel, key) == value
+               for key, value in saver.items())
 
 
 def _try(base: RunConfig, machine: Machine, budget_gb: float | None, tried: dict, cache: BuildCache | None,
@@ -313,7 +326,7 @@ def _try(base: RunConfig, machine: Machine, budget_gb: float | None, tried: dict
             added[key] = step, memory
     if budget_gb is None or memory <= budget_gb * 2 ** 30:
         return (True, Candidate(tried, config, step, memory)), key in known
-    over = f"{_OVER} of {budget_gb} GiB"
+    over = _over(budget_gb)
     needs = f"needs about {memory / 2 ** 30:.3g} GiB on its largest rank"
     return (False, (tried, f"{over}; {needs}", (over,))), key in known
 

@@ -538,6 +538,13 @@ def test_a_memory_saver_the_layout_cannot_run_is_refused_and_the_next_tried():
     assert [(ok, "sequence_parallel" in c[0] if not ok else c.layout.get("recompute_activations"))
             for ok, c in found] == [(False, False), (False, True), (True, True)]
     assert "not divisible by tp=2 (sequence_parallel)" in found[1][1][1]
+    # under a budget recompute misses too, no pair with sequence parallel is tried, nor recompute where the run
+    # recomputes already
+    [found], _, _ = plan._search_family(base, flat_machine(), recomputed / 2 / 2 ** 30, [tp2], cache)
+    assert [sorted(set(c[0]) - set(tp2)) for _, c in found] == [[], ["sequence_parallel"], ["recompute_activations"]]
+    recomputing = dataclasses.replace(base, train=dataclasses.replace(base.train, recompute_activations=True))
+    [found], _, _ = plan._search_family(recomputing, flat_machine(), recomputed / 2 / 2 ** 30, [tp2], cache)
+    assert [sorted(set(c[0]) - set(tp2)) for _, c in found] == [[], ["sequence_parallel"]]
 
 
 def test_interleaved_layouts_try_every_even_split_of_the_layers():
@@ -554,6 +561,7 @@ def test_interleaved_layouts_try_every_even_split_of_the_layers():
                 found.setdefault(layout["pp"], []).append(layout["virtual_pipeline_size"])
         return found
     assert chunks(2) == {2: [2, 3, 6]} and chunks(4) == {4: [3]} and chunks(8) == {8: [2]}
+    assert plan._chunks(13, 2, (2, 2, 2, 2, 2, 3)) == [3], "the user's split of 6 stages: 3 a rank over pp 2"
     with pytest.raises(plan.ConfigError, match="cannot be split into pp 8 \\* vpp 2"):
         configure(base, {"tp": 1, "pp": 8, "dp": 1, "pipeline_schedule": "interleaved", "virtual_pipeline_size": 2,
                          "micro_batch_size": 1, "data_parallel_sharding_strategy": "no_shard"})
