@@ -143,11 +143,11 @@ def layouts(base: RunConfig, world: int, schedules=SCHEDULES, micro_batch_sizes=
             rest = world // (tp * cp)
             for pp in [d for d in range(1, rest + 1) if rest % d == 0]:
                 dp = rest // pp
+                chunks = _chunks(m.n_layer, pp, base.parallel.pipeline_layers)
+                pipelines = [("1f1b", 1)] if pp == 1 else \
+                    [(name, vpp) for name in schedules for vpp in (chunks if name == "interleaved" else (1,))]
                 eps = [e for e in range(1, dp * cp + 1) if (dp * cp) % e == 0 and e <= experts] if experts else [1]
                 for ep in eps:
-                    chunks = _chunks(m.n_layer, pp, base.parallel.pipeline_layers)
-                    pipelines = [("1f1b", 1)] if pp == 1 else \
-                        [(name, vpp) for name in schedules for vpp in (chunks if name == "interleaved" else (1,))]
                     for schedule, vpp in pipelines:
                         for mbs in micro_batch_sizes:
                             if t.global_batch_size % (mbs * dp):
