@@ -37,6 +37,7 @@ from gcompile.report import is_metric
 from gcompile.rank_program import RankProgram
 from gcompile.state import TrainState
 from gcompile.torch_api import is_op_overload
+from gcompile.instructions import WAIT_SEND
 from gcompile.schedule import Kind
 
 
@@ -114,7 +115,7 @@ def pipeline_messages(program: RankProgram) -> tuple[list[Message], list[Message
     """(sends, receives) of one iteration, in posting order."""
     rank, sends, recvs = program.coords.rank, [], []
     for i, a in enumerate(program.instructions):
-        if a.is_compute:
+        if a.is_compute or a.op == WAIT_SEND:
             continue
         stage = program.stages[a.stage]
         where = f"rank {rank} instruction {i:02d} {a.action}"
@@ -242,11 +243,13 @@ def estimate_memory(program: RankProgram) -> MemoryEstimate:
 def _held_at_peak(program: RankProgram) -> tuple[int, int]:
     """(saved activations, pipeline messages) at the instruction boundary where they add up to most, walking
     the rank's instructions: F keeps what its backward reads, B lets it go (and keeps what a W reads, which
-    W lets go); a receive holds its tensors until the compute that reads them, a send until the step ends."""
+    W lets go); a receive holds its tensors until the compute that reads them, a send until its WAIT_SEND (or
+    the step's end)."""
     saved = {s: _saved_bytes(stage) for s, stage in program.stages.items()}
     for_w = {s: _weight_bytes(stage) for s, stage in program.stages.items()}
     sends, recvs = (iter(found) for found in pipeline_messages(program))
     held = defaultdict(int)  # buffer name -> bytes of a received message not yet read
+    sending = {}  # buffer name -> bytes of a sent message not yet waited for
     activations = sent = peak = peak_activations = peak_messages = 0
     for instruction in program.instructions:
         op, s = instruction.op, instruction.stage
@@ -257,7 +260,10 @@ def _held_at_peak(program: RankProgram) -> tuple[int, int]:
         elif op == Kind.W:
             activations -= for_w[s]
         elif op in (Kind.SEND_F, Kind.SEND_B):
-            sent += message_bytes(next(sends))
+            sending[instruction.reads[0]] = message_bytes(next(sends))
+            sent += sending[instruction.reads[0]]
+        elif op == WAIT_SEND:
+            sent -= sending.pop(instruction.reads[0])
         elif op in (Kind.RECV_F, Kind.RECV_B):
             held[instruction.writes[0]] += message_bytes(next(recvs))
         if instruction.is_compute:

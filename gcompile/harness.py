@@ -94,18 +94,41 @@ def _signature(name: str, call: dict) -> str:
     return " ".join(str(part) for part in (name, call.get("reduce_op"), shape, x.dtype) if part is not None)
 
 
-class Hub:
+class _Meeting:
+    """Where ranks wait for each other: one lock, a timeout, and the first failure, which wakes every waiter."""
+
+    def __init__(self, timeout: float):
+        self.timeout = timeout
+        self.cond = threading.Condition()
+        self.failed: str | None = None
+
+    def wait_until(self, ready: Callable[[], bool], timed_out: Callable[[], str]) -> None:
+        """With `cond` held: return once `ready()`; _Aborted where another rank failed first, HarnessError with
+        `timed_out()` where nothing came within the timeout (as a hang would have)."""
+        arrived = self.cond.wait_for(lambda: ready() or self.failed, self.timeout)
+        if self.failed and not ready():
+            raise _Aborted(self.failed)
+        if not arrived:
+            self._fail(timed_out())
+            raise HarnessError(self.failed)
+
+    def _fail(self, message: str) -> None:
+        with self.cond:
+            self.failed = self.failed or message
+            self.cond.notify_all()
+
+
+class Hub(_Meeting):
     """Where the ranks' functional collectives meet."""
 
     def __init__(self, coords: dict[int, Coords], timeout: float = TIMEOUT):
-        self.coords, self.timeout = coords, timeout
-        self.cond = threading.Condition()
+        super().__init__(timeout)
+        self.coords = coords
         self.calls = defaultdict(int)
         """(rank, group name, members) -> collectives this rank has issued on that group."""
         self.pending = {}
         """(group name, members, n) -> {rank: (op, arguments)} of the n-th collective on that group."""
         self.results = {}
-        self.failed: str | None = None
 
     def collective(self, rank: int, op, args, kwargs) -> torch.Tensor:
         call = dict(zip((a.name for a in op._schema.arguments), args), **kwargs)
@@ -128,23 +151,17 @@ class Hub:
                     self.results[key] = dict(zip(members, _compute(name, [slot[m][1] for m in members])))
                 del self.pending[key]
                 self.cond.notify_all()
-            done = self.cond.wait_for(lambda: key in self.results or self.failed, self.timeout)
-            if self.failed and key not in self.results:
-                raise _Aborted(self.failed)
-            if not done:
-                arrived = sorted(self.pending.get(key, {}))
-                self._fail(f"rank {rank} waited {self.timeout:g} s at {name} #{n} on group {group} "
-                           f"{list(members)}: ranks {arrived} arrived, {sorted(set(members) - set(arrived))} never did")
-                raise HarnessError(self.failed)
+            self.wait_until(lambda: key in self.results, lambda: self._missing(rank, name, n, group, members))
             results = self.results[key]
             out = results.pop(rank)
             if not results:
                 del self.results[key]
             return out
 
-    def _fail(self, message: str) -> None:
-        self.failed = self.failed or message
-        self.cond.notify_all()
+    def _missing(self, rank: int, name: str, n: int, group: str, members: tuple) -> str:
+        arrived = sorted(self.pending.get((group, members, n), {}))
+        return (f"rank {rank} waited {self.timeout:g} s at {name} #{n} on group {group} {list(members)}: "
+                f"ranks {arrived} arrived, {sorted(set(members) - set(arrived))} never did")
 
 
 class _RankInterpreter(fx.Interpreter):
@@ -171,17 +188,15 @@ def _interpreted(gm: fx.GraphModule | None, rank: int, hub: Hub) -> Callable | N
 P2POp = namedtuple("P2POp", "op tensor peer")
 
 
-class Mailbox:
+class Mailbox(_Meeting):
     """Point-to-point between the ranks of this process, matched in posting order per (src, dst)."""
 
     def __init__(self, timeout: float = TIMEOUT):
-        self.timeout = timeout
-        self.cond = threading.Condition()
+        super().__init__(timeout)
         self.sent = defaultdict(list)
         """(src, dst) -> messages, in sending order (None once received)."""
         self.posted = defaultdict(int)
         """(src, dst) -> receives posted so far."""
-        self.failed: str | None = None
 
     def endpoint(self, rank: int) -> "_Endpoint":
         return _Endpoint(self, rank)
@@ -190,29 +205,42 @@ class Mailbox:
         return [f"rank {src} -> rank {dst}: {sum(m is not None for m in msgs)} messages never received"
                 for (src, dst), msgs in sorted(self.sent.items()) if any(m is not None for m in msgs)]
 
-    def _send(self, src: int, dst: int, tensor: torch.Tensor) -> None:
+    def _send(self, src: int, dst: int, tensor: torch.Tensor) -> "_Send":
         with self.cond:
             self.sent[(src, dst)].append(tensor.detach().clone())
             self.cond.notify_all()
+            return _Send(self, src, dst, len(self.sent[(src, dst)]) - 1)
 
     def _post_recv(self, src: int, dst: int, tensor: torch.Tensor) -> "_Recv":
         with self.cond:
             n = self.posted[(src, dst)]
             self.posted[(src, dst)] += 1
+            self.cond.notify_all()  # a sender may be waiting for it
         return _Recv(self, src, dst, n, tensor)
 
-    def _fail(self, message: str) -> None:
-        with self.cond:
-            self.failed = self.failed or message
-            self.cond.notify_all()
 
+@dataclass
+class _Send:
+    """As gloo's: complete only once waited for, and the wait returns once the receiver has posted the receive
+    (so a runtime that waits too early hangs here as it would there, until the timeout names it)."""
 
-class _Done:
+    box: Mailbox
+    src: int
+    dst: int
+    n: int
+    waited: bool = False
+
     def wait(self) -> bool:
+        box, channel = self.box, (self.src, self.dst)
+        with box.cond:
+            box.wait_until(lambda: box.posted[channel] > self.n,
+                           lambda: f"rank {self.src} waited {box.timeout:g} s for its send {self.n} to rank {self.dst} "
+                                   f"to be received; rank {self.dst} posted {box.posted[channel]} receives")
+        self.waited = True
         return True
 
     def is_completed(self) -> bool:
-        return True
+        return self.waited
 
 
 @dataclass
@@ -227,14 +255,9 @@ class _Recv:
     def wait(self) -> bool:
         box, channel = self.box, (self.src, self.dst)
         with box.cond:
-            arrived = box.cond.wait_for(lambda: len(box.sent[channel]) > self.n or box.failed, box.timeout)
-            if box.failed and len(box.sent[channel]) <= self.n:
-                raise _Aborted(box.failed)
-            if not arrived:
-                box.failed = (f"rank {self.dst} waited {box.timeout:g} s for message {self.n} from rank {self.src}; "
-                              f"rank {self.src} sent {len(box.sent[channel])}")
-                box.cond.notify_all()
-                raise HarnessError(box.failed)
+            box.wait_until(lambda: len(box.sent[channel]) > self.n,
+                           lambda: f"rank {self.dst} waited {box.timeout:g} s for message {self.n} from rank {self.src}; "
+                                   f"rank {self.src} sent {len(box.sent[channel])}")
             message = box.sent[channel][self.n]
             box.sent[channel][self.n] = None
         if message.shape != self.tensor.shape or message.dtype != self.tensor.dtype:
@@ -259,8 +282,7 @@ class _Endpoint:
         works = []
         for op in ops:
             if op.op == self.isend:
-                self.box._send(self.rank, op.peer, op.tensor)
-                works.append(_Done())
+                works.append(self.box._send(self.rank, op.peer, op.tensor))
             else:
                 works.append(self.box._post_recv(op.peer, self.rank, op.tensor))
         return works

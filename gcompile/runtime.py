@@ -12,10 +12,12 @@ take no gradient) runs its whole backward in B, and its W does nothing.
 
 Communication: consecutive SEND/RECV instructions go out as one batched
 isend/irecv into freshly allocated contiguous buffers. A receive is waited for
-right before its tensor is used; sends are waited for at the end of the
-iteration, so a send never blocks a rank (the schedule simulator assumes
-exactly that), and those already delivered are let go before each new
-exchange, so a rank holds only the sent activations still on their way.
+right before its tensor is used. A send is waited for (and its tensor let go)
+at its WAIT_SEND, placed where the schedule proves its receiver has posted the
+receive (gcompile.send_release), so the wait never blocks on the peer's program;
+the rest at the end of the iteration. Sends already delivered (where the
+backend says so: NCCL does, gloo only once waited for) are let go before each
+new exchange.
 Messages between two ranks are matched in posting order, which the simulator
 checks is the same on both ends. Stages on one rank hand tensors
 over directly.
@@ -35,7 +37,7 @@ from gcompile.flight import NO_RECORDER, FlightRecorder
 from gcompile.memory import PeakMeter, StepPeak
 from gcompile.rank_program import RankProgram
 from gcompile.report import is_metric
-from gcompile.instructions import OPT_STEP, OPTIMIZER, Instruction
+from gcompile.instructions import OPT_STEP, OPTIMIZER, WAIT_SEND, Instruction
 from gcompile.schedule import Kind, in_flight_bound, rank_in_flight_bound
 from gcompile.state import TrainState
 from gcompile.torch_api import foreach_add_
@@ -156,7 +158,9 @@ class Runtime:
         """What the model reported (gcompile.report) by role, one value per microbatch, this rank's stages."""
         self.weight_args = {}
         """(stage, mb) -> what its W reads, kept by its B."""
-        self.pending_recvs, self.sends = {}, []
+        self.pending_recvs = {}
+        self.sends: dict[str, list] = {}
+        """Buffer name -> (work, tensor) of each tensor sent from it and not yet waited for."""
         comm = []
         for instruction in instructions:
             if not instruction.is_compute:
@@ -183,9 +187,11 @@ class Runtime:
             self._measure()
         self._communicate(comm)
         if self.sends:
-            self.recorder.start("collective", f"the {len(self.sends)} sends of this iteration's list, to be received")
-            for work, _ in self.sends:
+            self.recorder.start("collective", f"the {len(self.sends)} sends of this iteration not yet waited for, "
+                                              f"to be received")
+            for work, _ in sum(self.sends.values(), []):
                 work.wait()
+            self.sends = {}
             self.recorder.finish("collective")
 
     def _measure(self):
@@ -194,7 +200,8 @@ class Runtime:
         self.meter.sample(
             state=self.state.buffers().values(),
             activations=_tensors(*self.saved.values(), *self.weight_args.values()),
-            messages=_tensors(*self.acts.values(), *self.grads_in.values(), [t for _, t in self.sends]),
+            messages=_tensors(*self.acts.values(), *self.grads_in.values(),
+                              [t for sent in self.sends.values() for _, t in sent]),
             other=_tensors(*self.batch, self.losses, *(c.values() for c in self.constants.values()), [self.loss_grad]))
 
     def _forward(self, a: Instruction, training: bool):
@@ -282,9 +289,16 @@ class Runtime:
             return
         if not (self.state.params.is_cuda and torch.cuda.is_current_stream_capturing()):  # a query would
             # break the capture; a replay holds its buffers anyway
-            self.sends = [(work, t) for work, t in self.sends if not work.is_completed()]  # drop what arrived
+            self.sends = {buffer: kept for buffer, sent in self.sends.items()  # drop what arrived
+                          if (kept := [(work, t) for work, t in sent if not work.is_completed()])}
         ops, posted = [], []
         for a in instructions:
+            if a.op == WAIT_SEND:
+                self.recorder.start("collective", self.labels[id(a)])
+                for work, _ in self.sends.pop(a.reads[0], []):
+                    work.wait()
+                self.recorder.finish("collective")
+                continue
             if a.op == Kind.SEND_F:
                 tensors = self.acts.pop((a.stage + 1, a.mb))
             elif a.op == Kind.SEND_B:
@@ -295,14 +309,14 @@ class Runtime:
                 tensors = self.grads_in[(a.stage, a.mb)] = self._empty_like_outputs(a.stage)
             sends = a.op in (Kind.SEND_F, Kind.SEND_B)
             ops += [self.p2p.P2POp(self.p2p.isend if sends else self.p2p.irecv, t, a.peer) for t in tensors]
-            posted.append(((a.stage, a.mb), sends, tensors, self.labels[id(a)]))
-        works = self.p2p.batch_isend_irecv(ops)
+            posted.append((a, sends, tensors))
+        works = self.p2p.batch_isend_irecv(ops) if ops else []
         i = 0
-        for key, sends, tensors, label in posted:
+        for a, sends, tensors in posted:
             if sends:  # keep the sent tensors alive until their sends are done
-                self.sends += [(work, t) for work, t in zip(works[i:i + len(tensors)], tensors)]
+                self.sends[a.reads[0]] = list(zip(works[i:i + len(tensors)], tensors))
             else:
-                self.pending_recvs[key] = (label, works[i:i + len(tensors)])
+                self.pending_recvs[(a.stage, a.mb)] = (self.labels[id(a)], works[i:i + len(tensors)])
             i += len(tensors)
         self._measure()
 

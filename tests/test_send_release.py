@@ -1,0 +1,92 @@
+"""Where a rank waits for its pipeline sends (gcompile.send_release, WAIT_SEND instructions): never before its
+receiver has posted the receive, in any run of any schedule, and early enough that the sends in flight stay
+bounded as the microbatches grow.
+
+"Posted before" is checked with vector clocks, not with the code under test: every rank walks its
+instruction list; its clock ticks at each instruction and takes in the sender's clock where a compute reads a
+received buffer. A WAIT_SEND is safe when the rank's clock has already seen the receiver post the receive.
+"""
+
+from dataclasses import replace
+
+import pytest
+
+from gcompile.axes import Coords
+from gcompile.instructions import WAIT_SEND, Instruction, lower_instructions
+from gcompile.schedule import SCHEDULES, build_schedule
+
+CASES = [(name, pp, vpp, m) for name in SCHEDULES for pp in (2, 3, 4)
+         for vpp in ((2, 3) if name == "interleaved" else (1,)) for m in (pp, 2 * pp, 4 * pp)]
+SENDS = ("SEND_F", "SEND_B")
+RECEIVES = ("RECV_F", "RECV_B")
+
+
+def instruction_lists(name: str, pp: int, vpp: int, m: int) -> list[tuple[Instruction, ...]]:
+    schedule = build_schedule(name, pp, vpp, m)
+    split = frozenset(range(pp * vpp)) if schedule.splits_backward else frozenset()
+    return [lower_instructions(schedule, Coords.from_rank(r, {"pp": pp}), split) for r in range(pp)]
+
+
+def unsafe_waits(lists: list[tuple[Instruction, ...]]) -> list[str]:
+    """Each WAIT_SEND a rank reaches before its clock has seen its receiver post the matching receive."""
+    posted_at = {(rank, i.writes[0]): n for rank, listed in enumerate(lists) for n, i in enumerate(listed)
+                 if i.op in RECEIVES}
+    clocks = [[0] * len(lists) for _ in lists]
+    sent = {}  # (receiver, buffer) -> the sender's clock when it sent
+    at, unsafe = [0] * len(lists), []
+    while any(n < len(listed) for n, listed in zip(at, lists)):
+        moved = False
+        for rank, listed in enumerate(lists):
+            while at[rank] < len(listed):
+                i = listed[at[rank]]
+                received = [(rank, b) for b in i.reads if i.is_compute and (rank, b) in posted_at]
+                if any(r not in sent for r in received):
+                    break  # its input is not sent yet
+                for r in received:
+                    clocks[rank] = [max(a, b) for a, b in zip(clocks[rank], sent[r])]
+                clocks[rank][rank] = at[rank] + 1
+                if i.op in SENDS:
+                    sent[(i.peer, i.reads[0])] = list(clocks[rank])
+                if i.op == WAIT_SEND and clocks[rank][i.peer] <= posted_at[(i.peer, i.reads[0])]:
+                    unsafe.append(f"rank {rank} {at[rank]:02d} {i}")
+                at[rank] += 1
+                moved = True
+        assert moved, f"the lists deadlock at {at}"
+    return unsafe
+
+
+def sends_in_flight(listed: tuple[Instruction, ...]) -> int:
+    """Most sends a rank holds at once, not yet waited for."""
+    held = peak = 0
+    for i in listed:
+        held += (i.op in SENDS) - (i.op == WAIT_SEND)
+        peak = max(peak, held)
+    return peak
+
+
+@pytest.mark.parametrize("name, pp, vpp, m", CASES)
+def test_every_send_is_waited_for_only_after_its_receive_is_posted(name, pp, vpp, m):
+    lists = instruction_lists(name, pp, vpp, m)
+    assert unsafe_waits(lists) == []
+    for listed in lists:
+        waited = [i.reads[0] for i in listed if i.op == WAIT_SEND]
+        assert len(waited) == len(set(waited)) and set(waited) <= {i.reads[0] for i in listed if i.op in SENDS}
+
+
+def test_waiting_right_after_sending_is_caught():
+    """The check can fail: each send waited for at once, before the schedule proves anything."""
+    lists = [tuple(x for i in listed if i.op != WAIT_SEND for x in ([i, replace(i, op=WAIT_SEND)] if i.op in SENDS
+                                                                       else [i]))
+             for listed in instruction_lists("1f1b", 2, 1, 4)]
+    assert unsafe_waits(lists)
+
+
+@pytest.mark.parametrize("name, pp, vpp", [("1f1b", 4, 1), ("zb1f1b", 4, 1), ("interleaved", 2, 2)])
+def test_sends_in_flight_do_not_grow_with_the_microbatches(name, pp, vpp):
+    """1f1b's rank r holds at most pp - r sends, whatever the microbatch count; gpipe, which sends every
+    activation before any gradient comes back, holds all of them."""
+    few, many = (instruction_lists(name, pp, vpp, m) for m in (2 * pp, 16 * pp))
+    assert [sends_in_flight(listed) for listed in few] == [sends_in_flight(listed) for listed in many]
+    if name != "interleaved":
+        assert [sends_in_flight(listed) for listed in many] == [pp - r for r in range(pp)]
+    assert sends_in_flight(instruction_lists("gpipe", 2, 1, 16)[0]) == 16
