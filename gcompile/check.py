@@ -180,8 +180,8 @@ class MemoryEstimate:
     gathered: int = 0
     """optim_grads_params: weights all-gathered at once (the unit in use and the one prefetched)."""
     messages: int = 0
-    """Pipeline messages held at the activations' peak: received ones not yet used, and every send of the
-    step so far (the runtime lets a send go once delivered; on a busy CPU that is mostly at the step's end)."""
+    """Pipeline messages held at the activations' peak: received ones not yet used, and outputs to send from the
+    compute that made them until their WAIT_SEND (gcompile.send_release)."""
 
     @property
     def total(self) -> int:
@@ -243,13 +243,15 @@ def estimate_memory(program: RankProgram) -> MemoryEstimate:
 def _held_at_peak(program: RankProgram) -> tuple[int, int]:
     """(saved activations, pipeline messages) at the instruction boundary where they add up to most, walking
     the rank's instructions: F keeps what its backward reads, B lets it go (and keeps what a W reads, which
-    W lets go); a receive holds its tensors until the compute that reads them, a send until its WAIT_SEND (or
-    the step's end)."""
+    W lets go); a receive holds its tensors until the compute that reads them, an output to send from the
+    compute that makes it until its WAIT_SEND (or the step's end)."""
     saved = {s: _saved_bytes(stage) for s, stage in program.stages.items()}
     for_w = {s: _weight_bytes(stage) for s, stage in program.stages.items()}
-    sends, recvs = (iter(found) for found in pipeline_messages(program))
+    sends, recvs = pipeline_messages(program)
+    to_send = {m.what: message_bytes(m) for m in sends}
+    recvs = iter(recvs)
     held = defaultdict(int)  # buffer name -> bytes of a received message not yet read
-    sending = {}  # buffer name -> bytes of a sent message not yet waited for
+    sending = {}  # buffer name -> bytes of an output to send, not yet waited for
     activations = sent = peak = peak_activations = peak_messages = 0
     for instruction in program.instructions:
         op, s = instruction.op, instruction.stage
@@ -259,9 +261,6 @@ def _held_at_peak(program: RankProgram) -> tuple[int, int]:
             activations += for_w[s] - saved[s]  # for_w: 0 where the backward is whole
         elif op == Kind.W:
             activations -= for_w[s]
-        elif op in (Kind.SEND_F, Kind.SEND_B):
-            sending[instruction.reads[0]] = message_bytes(next(sends))
-            sent += sending[instruction.reads[0]]
         elif op == WAIT_SEND:
             sent -= sending.pop(instruction.reads[0])
         elif op in (Kind.RECV_F, Kind.RECV_B):
@@ -269,6 +268,10 @@ def _held_at_peak(program: RankProgram) -> tuple[int, int]:
         if instruction.is_compute:
             for buffer in instruction.reads:
                 held.pop(buffer, None)
+            for buffer in instruction.writes:
+                if buffer in to_send:
+                    sending[buffer] = to_send[buffer]
+                    sent += to_send[buffer]
         if activations + sent + sum(held.values()) > peak:
             peak = activations + sent + sum(held.values())
             peak_activations, peak_messages = activations, peak - activations

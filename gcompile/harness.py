@@ -256,8 +256,8 @@ class _Recv:
         box, channel = self.box, (self.src, self.dst)
         with box.cond:
             box.wait_until(lambda: len(box.sent[channel]) > self.n,
-                           lambda: f"rank {self.dst} waited {box.timeout:g} s for message {self.n} from rank {self.src}; "
-                                   f"rank {self.src} sent {len(box.sent[channel])}")
+                           lambda: f"rank {self.dst} waited {box.timeout:g} s for message {self.n} from rank "
+                                   f"{self.src}; rank {self.src} sent {len(box.sent[channel])}")
             message = box.sent[channel][self.n]
             box.sent[channel][self.n] = None
         if message.shape != self.tensor.shape or message.dtype != self.tensor.dtype:

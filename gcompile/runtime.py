@@ -17,7 +17,8 @@ at its WAIT_SEND, placed where the schedule proves its receiver has posted the
 receive (gcompile.send_release), so the wait never blocks on the peer's program;
 the rest at the end of the iteration. Sends already delivered (where the
 backend says so: NCCL does, gloo only once waited for) are let go before each
-new exchange.
+new exchange. NCCL gives a batch one Work: each receive of it waits for the
+whole batch, and its sends are let go once that is done.
 Messages between two ranks are matched in posting order, which the simulator
 checks is the same on both ends. Stages on one rank hand tensors
 over directly.
@@ -59,6 +60,15 @@ class StageFunctions:
     backward: Callable
     backward_last: Callable | None = None
     backward_weight: Callable | None = None
+
+
+@dataclass(frozen=True)
+class _Sent:
+    work: object
+    tensor: torch.Tensor
+    """Kept alive until the send is done."""
+    alone: bool
+    """Whether `work` is this send's alone (gloo), not its whole batch's (NCCL)."""
 
 
 class InFlightError(RuntimeError):
@@ -159,8 +169,8 @@ class Runtime:
         self.weight_args = {}
         """(stage, mb) -> what its W reads, kept by its B."""
         self.pending_recvs = {}
-        self.sends: dict[str, list] = {}
-        """Buffer name -> (work, tensor) of each tensor sent from it and not yet waited for."""
+        self.sends: dict[str, list[_Sent]] = {}
+        """Buffer name -> each tensor sent from it and not yet waited for."""
         comm = []
         for instruction in instructions:
             if not instruction.is_compute:
@@ -189,8 +199,8 @@ class Runtime:
         if self.sends:
             self.recorder.start("collective", f"the {len(self.sends)} sends of this iteration not yet waited for, "
                                               f"to be received")
-            for work, _ in sum(self.sends.values(), []):
-                work.wait()
+            for s in sum(self.sends.values(), []):
+                s.work.wait()
             self.sends = {}
             self.recorder.finish("collective")
 
@@ -201,7 +211,7 @@ class Runtime:
             state=self.state.buffers().values(),
             activations=_tensors(*self.saved.values(), *self.weight_args.values()),
             messages=_tensors(*self.acts.values(), *self.grads_in.values(),
-                              [t for sent in self.sends.values() for _, t in sent]),
+                              [s.tensor for sent in self.sends.values() for s in sent]),
             other=_tensors(*self.batch, self.losses, *(c.values() for c in self.constants.values()), [self.loss_grad]))
 
     def _forward(self, a: Instruction, training: bool):
@@ -290,14 +300,10 @@ class Runtime:
         if not (self.state.params.is_cuda and torch.cuda.is_current_stream_capturing()):  # a query would
             # break the capture; a replay holds its buffers anyway
             self.sends = {buffer: kept for buffer, sent in self.sends.items()  # drop what arrived
-                          if (kept := [(work, t) for work, t in sent if not work.is_completed()])}
+                          if (kept := [s for s in sent if not s.work.is_completed()])}
         ops, posted = [], []
         for a in instructions:
             if a.op == WAIT_SEND:
-                self.recorder.start("collective", self.labels[id(a)])
-                for work, _ in self.sends.pop(a.reads[0], []):
-                    work.wait()
-                self.recorder.finish("collective")
                 continue
             if a.op == Kind.SEND_F:
                 tensors = self.acts.pop((a.stage + 1, a.mb))
@@ -311,14 +317,32 @@ class Runtime:
             ops += [self.p2p.P2POp(self.p2p.isend if sends else self.p2p.irecv, t, a.peer) for t in tensors]
             posted.append((a, sends, tensors))
         works = self.p2p.batch_isend_irecv(ops) if ops else []
+        batched = len(works) != len(ops)  # NCCL coalesces a batch into one Work, which every op of it waits for
         i = 0
         for a, sends, tensors in posted:
+            own = works[:1] * len(tensors) if batched else works[i:i + len(tensors)]
             if sends:  # keep the sent tensors alive until their sends are done
-                self.sends[a.reads[0]] = list(zip(works[i:i + len(tensors)], tensors))
+                self.sends[a.reads[0]] = [_Sent(work, t, alone=not batched) for work, t in zip(own, tensors)]
             else:
-                self.pending_recvs[(a.stage, a.mb)] = (self.labels[id(a)], works[i:i + len(tensors)])
+                self.pending_recvs[(a.stage, a.mb)] = (self.labels[id(a)], own)
             i += len(tensors)
+        for a in instructions:
+            if a.op == WAIT_SEND:
+                self._wait_sent(a)
         self._measure()
+
+    def _wait_sent(self, a: Instruction) -> None:
+        """Wait for a send the schedule proves received (gcompile.send_release) and let its tensors go. A send
+        sharing its batch's one Work (NCCL) stays until that Work is done: waiting for it would wait for the
+        batch's receives too, which nothing proves sent."""
+        sent = self.sends.pop(a.reads[0], [])
+        self.recorder.start("collective", self.labels[id(a)])
+        for s in sent:
+            if s.alone:
+                s.work.wait()
+        self.recorder.finish("collective")
+        if kept := [s for s in sent if not s.alone]:
+            self.sends[a.reads[0]] = kept
 
     def _empty_like_inputs(self, stage: int) -> list[torch.Tensor]:
         st = self.program.stages[stage]

@@ -372,8 +372,9 @@ def simulate(schedule: Schedule, f_time: Cost = 1.0, b_time: Cost = 2.0, w_time:
     b_time - w_time and W takes w_time (otherwise w_time is unused).
     send_time: from a SEND_F or SEND_B until its tensor is at the peer (0: free).
 
-    Neither a send nor posting a receive blocks (the runtime waits for sends
-    at the end of the step, for a received tensor when a compute uses it).
+    Neither a send nor posting a receive blocks (the runtime waits for a send
+    only where its receive is proven posted, gcompile.send_release, and for a
+    received tensor when a compute uses it).
     What a compute needs on its own rank (its forward before its backward, an
     input from a stage on the same rank, the posted receive of an input from
     another rank) and what a send sends must already have run there, or the

@@ -13,21 +13,17 @@ gradients of the step) is waited for at the end of the step, as before.
 """
 
 import bisect
+import functools
+import itertools
 from collections import defaultdict
 
-from gcompile.schedule import Action, Kind, Schedule
+from gcompile.schedule import Action, Kind, Schedule, partner
 
 USED_BY = {Kind.RECV_F: Kind.F, Kind.RECV_B: Kind.B}
 """The compute that reads what a receive brings (its stage and microbatch alike)."""
 
 
-def other_end(a: Action) -> Action:
-    """The receive that matches a send, or the send that matches a receive."""
-    return {Kind.SEND_F: Action(a.stage + 1, Kind.RECV_F, a.mb), Kind.SEND_B: Action(a.stage - 1, Kind.RECV_B, a.mb),
-            Kind.RECV_F: Action(a.stage - 1, Kind.SEND_F, a.mb),
-            Kind.RECV_B: Action(a.stage + 1, Kind.SEND_B, a.mb)}[a.kind]
-
-
+@functools.lru_cache(maxsize=8)  # every rank of a world lowers the same schedule
 def send_releases(schedule: Schedule) -> tuple[dict[int, tuple[Action, ...]], ...]:
     """Per pipeline rank: the index of a compute action in its list -> the sends it may wait for right after
     that action (each send once, at the first such action after it)."""
@@ -36,7 +32,7 @@ def send_releases(schedule: Schedule) -> tuple[dict[int, tuple[Action, ...]], ..
     for receiver, actions in enumerate(schedule.actions):
         for a in actions:
             if a.kind in USED_BY:
-                send = other_end(a)
+                send = partner(a)
                 sender = schedule.stage_rank(send.stage)
                 used[(sender, receiver)].append((position[sender][send],
                                                  position[receiver][Action(a.stage, USED_BY[a.kind], a.mb)]))
@@ -48,11 +44,12 @@ def send_releases(schedule: Schedule) -> tuple[dict[int, tuple[Action, ...]], ..
         for i, a in enumerate(actions):
             if a.kind not in (Kind.SEND_F, Kind.SEND_B):
                 continue
-            receive = other_end(a)
+            receive = partner(a)
             peer = schedule.stage_rank(receive.stage)
             later = used[(peer, rank)]
             posted = position[peer][receive]
-            use = next((u for _, u in later[bisect.bisect_right(later, (posted, float("inf"))):] if u > i), None)
+            after = itertools.islice(later, bisect.bisect_right(later, (posted, float("inf"))), None)
+            use = next((u for _, u in after if u > i), None)
             if use is not None:
                 releases[use].append(a)
         found.append({use: tuple(sends) for use, sends in releases.items()})

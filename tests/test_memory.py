@@ -17,8 +17,8 @@ M = 8
 """Microbatches per step: gpipe keeps all of them in flight, 1f1b at most pp."""
 
 
-def config(**parallel):
-    return build_config({"model": dict(n_layer=2, n_head=4, n_embd=64, block_size=32), "parallel": parallel,
+def config(n_layer: int = 2, **parallel):
+    return build_config({"model": dict(n_layer=n_layer, n_head=4, n_embd=64, block_size=32), "parallel": parallel,
                          "train": dict(micro_batch_size=1, global_batch_size=M * parallel.get("dp", 1),
                                        seq_length=32)})
 
@@ -56,17 +56,24 @@ def test_the_peak_holds_the_state_and_grows_with_the_microbatches_in_flight():
 
 
 def test_a_rank_lets_a_send_go_once_its_receive_is_proven_posted():
-    """pp 2, 8 microbatches, sends complete only once waited for (gloo's, the harness's): 1f1b's first
-    stage waits for each send where the schedule proves it received (gcompile.send_release), so at its peak
-    it holds 3 messages of 1 x 32 x 64 fp32 (two sends and a receive buffer), where waiting at the end of the
+    """8 microbatches, sends complete only once waited for (gloo's, the harness's): 1f1b's first stage of pp 2
+    waits for each send where the schedule proves it received (gcompile.send_release), so at its peak it holds
+    3 messages of 1 x 32 x 64 fp32 (two outputs to send and a receive buffer), where waiting at the end of the
     step held 10, as gpipe still does (its last stage posts no receive the first one could wait for). The
-    plan's estimate walks the same instructions and agrees to the byte on every rank."""
+    plan's estimate walks the same instructions and agrees to the byte on every rank, middle stages of pp 4
+    (which hold an output and the send it replaces at once) and interleaving's included."""
     cache, message = BuildCache(), 32 * 64 * 4
-    for schedule, held in (("1f1b", 3), ("zb1f1b", 3), ("gpipe", M + 2)):
-        measured = measured_step(config(pp=2, pipeline_schedule=schedule), cache)
-        assert measured[0][0].peak.messages == held * message, (schedule, measured[0][0])
+    for layers, parallel, held in ((2, dict(pipeline_schedule="1f1b"), 3), (2, dict(pipeline_schedule="zb1f1b"), 3),
+                                   (2, dict(pipeline_schedule="gpipe"), M + 2), (4, dict(pp=4), None),
+                                   (8, dict(pipeline_schedule="interleaved", virtual_pipeline_size=2), None)):
+        parallel = dict(dict(pp=2), **parallel)
+        measured = measured_step(config(layers, **parallel), cache)
+        if held is not None:
+            assert measured[0][0].peak.messages == held * message, (parallel, measured[0][0])
+        assert measured[0][0].peak.messages > 0
         for rank, (peak, _, program) in measured.items():
-            assert estimate_memory(program).messages == peak.peak.messages, (schedule, rank)
+            assert estimate_memory(program).messages == peak.peak.messages, \
+                (parallel, rank, estimate_memory(program).messages, peak.peak.messages)
 
 
 def test_the_estimated_activations_match_the_measured_ones():

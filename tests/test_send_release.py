@@ -1,6 +1,6 @@
 """Where a rank waits for its pipeline sends (gcompile.send_release, WAIT_SEND instructions): never before its
 receiver has posted the receive, in any run of any schedule, and early enough that the sends in flight stay
-bounded as the microbatches grow.
+bounded as the microbatches grow; and a batch answered with one Work (NCCL's) trains alike.
 
 "Posted before" is checked with vector clocks, not with the code under test: every rank walks its
 instruction list; its clock ticks at each instruction and takes in the sender's clock where a compute reads a
@@ -11,9 +11,13 @@ from dataclasses import replace
 
 import pytest
 
+from gcompile import harness
 from gcompile.axes import Coords
+from gcompile.config import build_config
 from gcompile.instructions import WAIT_SEND, Instruction, lower_instructions
+from gcompile.pipeline import BuildCache
 from gcompile.schedule import SCHEDULES, build_schedule
+from tests.reference import random_batches
 
 CASES = [(name, pp, vpp, m) for name in SCHEDULES for pp in (2, 3, 4)
          for vpp in ((2, 3) if name == "interleaved" else (1,)) for m in (pp, 2 * pp, 4 * pp)]
@@ -90,3 +94,38 @@ def test_sends_in_flight_do_not_grow_with_the_microbatches(name, pp, vpp):
     if name != "interleaved":
         assert [sends_in_flight(listed) for listed in many] == [pp - r for r in range(pp)]
     assert sends_in_flight(instruction_lists("gpipe", 2, 1, 16)[0]) == 16
+
+
+class _Batch:
+    """NCCL's answer to a batch: one Work for all of it, done once every op of it is."""
+
+    def __init__(self, works: list):
+        self.works, self.done = works, False
+
+    def wait(self) -> bool:
+        if not self.done:
+            for work in self.works:
+                work.wait()
+            self.done = True
+        return True
+
+    def is_completed(self) -> bool:
+        return self.done
+
+
+@pytest.mark.parametrize("layers, parallel", [
+    (2, dict(pp=2)), (4, dict(pp=4)), (2, dict(pp=2, pipeline_schedule="zb1f1b")),
+    (4, dict(pp=2, pipeline_schedule="interleaved", virtual_pipeline_size=2))])
+def test_a_batch_with_one_work_trains_alike(layers, parallel, monkeypatch):
+    """Where a batch of sends and receives comes back as one Work (NCCL), each receive of it waits for that
+    Work before its tensor is read (a receive left unwaited reads an empty buffer), and the steps are
+    bitwise those of a Work per op."""
+    cfg = build_config({"model": dict(n_layer=layers, n_head=4, n_embd=32, block_size=16), "parallel": parallel,
+                        "train": dict(micro_batch_size=1, global_batch_size=8, seq_length=16)})
+    tokens, lrs = random_batches(cfg, 2), [1e-3, 1e-3]
+    cache = BuildCache()
+    (per_op,) = harness.run_layouts([cfg], tokens, lrs, cache=cache)
+    batch = harness._Endpoint.batch_isend_irecv
+    monkeypatch.setattr(harness._Endpoint, "batch_isend_irecv", lambda self, ops: [_Batch(batch(self, ops))])
+    (one,) = harness.run_layouts([cfg], tokens, lrs, cache=cache)
+    assert one.losses == per_op.losses and one.grad_norms == per_op.grad_norms
