@@ -269,11 +269,8 @@ def _search_family(base: RunConfig, machine: Machine, budget_gb: float | None, m
         for tier in (({},),) + SAVING:
             fits = False
             for saver in tier:
-                if "data_parallel_sharding_strategy" in saver and layout["dp"] * layout.get("cp", 1) == 1:
-                    continue  # nothing to shard over
-                if "sequence_parallel" in saver and layout["tp"] == 1 or _already(base, layout, saver) or \
-                        any(refused.items() <= saver.items() for refused in cannot):
-                    continue  # nothing to shard over, the run does it already, or it cannot
+                if _changes_nothing(base, layout, saver) or any(refused.items() <= saver.items() for refused in cannot):
+                    continue
                 tried = {**layout, **saver}
                 if tuple(tried.items()) not in seen:  # no_shard and optim meet again under ZeRO-2 and -3
                     outcome, from_known = _try(base, machine, budget_gb, tried, cache, known, machine_text, build,
@@ -294,11 +291,15 @@ def _over(budget_gb: float | None) -> str:
     return f"over the budget of {budget_gb} GiB"
 
 
-def _already(base: RunConfig, layout: dict, saver: dict) -> bool:
-    """Whether the run planned for does what `saver` sets already, where the layout leaves it (a config with
-    recompute on, say)."""
-    return any(key not in layout and getattr(base.train if key in TRAIN_FIELDS else base.parallel, key) == value
-               for key, value in saver.items())
+def _changes_nothing(base: RunConfig, layout: dict, saver: dict) -> bool:
+    """Whether `saver` leaves this layout as it is: nothing to shard over (sequence parallel at tp 1, a dp
+    sharding strategy over one dp x cp rank), or the run planned for does it already where the layout leaves it
+    (a config with recompute on, say)."""
+    nothing_to_shard = "sequence_parallel" in saver and layout["tp"] == 1 or \
+        "data_parallel_sharding_strategy" in saver and layout["dp"] * layout.get("cp", 1) == 1
+    return nothing_to_shard or any(
+        key not in layout and getattr(base.train if key in TRAIN_FIELDS else base.parallel, key) == value
+        for key, value in saver.items())
 
 
 def _try(base: RunConfig, machine: Machine, budget_gb: float | None, tried: dict, cache: BuildCache | None,
