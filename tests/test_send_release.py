@@ -96,6 +96,14 @@ def test_sends_in_flight_do_not_grow_with_the_microbatches(name, pp, vpp):
     assert sends_in_flight(instruction_lists("gpipe", 2, 1, 16)[0]) == 16
 
 
+def test_interleaving_holds_no_more_sends_for_more_stages_per_rank():
+    """Interleaved 1F1B's messages go round the ring of ranks, so the proof that a receive is posted may come
+    back through a third rank: with it, 4 stages per rank hold no more sends than 2 (the peer's own messages
+    alone would prove it later: 19 sends on the first of 4 ranks against 11)."""
+    two, four = (instruction_lists("interleaved", 4, vpp, 32) for vpp in (2, 4))
+    assert [sends_in_flight(listed) for listed in four] == [sends_in_flight(listed) for listed in two]
+
+
 class _Batch:
     """NCCL's answer to a batch: one Work for all of it, done once every op of it is."""
 
