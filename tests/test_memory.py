@@ -60,11 +60,13 @@ def test_a_rank_lets_a_send_go_once_its_receive_is_proven_posted():
     waits for each send where the schedule proves it received (gcompile.send_release), so at its peak it holds
     3 messages of 1 x 32 x 64 fp32 (two outputs to send and a receive buffer), where waiting at the end of the
     step held 10, as gpipe still does (its last stage posts no receive the first one could wait for). The
-    plan's estimate walks the same instructions and agrees to the byte on every rank, middle stages of pp 4
-    (which hold an output and the send it replaces at once) and interleaving's included."""
+    plan's estimate walks the same instructions and agrees to the byte on every rank, middle stages included
+    (pp 3 zb1f1b's holds an output to send beside the send it replaces: counted from its SEND, not from the
+    compute that made it, the estimate was a message short) and interleaving's."""
     cache, message = BuildCache(), 32 * 64 * 4
     for layers, parallel, held in ((2, dict(pipeline_schedule="1f1b"), 3), (2, dict(pipeline_schedule="zb1f1b"), 3),
                                    (2, dict(pipeline_schedule="gpipe"), M + 2), (4, dict(pp=4), None),
+                                   (6, dict(pp=3, pipeline_schedule="zb1f1b"), None),
                                    (8, dict(pipeline_schedule="interleaved", virtual_pipeline_size=2), None)):
         parallel = dict(dict(pp=2), **parallel)
         measured = measured_step(config(layers, **parallel), cache)
