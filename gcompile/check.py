@@ -187,6 +187,11 @@ class MemoryEstimate:
     def total(self) -> int:
         return self.weights + self.grads + self.optimizer + self.activations + self.gathered + self.messages
 
+    @property
+    def state(self) -> int:
+        """What the measured peak calls state (gcompile.memory.HeldBytes): the TrainState's buffers."""
+        return self.weights + self.grads + self.optimizer
+
     def __str__(self) -> str:
         mib = 2 ** 20  # as MeasuredMemory's, which the plan checker prints beside it
         gathered = f" + gathered {self.gathered / mib:.3f}" if self.gathered else ""

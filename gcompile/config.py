@@ -771,6 +771,8 @@ def stage_layers(n_layer: int, pp: int, vpp: int, explicit: tuple[int, ...] = ()
             raise ConfigError(f"pipeline_layers={listed} sums to {sum(explicit)}, not n_layer={n_layer}")
         return list(explicit)
     if n_layer % stages:
+        fix = (f"use a multiple of {stages} layers or give --pipeline-layers" if n_layer > stages else
+               f"use at most {n_layer} stages (pp * vpp) or at least {stages} layers")
         raise ConfigError(f"n_layer={n_layer} cannot be split into pp {pp} * vpp {vpp} = {stages} stages of "
-                          f"whole layers; use a multiple of {stages} layers or give --pipeline-layers")
+                          f"whole layers; {fix}")
     return [n_layer // stages] * stages

@@ -406,7 +406,7 @@ def test_configure_refuses_in_one_line():
     with pytest.raises(ValueError) as refused:  # two reasons, one with its fix after a "; " of its own
         configure(tiny(), dict(tp=4, pp=4))
     assert len(refused.value.reasons) == 2 and str(refused.value) == "; ".join(refused.value.reasons)
-    assert refused.value.reasons[1].endswith("; use a multiple of 4 layers or give --pipeline-layers")
+    assert refused.value.reasons[1].endswith("; use at most 2 stages (pp * vpp) or at least 4 layers")
 
 
 def test_refusals_count_under_each_reason_and_not_again_once_all_are_listed():

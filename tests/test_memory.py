@@ -3,6 +3,7 @@ saved activations the schedule keeps in flight, the estimate's activation figure
 a run logs it after its first step and writes it to metrics.jsonl."""
 
 import json
+import re
 
 from gcompile.axes import Coords
 from gcompile.check import estimate_memory
@@ -106,7 +107,10 @@ def test_a_run_logs_its_first_steps_peak_and_writes_it_to_the_metrics(tmp_path):
                          "--train-iters", "2", "--eval-interval", "0", "--run-dir", str(tmp_path)])
     train(cfg, Coords.from_rank(0, {}), log=lines.append)
     line = next(line for line in lines if line.startswith("rank 0 memory over its first step: peak "))
-    assert " MiB measured (state " in line and "; estimated " in line, line
+    measured, estimated = line.split("; estimated ")
+    states = [re.search(r"\(state ([\d.]+) \+ activations ([\d.]+) \+ messages ([\d.]+)", part).groups()
+              for part in (measured, estimated)]
+    assert states[0] == states[1], line  # the estimate's parts are the measured ones, named alike
     records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert records[0]["mem_peak_bytes"] >= records[0]["mem_state_bytes"] + records[0]["mem_activation_bytes"] > 0
     assert "mem_peak_bytes" not in records[1]  # measured on the first step only
