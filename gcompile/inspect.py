@@ -64,9 +64,9 @@ def list_ranks(root: str) -> str:
     shared_by = _shared_by(root)
     lines = []
     ranks = sum(len(ranks) for ranks in shared_by.values())
-    if ranks > len(shared_by):
-        lines.append(f"{len(shared_by)} folders for {ranks} ranks (index.txt: ranks that differ only in dp run one "
-                     f"program)")
+    lines.append(f"{len(shared_by)} folders for {ranks} ranks " + (
+        "(index.txt: ranks that differ only in dp run one program)" if ranks > len(shared_by) else
+        "(each runs a program of its own)"))
     for rank, folder in rank_dirs(root).items():
         files = sorted(os.listdir(folder))
         header = ""

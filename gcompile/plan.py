@@ -373,6 +373,13 @@ def _reason_counts(found: Search) -> list[str]:
     return lines
 
 
+def something_to_try(base: RunConfig, world: int, schedules: tuple[str, ...], micro_batch_sizes: tuple[int, ...],
+                     cp_comm_types: tuple[str, ...]) -> None:
+    """ConfigError when there is no layout to try at all, named before a machine file is read or measured."""
+    if not layouts(base, world, schedules, micro_batch_sizes, cp_comm_types):
+        raise ConfigError(no_layout(Search(), world))
+
+
 def no_layout(found: Search, world: int) -> str:
     if found.refused:
         return f"no layout of {world} ranks can run this config; the reasons above say what to change"
@@ -473,6 +480,7 @@ def main(argv: list[str] | None = None) -> int:
                      if getattr(actions, name)]:
             raise ConfigError(f"{' '.join(asked)}: run_gpt.py's, not the planner's; it plans only (python run_gpt.py "
                               f"--auto-layout --world-size N trains with its first layout)")
+        something_to_try(base, args.world_size, schedules, sizes, comms)
         machine = load_machine(args.machine, args.world_size)
     except (ConfigError, MachineError) as e:
         print(f"python -m gcompile.plan: error: {e}", file=sys.stderr)

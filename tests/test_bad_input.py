@@ -324,7 +324,8 @@ CASES = [
      "--memory-budget-gb 0 must be positive"),
     ("plan with a run's action", "plan", ["--world-size", "2", "--check-plan"], None,
      "--check-plan: run_gpt.py's, not the planner's; it plans only"),
-    ("plan nothing to try", "plan", ["--world-size", "2", "--micro-batch-sizes", "3"], None,
+    ("plan nothing to try", "plan", ["--world-size", "2", "--micro-batch-sizes", "3", "--machine", "{tmp}/none.json"],
+     None,  # named before the machine file, which is missing
      "no layout of 2 ranks to try: no --micro-batch-sizes entry times a dp size divides --global-batch-size"),
     ("plan top negative", "plan", ["--world-size", "2", "--top", "-1"], None, "--top -1 must be 0 or more"),
     ("machine file a folder", "plan", ["--world-size", "2", "--machine", "{tmp}"], None,

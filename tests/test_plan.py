@@ -72,12 +72,17 @@ def test_a_dump_folder_holds_one_run(tmp_path, capsys):
     assert run_gpt.main(small + [str(reused), "--tp", "2", "--pp", "2"]) == 0
     assert run_gpt.main(small + [str(reused), "--pp", "2", "--dp", "2"]) == 0
     assert run_gpt.main(small + [str(fresh), "--pp", "2", "--dp", "2"]) == 0
+    assert run_gpt.main(small + [str(tp_pp := tmp_path / "tp_pp"), "--tp", "2", "--pp", "2"]) == 0
     assert sorted(os.listdir(reused)) == sorted(os.listdir(fresh)) == ["index.txt", "plan.txt", "rank0", "rank2"]
     assert (fresh / "index.txt").read_text() == "rank0: ranks 0-1\nrank2: ranks 2-3\n"
     for rank in ("rank0", "rank2"):
         ours = sorted(set(os.listdir(reused / rank)) - {"notes.md"})
         assert ours == sorted(os.listdir(fresh / rank)), rank
     assert (reused / "rank0" / "notes.md").read_text() == "not ours"
+    capsys.readouterr()
+    for folder, first in ((fresh, "2 folders for 4 ranks (index.txt: "), (tp_pp, "4 folders for 4 ranks (each runs ")):
+        assert inspect.main([str(folder)]) == 0
+        assert capsys.readouterr().out.startswith(first), folder
 
 
 def program_up_to_coords(program: RankProgram) -> dict:
