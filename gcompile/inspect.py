@@ -62,11 +62,10 @@ def _read(path: str) -> list[str]:
 
 def list_ranks(root: str) -> str:
     shared_by = _shared_by(root)
-    lines = []
     ranks = sum(len(ranks) for ranks in shared_by.values())
-    lines.append(f"{len(shared_by)} folders for {ranks} ranks " + (
+    lines = [f"{len(shared_by)} folders for {ranks} ranks " + (
         "(index.txt: ranks that differ only in dp run one program)" if ranks > len(shared_by) else
-        "(each runs a program of its own)"))
+        "(each runs a program of its own)")]
     for rank, folder in rank_dirs(root).items():
         files = sorted(os.listdir(folder))
         header = ""
