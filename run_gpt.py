@@ -30,7 +30,6 @@ from gcompile.log import counted
 from gcompile.launch import join_world, rank_threads, run_ranks, start_rank_server, under_launcher
 from gcompile.axes import Coords
 from gcompile.pass_manager import PassError, clear_stale_dumps, rank_dump_dir
-from gcompile import machine as machine_file
 from gcompile.cost_model import format_rank_time, pipeline_column, predict, rates_of
 from gcompile.machine import MachineError
 from gcompile.pipeline import load_passes
@@ -75,20 +74,16 @@ def plan_only(config: RunConfig, dump_only: bool, machine_path: str | None) -> i
     if dump_only and not config.log.dump_graphs:
         return error("--dump-only writes the programs to --dump-graphs DIR; give a folder")
     try:
-        machine, unusable = machine_file.load(machine_path), None  # None: this machine never measured
-    except MachineError as e:  # this machine's file is old: the plan is still checked, unpredicted
+        machine, unusable = load_machine(machine_path, config.world_size), None
+    except MachineError as e:  # this machine's own file missing, old or one GPU's: the plan is checked, unpredicted
         if machine_path is not None:
             raise
         machine, unusable = None, str(e)
-    if machine is not None and (why := machine.cannot_predict(config.world_size)):  # one GPU's, several ranks
-        if machine_path is not None:
-            raise MachineError(why)
-        machine, unusable = None, why  # this machine's own: the plan is checked, unpredicted
     start = time.perf_counter()
     programs, shared_by = build_distinct(config, "cpu", dump_root=config.log.dump_graphs if dump_only else None)
     report = check_plan(programs, config.parallel.memory_budget_gb, shared_by)
     if machine is None:
-        report += f"\npredicted time: none, {unusable or machine_file.missing()}"
+        report += f"\npredicted time: none, {unusable}"
     else:
         rates = rates_of(config, machine)
         report += f"\n{predict(pipeline_column(programs), rates)} (machine: {machine.description})"

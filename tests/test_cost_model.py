@@ -583,3 +583,25 @@ def test_every_saver_of_a_tier_that_fits_is_ranked_and_the_next_tier_is_not_trie
     assert tried == [(False, {}), (True, {"data_parallel_sharding_strategy": "optim_grads"}),
                      (True, {"data_parallel_sharding_strategy": "optim_grads_params"}),
                      (True, {"recompute_activations": True})]
+
+
+def test_check_plan_with_no_usable_machine_file_checks_the_plan_and_says_why_it_predicts_nothing(tmp_path, monkeypatch,
+                                                                                                  capsys):
+    """This machine's own file missing, written by an older gcompile, or a GPU's that measured no collectives:
+    the plan is still checked and the prediction line says why there is none (the same file given with --machine
+    is an error: test_bad_input)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    argv = ["--config", os.path.join(ROOT, "configs", "tiny.toml"), "--pp", "2", "--check-plan"]
+    older = {**json.loads(flat_machine().to_json()), "format": machine_file.FORMAT - 1}
+    one_gpu = machine_file.load(os.path.join(ROOT, "machines", "h100-80gb-1gpu.json"))
+    for found, why in ((None, machine_file.missing()),
+                       (json.dumps(older), f"has format {machine_file.FORMAT - 1}, this gcompile reads"),
+                       (one_gpu.to_json(), "measured no collectives (one GPU: nccl needs two), so it predicts one")):
+        if found is not None:
+            os.makedirs(os.path.dirname(machine_file.default_path()), exist_ok=True)
+            with open(machine_file.default_path(), "w") as f:
+                f.write(found)
+        assert run_gpt.main(argv) == 0
+        out = capsys.readouterr().out
+        assert "plan checked: 2 ranks agree" in out and "predicted time: none, " in out, out
+        assert why in out.split("predicted time: none, ")[1], out
