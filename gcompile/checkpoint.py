@@ -325,10 +325,9 @@ class Checkpoint:
                 raise CheckpointError(f"{self.folder} has no {key}")
         tensors = {key: torch.empty(records[key]["shape"], dtype=_dtype(records[key]["dtype"])) for key in keys}
         try:
-            with _quiet_dcp():
-                dcp.load(tensors, storage_reader=self.reader, no_dist=True)
+            self._load(tensors)
         except (Exception, dcp.CheckpointException) as e:  # a bad file fails as whatever its reader raised
-            raise CheckpointError(f"{self.folder}: cannot read {self._file_of(keys[0])} "
+            raise CheckpointError(f"{self.folder}: cannot read {self._failing_file(tensors)} "
                                   f"(truncated or damaged?): {first_line(e)}") from None
         for key, value in tensors.items():
             if _crc32(value) != records[key]["crc32"]:
@@ -343,6 +342,23 @@ class Checkpoint:
             for state in states:
                 self.full(state, name)
         self.read([key for key in self.meta["keys"] if key.startswith("rng/")])
+
+    def _load(self, tensors: dict[str, torch.Tensor]) -> None:
+        with _quiet_dcp():
+            dcp.load(tensors, storage_reader=self.reader, no_dist=True)
+
+    def _failing_file(self, tensors: dict[str, torch.Tensor]) -> str:
+        """The file a read of `tensors` failed on: one read spans the files of several ranks, so each file's keys
+        are read again alone."""
+        by_file = {}
+        for key, tensor in tensors.items():
+            by_file.setdefault(self._file_of(key), {})[key] = tensor
+        for file, some in by_file.items():
+            try:
+                self._load(some)
+            except (Exception, dcp.CheckpointException):
+                return file
+        return " or ".join(by_file)
 
     def _file_of(self, key: str) -> str:
         if self.files is None:

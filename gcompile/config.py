@@ -578,7 +578,7 @@ def validate(config: RunConfig) -> None:
     per_step = t.micro_batch_size * p.dp
     if t.global_batch_size % per_step:
         errors.append(f"global_batch_size={t.global_batch_size} is not divisible by "
-                      f"micro_batch_size={t.micro_batch_size} * dp={p.dp} = {per_step}")
+                      f"micro_batch_size={t.micro_batch_size} * dp={p.dp} = {per_step}; give a multiple of {per_step}")
     if t.lr_decay_style not in ("cosine", "linear", "constant"):
         errors.append(f"lr_decay_style={t.lr_decay_style!r} must be cosine, linear or constant")
     if t.bf16 and t.fp16:

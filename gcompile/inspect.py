@@ -61,12 +61,12 @@ def _read(path: str) -> list[str]:
 
 
 def list_ranks(root: str) -> str:
-    shared_by = _shared_by(root)
-    ranks = sum(len(ranks) for ranks in shared_by.values())
-    lines = [f"{len(shared_by)} folders for {ranks} ranks " + (
-        "(index.txt: ranks that differ only in dp run one program)" if ranks > len(shared_by) else
+    shared_by, folders = _shared_by(root), rank_dirs(root)
+    ranks = sum(len(ranks) for ranks in shared_by.values()) or len(folders)
+    lines = [f"{len(folders)} folders for {ranks} ranks " + (
+        "(index.txt: ranks that differ only in dp run one program)" if ranks > len(folders) else
         "(each runs a program of its own)")]
-    for rank, folder in rank_dirs(root).items():
+    for rank, folder in folders.items():
         files = sorted(os.listdir(folder))
         header = ""
         if "schedule.txt" in files:

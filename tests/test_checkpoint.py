@@ -240,10 +240,9 @@ def flip_tensor_bytes(folder) -> None:
         f.write(bytes(b ^ 0xFF for b in data))
 
 
-def truncate_shards(folder) -> None:
-    for name in os.listdir(folder):
-        if name.endswith(".distcp"):
-            os.truncate(os.path.join(folder, name), os.path.getsize(os.path.join(folder, name)) // 2)
+def truncate_shards(folder, names=None) -> None:
+    for name in names or [name for name in os.listdir(folder) if name.endswith(".distcp")]:
+        os.truncate(os.path.join(folder, name), os.path.getsize(os.path.join(folder, name)) // 2)
 
 
 @pytest.mark.parametrize("damage, flags, message", [
@@ -266,6 +265,23 @@ def test_bad_checkpoint_is_one_line(dp2, tmp_path, capsys, damage, flags, messag
         status = checkpoint.main(["export", str(save), "--output", str(tmp_path / "model.pt")])
         err = capsys.readouterr().err.strip().splitlines()
         assert status == 2 and len(err) == 1, err
+
+
+def test_a_damaged_shard_is_named_not_the_first_file_read(dp2, tmp_path, capsys):
+    """One read of a parameter's optimizer state spans both dp ranks' files: the error names the damaged one,
+    wherever its keys come in the read."""
+    save = tmp_path / "save"
+    shutil.copytree(dp2["cut"] / "save", save)
+    folder = iteration_dir(save, N)
+    truncate_shards(folder, ["__1_0.distcp"])
+    stored = checkpoint.Checkpoint(str(folder))
+    keys = sorted(stored.meta["keys"], key=lambda key: stored._file_of(key))  # __0_0's keys first
+    assert {stored._file_of(keys[0]), stored._file_of(keys[-1])} == {"__0_0.distcp", "__1_0.distcp"}
+    with pytest.raises(checkpoint.CheckpointError, match=r"cannot read __1_0\.distcp \(truncated or damaged\?\)"):
+        stored.read(keys)
+    status = run_gpt.main(SMALL + ["--load", str(save)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(err) == 1 and "cannot read __1_0.distcp (truncated or damaged?)" in err[0], err
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -211,7 +211,7 @@ def test_plan_mismatch_names_the_node():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--tp", "3", "--n-head", "4"], "n_head=4 is not divisible by tp=3"),
+    (["--tp", "3", "--n-head", "4"], "n_head=4 is not divisible by tp=3; choose a tp that divides it"),
     (["--tp", "3", "--tp-plan", "*.mlp.c_fc=column,*.mlp.c_proj=row"],
      "ffn hidden size 4*n_embd=512 is not divisible by tp=3"),
     (["--tp", "3", "--tp-plan", "*.mlp.c_proj=column"], "hidden size n_embd=128 is not divisible by tp=3"),

@@ -141,13 +141,14 @@ def tp_errors(model: GPT, name: str, placement: str, tp: int) -> list[str]:
     """Attention is cut by whole heads; any other Linear by its cut features, named as in the config."""
     config, linear = model.config, model.get_submodule(name)
     if isinstance(model.get_submodule(name.rpartition(".")[0]), CausalSelfAttention):
-        return [f"n_head={config.n_head} is not divisible by tp={tp}"] if config.n_head % tp else []
+        return [f"n_head={config.n_head} is not divisible by tp={tp}; choose a tp that divides it (each tp rank "
+                f"holds whole heads)"] if config.n_head % tp else []
     size = linear.out_features if placement == "column" else linear.in_features
     if size % tp == 0:
         return []
     what = {config.ffn_hidden_size: "ffn hidden size 4*n_embd", config.n_embd: "hidden size n_embd"}.get(
         size, f"{name} {'out' if placement == 'column' else 'in'}_features")
-    return [f"{what}={size} is not divisible by tp={tp}"]
+    return [f"{what}={size} is not divisible by tp={tp}; choose a tp that divides it"]
 
 
 ACTIVATIONS = ("gelu", "gelu_tanh")

@@ -186,7 +186,8 @@ def tp_errors(model: Llama, name: str, placement: str, tp: int) -> list[str]:
                 f"heads, kv heads too, as in Megatron)" for what, n in
                 (("n_head", config.n_head), ("n_kv_head", config.n_kv_head)) if n % tp]
     size = config.ffn_hidden_size
-    return [] if size % tp == 0 else [f"ffn_hidden_size={size} is not divisible by tp={tp}"]
+    return [] if size % tp == 0 else [f"ffn_hidden_size={size} is not divisible by tp={tp}; choose a tp that divides "
+                                      f"it"]
 
 
 def config_errors(config: LlamaConfig) -> list[str]:
