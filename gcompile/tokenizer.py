@@ -94,8 +94,8 @@ def _gpt2_bpe(vocab_file: str | None, merge_file: str | None) -> HuggingFace:
 
     for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
         if not path or not os.path.isfile(path):
-            raise TokenizerError(f"{flag} {path or ''}: no such file; GPT2BPETokenizer needs --vocab-file "
-                                 "vocab.json and --merge-file merges.txt")
+            raise TokenizerError(f"{f'{flag} {path}: no such file' if path else f'no {flag} given'}; GPT2BPETokenizer "
+                                 f"needs --vocab-file vocab.json and --merge-file merges.txt")
     try:
         tokenizer = ByteLevelBPETokenizer(vocab_file, merge_file)
     except Exception as e:  # tokenizers raises plain Exception on a malformed file
@@ -110,8 +110,8 @@ def _hugging_face(path: str | None) -> HuggingFace:
     if path and os.path.isdir(path):
         path = os.path.join(path, "tokenizer.json")
     if not path or not os.path.isfile(path):
-        raise TokenizerError(f"--tokenizer-model {path or ''}: no such file; HuggingFaceTokenizer needs "
-                             "--tokenizer-model tokenizer.json (or the folder that holds it)")
+        raise TokenizerError(f"{f'--tokenizer-model {path}: no such file' if path else 'no --tokenizer-model given'}; "
+                             f"HuggingFaceTokenizer needs --tokenizer-model tokenizer.json (or the folder that holds it)")
     try:
         tokenizer = Tokenizer.from_file(path)
     except Exception as e:  # tokenizers raises plain Exception on a malformed file

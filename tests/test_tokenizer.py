@@ -170,7 +170,8 @@ def test_vocab_check_believes_only_a_record_of_these_tokens(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--tokenizer-type", "SentencePiece"], r"--tokenizer-type SentencePiece: unknown; choose one of ByteLevel, "),
-    (["--tokenizer-type", "GPT2BPETokenizer"], r"--vocab-file : no such file; GPT2BPETokenizer needs --vocab-file"),
+    (["--tokenizer-type", "GPT2BPETokenizer"], r"no --vocab-file given; GPT2BPETokenizer needs --vocab-file"),
+    (["--tokenizer-type", "HuggingFaceTokenizer"], r"no --tokenizer-model given; HuggingFaceTokenizer needs "),
     (["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "NOPE"],
      r"--tokenizer-model .*NOPE: no such file; HuggingFaceTokenizer needs --tokenizer-model tokenizer.json"),
     (["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "BAD"],
