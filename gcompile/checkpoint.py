@@ -348,17 +348,18 @@ class Checkpoint:
             dcp.load(tensors, storage_reader=self.reader, no_dist=True)
 
     def _failing_file(self, tensors: dict[str, torch.Tensor]) -> str:
-        """The file a read of `tensors` failed on: one read spans the files of several ranks, so each file's keys
+        """The files a read of `tensors` failed on: one read spans the files of several ranks, so each file's keys
         are read again alone."""
         by_file = {}
         for key, tensor in tensors.items():
             by_file.setdefault(self._file_of(key), {})[key] = tensor
+        failing = []
         for file, some in by_file.items():
             try:
                 self._load(some)
             except (Exception, dcp.CheckpointException):
-                return file
-        return " or ".join(by_file)
+                failing.append(file)
+        return " and ".join(failing) if failing else " or ".join(by_file)
 
     def _file_of(self, key: str) -> str:
         if self.files is None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, fields
 
 from gcompile.arguments import ArgumentParser
 from gcompile.data import DataConfig, DataError, parse_split
+from gcompile.log import counted
 from gcompile.models import CONFIGS, DEFAULT_MODEL, register_user_model, spec_of
 from gcompile.models.moe_config import MoEConfig
 from gcompile.paths import path_error
@@ -578,7 +579,8 @@ def validate(config: RunConfig) -> None:
     per_step = t.micro_batch_size * p.dp
     if t.global_batch_size % per_step:
         errors.append(f"global_batch_size={t.global_batch_size} is not divisible by "
-                      f"micro_batch_size={t.micro_batch_size} * dp={p.dp} = {per_step}; give a multiple of {per_step}")
+                      f"micro_batch_size={t.micro_batch_size} * dp={p.dp} = {per_step}; make --global-batch-size a "
+                      f"multiple of {per_step}")
     if t.lr_decay_style not in ("cosine", "linear", "constant"):
         errors.append(f"lr_decay_style={t.lr_decay_style!r} must be cosine, linear or constant")
     if t.bf16 and t.fp16:
@@ -772,7 +774,8 @@ def stage_layers(n_layer: int, pp: int, vpp: int, explicit: tuple[int, ...] = ()
         return list(explicit)
     if n_layer % stages:
         fix = (f"use a multiple of {stages} layers or give --pipeline-layers" if n_layer > stages else
-               f"use at most {n_layer} stages (pp * vpp) or at least {stages} layers")
+               f"use at most {counted(n_layer, 'stage')} (pp * vpp; --pipeline-layers for an uneven split) or a "
+               f"multiple of {stages} layers")
         raise ConfigError(f"n_layer={n_layer} cannot be split into pp {pp} * vpp {vpp} = {stages} stages of "
                           f"whole layers; {fix}")
     return [n_layer // stages] * stages

@@ -19,7 +19,7 @@ import re
 import sys
 
 from gcompile.arguments import ArgumentParser
-from gcompile.log import parse_rank_ranges, rank_ranges
+from gcompile.log import counted, parse_rank_ranges, rank_ranges
 
 
 class InspectError(ValueError):
@@ -63,7 +63,7 @@ def _read(path: str) -> list[str]:
 def list_ranks(root: str) -> str:
     shared_by, folders = _shared_by(root), rank_dirs(root)
     ranks = sum(len(ranks) for ranks in shared_by.values()) or len(folders)
-    lines = [f"{len(folders)} folders for {ranks} ranks " + (
+    lines = [f"{counted(len(folders), 'folder')} for {counted(ranks, 'rank')} " + (
         "(index.txt: ranks that differ only in dp run one program)" if ranks > len(folders) else
         "(each runs a program of its own)")]
     for rank, folder in folders.items():

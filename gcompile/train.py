@@ -142,7 +142,7 @@ def train(config: RunConfig, coords: Coords, device: str = "cpu", log=print) -> 
         elapsed_ms = (time.perf_counter() - start) * 1e3
         if peak:
             estimate = estimate_memory(program)
-            gathered = f" + gathered weights {estimate.gathered / MIB:.1f}" if estimate.gathered else ""
+            gathered = f" + gathered {estimate.gathered / MIB:.1f}" if estimate.gathered else ""
             quiet(f"rank 0 memory over its first step: {peak}; estimated {estimate.total / MIB:.1f} MiB "
                   f"(state {estimate.state / MIB:.1f} + activations {estimate.activations / MIB:.1f} + messages "
                   f"{estimate.messages / MIB:.1f}{gathered})")

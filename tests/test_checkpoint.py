@@ -241,7 +241,7 @@ def flip_tensor_bytes(folder) -> None:
 
 
 def truncate_shards(folder, names=None) -> None:
-    for name in names or [name for name in os.listdir(folder) if name.endswith(".distcp")]:
+    for name in names if names is not None else [name for name in os.listdir(folder) if name.endswith(".distcp")]:
         os.truncate(os.path.join(folder, name), os.path.getsize(os.path.join(folder, name)) // 2)
 
 

@@ -34,7 +34,7 @@ def run_main(argv, capsys):
     (["--n-layer", "0"], "n-layer=0 must be at least 1"),
     (["--seq-length", "512", "--block-size", "256"], "seq_length=512 is longer than the model's block_size=256"),
     (["--global-batch-size", "10", "--micro-batch-size", "4"],
-     "global_batch_size=10 is not divisible by micro_batch_size=4 * dp=1 = 4; give a multiple of 4"),
+     "global_batch_size=10 is not divisible by micro_batch_size=4 * dp=1 = 4; make --global-batch-size a multiple of 4"),
     (["--lr-decay-style", "exponential"], "lr_decay_style='exponential' must be cosine, linear or constant"),
     (["--lr", "fast"], "--lr='fast' is not a valid float"),
     (["--sequence-parallel", "maybe"], "--sequence-parallel='maybe' is not a valid bool (true or false)"),

@@ -406,7 +406,8 @@ def test_configure_refuses_in_one_line():
     with pytest.raises(ValueError) as refused:  # two reasons, one with its fix after a "; " of its own
         configure(tiny(), dict(tp=4, pp=4))
     assert len(refused.value.reasons) == 2 and str(refused.value) == "; ".join(refused.value.reasons)
-    assert refused.value.reasons[1].endswith("; use at most 2 stages (pp * vpp) or at least 4 layers")
+    assert refused.value.reasons[1].endswith("; use at most 2 stages (pp * vpp; --pipeline-layers for an uneven split) "
+                                             "or a multiple of 4 layers")
 
 
 def test_refusals_count_under_each_reason_and_not_again_once_all_are_listed():
@@ -589,7 +590,7 @@ def test_check_plan_with_no_usable_machine_file_checks_the_plan_and_says_why_it_
                                                                                                   capsys):
     """This machine's own file missing, written by an older gcompile, or a GPU's that measured no collectives:
     the plan is still checked and the prediction line says why there is none (the same file given with --machine
-    is an error: test_bad_input)."""
+    is an error: test_bad_input's "check-plan" cases)."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     argv = ["--config", os.path.join(ROOT, "configs", "tiny.toml"), "--pp", "2", "--check-plan"]
     older = {**json.loads(flat_machine().to_json()), "format": machine_file.FORMAT - 1}

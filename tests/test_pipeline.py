@@ -446,8 +446,10 @@ def test_split_needs_blocks_and_one_stage():
     (["--pp", "2", "--virtual-pipeline-size", "2", "--n-layer", "5"],
      "n_layer=5 cannot be split into pp 2 * vpp 2 = 4 stages of whole layers"),
     (["--pp", "2", "--virtual-pipeline-size", "2", "--n-layer", "2"],
-     "n_layer=2 cannot be split into pp 2 * vpp 2 = 4 stages of whole layers; use at most 2 stages (pp * vpp) "
-     "or at least 4 layers"),
+     "n_layer=2 cannot be split into pp 2 * vpp 2 = 4 stages of whole layers; use at most 2 stages (pp * vpp; "
+     "--pipeline-layers for an uneven split) or a multiple of 4 layers"),
+    (["--pp", "2", "--n-layer", "1"], "n_layer=1 cannot be split into pp 2 * vpp 1 = 2 stages of whole layers; use "
+                                      "at most 1 stage (pp * vpp;"),
     (["--pp", "2", "--pipeline-layers", "3,2"], "pipeline_layers=3,2 sums to 5, not n_layer=4"),
     (["--pp", "2", "--pipeline-layers", "4"], "pipeline_layers=4 has 1 entries for pp 2 * vpp 1 = 2 stages"),
     (["--pp", "2", "--pipeline-layers", "4,0"], "pipeline_layers=4,0: every stage needs at least one layer"),

@@ -79,9 +79,11 @@ def test_a_dump_folder_holds_one_run(tmp_path, capsys):
         ours = sorted(set(os.listdir(reused / rank)) - {"notes.md"})
         assert ours == sorted(os.listdir(fresh / rank)), rank
     assert (reused / "rank0" / "notes.md").read_text() == "not ours"
+    assert run_gpt.main(small + [str(one := tmp_path / "one")]) == 0
     capsys.readouterr()
     (tp_pp / "index.txt").unlink()  # as a training run's dump, where every rank writes its own folder
-    for folder, first in ((fresh, "2 folders for 4 ranks (index.txt: "), (tp_pp, "4 folders for 4 ranks (each runs ")):
+    for folder, first in ((fresh, "2 folders for 4 ranks (index.txt: "), (tp_pp, "4 folders for 4 ranks (each runs "),
+                          (one, "1 folder for 1 rank (")):
         assert inspect.main([str(folder)]) == 0
         assert capsys.readouterr().out.startswith(first), folder
 
