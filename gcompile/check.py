@@ -193,10 +193,14 @@ class MemoryEstimate:
         return self.weights + self.grads + self.optimizer
 
     def __str__(self) -> str:
+        return format(self, "")
+
+    def __format__(self, width: str) -> str:
+        """`f"{estimate:10}"`: the total right-aligned in 10 characters, as the plan checker's rows line up."""
         mib = 2 ** 20  # as MeasuredMemory's, which the plan checker prints beside it
         gathered = f" + gathered {self.gathered / mib:.3f}" if self.gathered else ""
         messages = f" + messages {self.messages / mib:.3f}" if self.messages else ""
-        return (f"{self.total / mib:10.3f} MiB = weights {self.weights / mib:.3f} + grads {self.grads / mib:.3f} "
+        return (f"{self.total / mib:{width}.3f} MiB = weights {self.weights / mib:.3f} + grads {self.grads / mib:.3f} "
                 f"+ optimizer {self.optimizer / mib:.3f} + activations {self.activations / mib:.3f}{gathered}"
                 f"{messages}")
 
@@ -361,7 +365,7 @@ def check_plan(programs: dict[int, RankProgram], memory_budget_gb: float | None 
     for rank, program in programs.items():
         estimate = estimate_memory(program)
         also = f" for {rank_ranges(shared_by[rank])}" if len(shared_by[rank]) > 1 else ""
-        lines.append(f"rank {rank:4d} {program.coords}{also}: {estimate}; "
+        lines.append(f"rank {rank:4d} {program.coords}{also}: {estimate:10}; "
                      f"{MeasuredMemory.of(TrainState.allocate(program, 'meta'))}")
         if memory_budget_gb is not None and estimate.total > memory_budget_gb * 2 ** 30:
             raise PlanError(f"rank {rank} {program.coords}{also} needs about {estimate.total / 2 ** 30:.3g} GiB "

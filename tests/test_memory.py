@@ -6,7 +6,7 @@ import json
 import re
 
 from gcompile.axes import Coords
-from gcompile.check import estimate_memory
+from gcompile.check import MemoryEstimate, estimate_memory
 from gcompile.config import build_config, parse_args
 from gcompile.harness import World
 from gcompile.pipeline import BuildCache
@@ -114,3 +114,10 @@ def test_a_run_logs_its_first_steps_peak_and_writes_it_to_the_metrics(tmp_path):
     records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert records[0]["mem_peak_bytes"] >= records[0]["mem_state_bytes"] + records[0]["mem_activation_bytes"] > 0
     assert "mem_peak_bytes" not in records[1]  # measured on the first step only
+
+
+def test_an_estimate_reads_unpadded_in_a_sentence_and_lines_up_in_the_checkers_rows():
+    estimate = MemoryEstimate(weights=2 ** 20, grads=0, optimizer=0, activations=3 * 2 ** 19)
+    parts = "MiB = weights 1.000 + grads 0.000 + optimizer 0.000 + activations 1.500"
+    assert str(estimate) == f"2.500 {parts}"  # "rank 0 memory: ...; estimated 2.500 MiB = ..."
+    assert f"{estimate:10}" == f"     2.500 {parts}"  # the plan checker's column
