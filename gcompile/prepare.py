@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> None:
     except (DataError, tok.TokenizerError) as e:
         print(f"{prep.prog}: error: {e}", file=sys.stderr)
         sys.exit(2)
-    print(f"{args.output}.bin/.idx: {len(dataset)} documents, {len(dataset.tokens)} tokens")
+    print(f"wrote {args.output}.bin and {args.output}.idx: {len(dataset)} documents, {len(dataset.tokens)} tokens")
 
 
 def tokenizer_spec(args: argparse.Namespace) -> tok.TokenizerSpec:
