@@ -39,6 +39,7 @@ import os
 import sys
 import time
 from collections import Counter
+from typing import NamedTuple
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 
@@ -90,6 +91,16 @@ class Candidate:
 
     def flags(self) -> list[str]:
         return layout_flags(self.layout)
+
+
+class Refusal(NamedTuple):
+    """A layout left out: why, in one line, and the reasons it counts under."""
+
+    layout: dict
+    why: str
+    reasons: tuple[str, ...]
+    over_budget: bool = False
+    """Left out only for its memory: with a memory saver it may fit."""
 
 
 @dataclass
@@ -236,8 +247,8 @@ def search(base: RunConfig, world: int, machine: Machine, budget_gb: float | Non
             if ok:
                 result.ranked.append(outcome)
             else:
-                result.refused.append(outcome[:2])
-                result.reasons.update(outcome[2])
+                result.refused.append((outcome.layout, outcome.why))
+                result.reasons.update(outcome.reasons)
     result.ranked.sort(key=lambda c: c.prediction.step_seconds)
     result.seconds = time.perf_counter() - start
     return result
@@ -255,8 +266,8 @@ class _Unknown(Exception):
 
 def _search_family(base: RunConfig, machine: Machine, budget_gb: float | None, members: list[dict],
                    cache: BuildCache | None = None, known: Known | None = None, machine_text: str = "",
-                   build: bool = True) -> tuple[list[list[tuple[bool, Candidate | tuple]]], Known, int]:
-    """Per member, (True, candidate) or (False, (layout, why, its reasons as counted)) for each layout tried, in
+                   build: bool = True) -> tuple[list[list[tuple[bool, Candidate | Refusal]]], Known, int]:
+    """Per member, (True, candidate) or (False, refusal) for each layout tried, in
     order: one over the budget is tried again with the memory savers (SAVING), a tier at a time, until a tier
     has one that fits (a saver this layout cannot run is refused, the others tried). Then what it predicted that
     `known` (by gcompile.plan_cache.layout_key with `machine_text`) did not hold, and how many predictions it
@@ -280,7 +291,7 @@ def _search_family(base: RunConfig, machine: Machine, budget_gb: float | None, m
                     seen[tuple(tried.items())] = outcome
                 ok, outcome = seen[tuple(tried.items())]
                 fits = fits or ok
-                if not ok and outcome[2] != (_over(budget_gb),):
+                if not ok and not outcome.over_budget:
                     cannot.append(saver)
             if fits or {} in cannot:  # one fits, or the layout itself cannot run
                 break
@@ -303,13 +314,13 @@ def _changes_nothing(base: RunConfig, layout: dict, saver: dict) -> bool:
 
 
 def _try(base: RunConfig, machine: Machine, budget_gb: float | None, tried: dict, cache: BuildCache | None,
-         known: Known, machine_text: str, build: bool, added: Known) -> tuple[tuple[bool, Candidate | tuple], bool]:
-    """One layout: (True, candidate) or (False, (layout, why, its reasons as counted)), and whether its
+         known: Known, machine_text: str, build: bool, added: Known) -> tuple[tuple[bool, Candidate | Refusal], bool]:
+    """One layout: (True, candidate) or (False, refusal), and whether its
     prediction came from `known` (what it predicts anew goes to `added`)."""
     try:
         config = configure(base, tried)
     except ConfigError as e:
-        return (False, (tried, str(e), e.reasons)), False
+        return (False, Refusal(tried, str(e), e.reasons)), False
     key = layout_key(config, machine_text)
     if key in known:
         step, memory = known[key]
@@ -321,7 +332,7 @@ def _try(base: RunConfig, machine: Machine, budget_gb: float | None, tried: dict
         except PassError as e:
             if not isinstance(e.__cause__, GraphMismatch):
                 raise  # a pass that broke, not one that cannot rewrite this layout
-            return (False, (tried, str(e.__cause__), (str(e.__cause__),))), False
+            return (False, Refusal(tried, str(e.__cause__), (str(e.__cause__),))), False
         step = prediction.totals()
         if key is not None:
             added[key] = step, memory
@@ -329,7 +340,7 @@ def _try(base: RunConfig, machine: Machine, budget_gb: float | None, tried: dict
         return (True, Candidate(tried, config, step, memory)), key in known
     over = _over(budget_gb)
     needs = f"needs about {memory / 2 ** 30:.3g} GiB on its largest rank"
-    return (False, (tried, f"{over}; {needs}", (over,))), key in known
+    return (False, Refusal(tried, f"{over}; {needs}", (over,), over_budget=True)), key in known
 
 
 @functools.cache
