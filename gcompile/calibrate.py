@@ -17,8 +17,8 @@ all-gather, reduce-scatter and all-to-all over them, each at 8 KiB, 1 MiB and
 send/recv (half a round trip). Transports: gloo, and on CPU the shared-memory tp
 group (gcompile/shm_group.py); on GPUs nccl. Last, on CPU, what a gloo rank loses
 each time it waits on the others while every rank computes between waits (an
-all-reduce of pairs and of all, a message): it gives up its core and waits to be
-run again.
+all-reduce of pairs and of all; a message, while the other ranks compute): it gives up
+its core and waits to be run again.
 """
 
 import json
@@ -211,8 +211,9 @@ def _contention(tokens: int, repeats: int, rounds: int = 5) -> float:
     return statistics.median(ratios)
 
 
-WAIT_TOKENS, WAIT_ROUNDS, WAIT_BLOCKS = 128, 8, 4
-"""The work between two waits (about 3 ms alone here), waits per timed block, and blocks per wait."""
+WAIT_TOKENS, WAIT_ROUNDS, WAIT_BLOCKS, MESSAGE_SECONDS = 128, 8, 4, 0.5
+"""The work between two waits (about 3 ms alone here), waits per timed block, blocks per wait, and how long
+messages are timed for a receiver's wait."""
 
 
 def _waits(transports: list[str], rank: int, world: int) -> dict[str, dict[str, float]]:
@@ -220,29 +221,12 @@ def _waits(transports: list[str], rank: int, world: int) -> dict[str, dict[str, 
     "send_recv": a pipeline message) -> the seconds it loses beyond the call itself while the cores are
     shared: a rank that waits gives up its core and gets one back only when the scheduler next runs it.
     An all-reduce: a block of rounds of work alone against one of work and the all-reduce (consecutive
-    waits, as a graph's are), every rank computing. A message: the pair's ranks compute in turn, each message
-    waking the other from its receive (a pipeline's hand-over), against each computing all its rounds in one
-    go while the other sleeps. A wait costs the median over blocks of the difference per wait (a block's time
-    its slowest rank's), less what the call takes with the ranks lined up and idle (what the link measured)."""
+    waits, as a graph's are), every rank computing; a wait costs the median over blocks of the difference per
+    wait (a block's time its slowest rank's), less what the call takes with the ranks lined up and idle (what
+    the link measured). A message: _message_wait."""
     work = workload("cpu", WAIT_TOKENS)
     work()
     x = torch.ones(SIZES[0] // 4)
-    peer, first = rank ^ 1, rank % 2 == 0
-
-    def round_trip():
-        for step in (dist.send, dist.recv) if first else (dist.recv, dist.send):
-            step(x, peer)
-
-    def hand_overs(waits: bool) -> None:
-        turns, rounds = (WAIT_ROUNDS, 1) if waits else (1, WAIT_ROUNDS)
-        for _ in range(turns):
-            if not first:
-                dist.recv(x, peer)
-            for _ in range(rounds):
-                work()
-            dist.send(x, peer)
-            if first:
-                dist.recv(x, peer)
 
     def all_reduces(name: str) -> Callable[[bool], None]:
         def block(waits: bool) -> None:
@@ -263,8 +247,6 @@ def _waits(transports: list[str], rank: int, world: int) -> dict[str, dict[str, 
         for what, name in groups.items():
             measured[(transport, what)] = (all_reduces(name), WAIT_ROUNDS,
                                            _lined_up(lambda: collectives.all_reduce(x, name), dist.group.WORLD, "cpu"))
-        measured[(transport, "send_recv")] = (hand_overs, 2 * WAIT_ROUNDS - 2,
-                                              _lined_up(round_trip, dist.group.WORLD, "cpu") / 2)
     lost = []
     for block, count, _ in measured.values():
         per_wait = []
@@ -283,7 +265,46 @@ def _waits(transports: list[str], rank: int, world: int) -> dict[str, dict[str, 
     found = {}
     for (transport, what), seconds in zip(measured, (torch.tensor(lost) - idle / world).clamp(min=0).tolist()):
         found.setdefault(transport, {})[what] = seconds
+    if "gloo" in transports:
+        found.setdefault("gloo", {})["send_recv"] = _message_wait(work, rank, world)
     return found
+
+
+def _message_wait(work: Callable[[], None], rank: int, world: int) -> float:
+    """What a pipeline message's receiver loses while the other ranks compute, as a pipeline's other stages do:
+    asleep in its receive, it runs again only when the scheduler gives it a core. For MESSAGE_SECONDS rank 0
+    computes and sends to rank 1, which waits in its receive and answers; the time from each send to rank 1
+    running again (one clock: perf_counter is the host's monotonic clock) averaged, with ranks 2.. computing
+    throughout, less the same with them asleep. Most hand-overs cost nothing, one in several a time slice (4 ms
+    here): the mean counts."""
+    stamp = torch.zeros(1, dtype=torch.float64)
+    means = []
+    for busy in (False, True):
+        dist.barrier()
+        until = time.perf_counter() + MESSAGE_SECONDS
+        if rank >= 2:
+            while busy and time.perf_counter() < until + MESSAGE_SECONDS / 4:  # past rank 0's last message
+                work()
+            continue
+        delays = []
+        while True:
+            if rank == 0:
+                work()
+                stamp[0] = time.perf_counter() if time.perf_counter() < until else -1.0  # -1: the last
+                dist.send(stamp, 1)
+                if stamp.item() < 0:
+                    break
+                dist.recv(stamp, 1)
+            else:
+                dist.recv(stamp, 0)
+                if stamp.item() < 0:
+                    break
+                delays.append(time.perf_counter() - stamp.item())
+                dist.send(stamp, 0)
+        means.append(statistics.mean(delays) if delays else 0.0)
+    lost = torch.tensor(means[1] - means[0] if rank == 1 else 0.0)
+    dist.broadcast(lost, 1)
+    return max(0.0, lost.item())
 
 
 def _timed_repeats(work: Callable[[], None], repeats: int) -> float:
