@@ -185,7 +185,7 @@ class MemoryEstimate:
 
     @property
     def total(self) -> int:
-        return self.weights + self.grads + self.optimizer + self.activations + self.gathered + self.messages
+        return self.state + self.activations + self.gathered + self.messages
 
     @property
     def state(self) -> int:

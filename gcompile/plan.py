@@ -39,9 +39,9 @@ import os
 import sys
 import time
 from collections import Counter
-from typing import NamedTuple
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from gcompile.arguments import ArgumentParser
 from gcompile.axes import Coords

@@ -89,13 +89,17 @@ def build(spec: TokenizerSpec) -> ByteLevel | HuggingFace:
     raise TokenizerError(f"--tokenizer-type {spec.tokenizer_type}: unknown; choose one of {', '.join(TOKENIZER_TYPES)}")
 
 
+def _missing(flag: str, path: str | None) -> str:
+    return f"{flag} {path}: no such file" if path else f"no {flag} given"
+
+
 def _gpt2_bpe(vocab_file: str | None, merge_file: str | None) -> HuggingFace:
     from tokenizers import ByteLevelBPETokenizer
 
     for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
         if not path or not os.path.isfile(path):
-            raise TokenizerError(f"{f'{flag} {path}: no such file' if path else f'no {flag} given'}; GPT2BPETokenizer "
-                                 f"needs --vocab-file vocab.json and --merge-file merges.txt")
+            raise TokenizerError(f"{_missing(flag, path)}; GPT2BPETokenizer needs --vocab-file vocab.json and "
+                                 f"--merge-file merges.txt")
     try:
         tokenizer = ByteLevelBPETokenizer(vocab_file, merge_file)
     except Exception as e:  # tokenizers raises plain Exception on a malformed file
@@ -110,8 +114,8 @@ def _hugging_face(path: str | None) -> HuggingFace:
     if path and os.path.isdir(path):
         path = os.path.join(path, "tokenizer.json")
     if not path or not os.path.isfile(path):
-        raise TokenizerError(f"{f'--tokenizer-model {path}: no such file' if path else 'no --tokenizer-model given'}; "
-                             f"HuggingFaceTokenizer needs --tokenizer-model tokenizer.json (or the folder that holds it)")
+        raise TokenizerError(f"{_missing('--tokenizer-model', path)}; HuggingFaceTokenizer needs --tokenizer-model "
+                             f"tokenizer.json (or the folder that holds it)")
     try:
         tokenizer = Tokenizer.from_file(path)
     except Exception as e:  # tokenizers raises plain Exception on a malformed file
