@@ -14,7 +14,7 @@ import signal
 import sys
 import time
 
-from gcompile.config import ConfigError, RunConfig, answer_help, parse_args
+from gcompile.config import ConfigError, RunConfig, answer_help, canonical_flag, parse_args
 
 if __name__ == "__main__":
     answer_help(sys.argv[1:])  # before the imports below load torch (seconds): --help is immediate
@@ -129,13 +129,13 @@ def auto_layout(config: RunConfig, flags, argv: list[str]) -> list[str]:
                         f"reason: python -m gcompile.plan --world-size {flags.world_size} {' '.join(kept)} "
                         f"--refused {len(found.refused)}")
     best = found.ranked[0]
-    names = set(best.flags()[::2])
-    replaced = [arg if "=" in arg else f"{arg} {kept[i + 1]}" for i, arg in enumerate(kept)
-                if arg.split("=")[0] in names]
+    names = set(best.run_flags()[::2])
+    replaced = [arg if "=" in arg or i + 1 == len(kept) or kept[i + 1].startswith("--") else f"{arg} {kept[i + 1]}"
+                for i, arg in enumerate(kept) if canonical_flag(arg.split("=")[0]) in names]
     print(f"--auto-layout: training with {' '.join(best.flags())} ({best.prediction}; "
           f"{best.memory / 2 ** 30:.3f} GiB on its largest rank)"
           + (f"; in place of the given {', '.join(replaced)}" if replaced else ""))
-    return kept + best.flags()
+    return kept + best.run_flags()
 
 
 def main(argv: list[str]) -> int:

@@ -40,13 +40,12 @@ from gcompile import collectives
 from gcompile import machine as machine_file
 from gcompile import shm_group
 from gcompile.arguments import ArgumentParser
-from gcompile.machine import Link, Machine
+from gcompile.machine import KINDS, Link, Machine
 from gcompile.mesh import register_group
 from gcompile.torch_api import resolve_process_group
 
 aten = torch.ops.aten
 
-KINDS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single")
 SHM_KINDS = KINDS[:3]
 """What the shared-memory tp group does (tensor parallelism asks no more; other groups use gloo)."""
 SIZES = (8 << 10, 1 << 20, 4 << 20)
@@ -475,9 +474,11 @@ def main(argv: list[str] | None = None) -> int:
         print(describe(found))
         print(f"read from {args.out or path}")
         return 0
-    if args.out is not None and (why := machine_file.cannot_write(args.out)):
-        print(f"python -m gcompile.calibrate: error: {why}", file=sys.stderr)
-        return 2
+    for target, named in ((path, f"this machine's file {path} (XDG_CACHE_HOME moves it)"),
+                          (args.out, f"--out {args.out!r}")):
+        if target is not None and (why := machine_file.cannot_write(target)):
+            print(f"python -m gcompile.calibrate: error: {named}: {why}", file=sys.stderr)
+            return 2
     measured = calibrate()
     for target in [path] + ([args.out] if args.out else []):
         machine_file.save(measured, target)

@@ -307,6 +307,11 @@ MEGATRON_ALIASES = {
 }
 
 
+def canonical_flag(flag: str) -> str:
+    """A flag by gcompile's name for it: Megatron's spelling (--context-parallel-size) as --cp."""
+    return f"--{MEGATRON_ALIASES.get(flag.removeprefix('--'), flag.removeprefix('--'))}"
+
+
 def _flag(name: str) -> str:
     return name.replace("_", "-")
 
@@ -550,6 +555,9 @@ def parse_args(argv: list[str]) -> tuple[RunConfig, argparse.Namespace]:
                                 world_size=getattr(args, "world_size", None), machine=getattr(args, "machine", None))
     if extras.world_size is not None and not extras.auto_layout:
         raise ConfigError("--world-size is what --auto-layout plans for; give both, or give --tp, --pp, --dp")
+    if extras.machine is not None and not (extras.auto_layout or extras.check_plan or extras.dump_only):
+        raise ConfigError("--machine is what --check-plan, --dump-only and --auto-layout predict with; a run "
+                          "trains without it: give one of those, or leave --machine out")
     return build_config(overrides), extras
 
 

@@ -12,12 +12,13 @@ log(FLOPs). A collective's time is `latency + bytes / bandwidth` per transport,
 kind and group size.
 """
 
+import functools
 import hashlib
 import json
 import math
 import os
 import platform
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 
 import torch
 
@@ -25,6 +26,8 @@ from gcompile.paths import cache_home
 
 FORMAT = 5
 """Bumped when the file's fields change; an older file is measured again."""
+KINDS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single")
+"""Collectives measured per transport and group size (with send_recv in a world of two)."""
 
 
 class MachineError(ValueError):
@@ -79,21 +82,27 @@ class Machine:
 
     @classmethod
     def from_json(cls, text: str, where: str) -> "Machine":
+        """The file's machine; MachineError naming the first field no measurement gives (a file damaged or
+        edited by hand would otherwise predict negative or NaN times, or fail deep in a prediction)."""
+        again = f"measure the machine it describes again: python -m gcompile.calibrate --out {where}"
         try:
             raw = json.loads(text)
-            if raw.get("format") != FORMAT:
-                raise MachineError(f"machine file {where} has format {raw.get('format', 'none')}, this gcompile "
-                                   f"reads {FORMAT}; measure again with: python -m gcompile.calibrate --out {where}")
-            raw["collectives"] = {transport: {kind: {size: Link(**link) for size, link in sizes.items()}
-                                              for kind, sizes in kinds.items()}
-                                  for transport, kinds in raw["collectives"].items()}
-            return cls(**raw)
-        except (ValueError, TypeError, KeyError, AttributeError) as e:
-            if isinstance(e, MachineError):
-                raise
-            raise MachineError(f"machine file {where} is not one gcompile.calibrate wrote ({e}); give one it "
-                               f"wrote, or measure this machine into a new one: python -m gcompile.calibrate "
-                               f"--out FILE.json") from None
+        except json.JSONDecodeError as e:
+            raise MachineError(f"machine file {where} is not JSON ({e}); {again}") from None
+        except (ValueError, RecursionError):  # a number of thousands of digits, or brackets thousands deep
+            raise MachineError(f"machine file {where} is not JSON calibration writes (a number or nesting far too "
+                               f"long to read); {again}") from None
+        if isinstance(raw, dict) and raw.get("format") != FORMAT:
+            raise MachineError(f"machine file {where} has format {json.dumps(raw.get('format'))[:20]}, this "
+                               f"gcompile reads {FORMAT}; {again}")
+        try:
+            _check(raw)
+        except _Unfit as e:
+            raise MachineError(f"machine file {where} is not one gcompile.calibrate wrote: {e}; {again}") from None
+        raw["collectives"] = {transport: {kind: {size: Link(**link) for size, link in sizes.items()}
+                                          for kind, sizes in kinds.items()}
+                              for transport, kinds in raw["collectives"].items()}
+        return cls(**raw)
 
     @property
     def on_gpu(self) -> bool:
@@ -176,6 +185,100 @@ class Machine:
         return Link(base.latency * steps, base.bandwidth / share)
 
 
+class _Unfit(ValueError):
+    """A field of a loaded machine file that no measurement gives: where it is in the file, and what it holds."""
+
+
+def _check(raw) -> None:
+    """_Unfit naming the first field of `raw` (a loaded file) that calibration cannot have written: every field
+    there, each rate positive, each time and wait finite and not negative, keys the counts they stand for, and
+    on CPU every collective of gloo measured (what predictions fall back on)."""
+    if not isinstance(raw, dict):
+        raise _Unfit("it is not a JSON object")
+    required = {f.name for f in fields(Machine) if f.default is MISSING and f.default_factory is MISSING}
+    if missing := sorted(required - raw.keys()):
+        raise _Unfit(f"it has no {', '.join(missing)}")
+    if unknown := sorted(raw.keys() - {f.name for f in fields(Machine)}):
+        raise _Unfit(f"it has fields no machine file has ({', '.join(unknown)[:80]})")
+    for name in ("fingerprint", "description"):
+        if not isinstance(raw[name], str):
+            raise _Unfit(f"{name} is not text")
+    if type(raw["cores"]) is not int or raw["cores"] < 1:
+        raise _Unfit(f"cores is {_shown(raw['cores'])}, not a whole number of at least 1")
+    threads, ranks = _counted(1, "gpu"), _counted(1)
+    curves = functools.partial(_table, keys=None, check=_curve)
+    _table(raw["matmul"], "matmul", threads, curves)
+    _table(raw["attention"], "attention", threads, _curve)
+    for name in ("bandwidth", "inplace_bandwidth"):
+        _table(raw[name], name, threads, _positive)
+    _number(raw["op_seconds"], "op_seconds", positive=False)
+    for name in ("contention", "host_contention"):
+        _table(raw[name], name, ranks, _positive)
+    links = functools.partial(_table, keys=_counted(2), check=_link)
+    _table(raw["collectives"], "collectives", None, functools.partial(_table, keys=set(KINDS) | {"send_recv"},
+                                                                        check=links), empty=True)
+    gpu = "gpu" in raw["matmul"]
+    needed = () if gpu and not raw["collectives"] else (*KINDS, "send_recv")
+    default = "nccl" if gpu else "gloo"
+    if lacking := [kind for kind in needed if kind not in raw["collectives"].get(default, {})]:
+        raise _Unfit(f"collectives.{default} has no {', '.join(lacking)}")
+    waited = functools.partial(_table, keys=_counted(2, "send_recv"), check=functools.partial(_number, positive=False))
+    _table(raw.get("waits", {}), "waits", None, functools.partial(_table, keys=_counted(2), check=waited), empty=True)
+
+
+def _table(value, path: str, keys, check, empty: bool = False) -> None:
+    """An object (empty only where `empty`) whose keys are in `keys` (None: any), each value passing `check`."""
+    if not isinstance(value, dict) or not value and not empty:
+        raise _Unfit(f"{path} is {_shown(value)}, not {'an' if empty else 'a non-empty'} object")
+    for key, item in value.items():
+        if keys is not None and key not in keys:
+            raise _Unfit(f"{path} has the key {_shown(key)}, which is not {getattr(keys, 'means', 'one it has')}")
+        check(item, f"{path}.{key}")
+
+
+class _counted:
+    """Keys that are whole numbers of at least `least` ("2"), or one of `words`."""
+
+    def __init__(self, least: int, *words: str):
+        self.least, self.words = least, words
+        self.means = f"a count of at least {least}" + "".join(f" or {w}" for w in words)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.words or key.isascii() and key.isdigit() and int(key) >= self.least
+
+
+def _curve(value, path: str) -> None:
+    if not isinstance(value, list) or not value or \
+            not all(isinstance(point, list) and len(point) == 2 for point in value):
+        raise _Unfit(f"{path} is not a list of [FLOPs, FLOP/s] points")
+    for i, (flops, rate) in enumerate(value):
+        _positive(flops, f"{path}[{i}][0]")
+        _positive(rate, f"{path}[{i}][1]")
+
+
+def _link(value, path: str) -> None:
+    if not isinstance(value, dict) or sorted(value) != ["bandwidth", "latency"]:
+        raise _Unfit(f"{path} is not a latency and a bandwidth")
+    _number(value["latency"], f"{path}.latency", positive=False)
+    _positive(value["bandwidth"], f"{path}.bandwidth")
+
+
+def _positive(value, path: str) -> None:
+    _number(value, path, positive=True)
+
+
+def _number(value, path: str, positive: bool) -> None:
+    usable = type(value) in (int, float) and abs(value) < 1e300 and math.isfinite(value) and \
+        (value > 0 if positive else value >= 0)  # abs() first: no float() of a 400-digit int
+    if not usable:
+        raise _Unfit(f"{path} is {_shown(value)}, not a {'positive' if positive else 'non-negative'} finite number")
+
+
+def _shown(value) -> str:
+    text = json.dumps(value) if not isinstance(value, float) or math.isfinite(value) else str(value)
+    return text if len(text) <= 24 else text[:20] + "..."
+
+
 def by_ranks(points: list[tuple[int, float]], ranks: float) -> float:
     """A figure measured at sorted rank counts, at `ranks` from the first count on: linear between the
     measured counts, grown in proportion beyond the largest."""
@@ -231,26 +334,49 @@ def load(path: str | None = None) -> Machine | None:
         path = default_path()
         if not os.path.exists(path):
             return None
+    if not path:
+        raise MachineError("--machine '' names no file; give a machine file (python -m gcompile.calibrate --out "
+                           "FILE.json writes one), or leave --machine out for this machine's own")
     if os.path.isdir(path):
         raise MachineError(f"machine file {path} is a folder; give the file in it (python -m gcompile.calibrate "
                            f"--out FILE.json writes one)")
-    if not os.path.isfile(path):
+    if not os.path.exists(path):
         raise MachineError(f"no machine file {path}; make one with: python -m gcompile.calibrate --out {path}")
-    with open(path) as f:
-        return Machine.from_json(f.read(), path)
+    if not os.path.isfile(path):  # a pipe or a device would be read until it ends, maybe never
+        raise MachineError(f"machine file {path} is not a regular file; give the file python -m gcompile.calibrate "
+                           f"--out FILE.json wrote")
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise MachineError(f"machine file {path} cannot be read ({e}); give the file python -m gcompile.calibrate "
+                           f"--out FILE.json wrote") from None
+    return Machine.from_json(text, path)
 
 
 def cannot_write(path: str) -> str | None:
-    """Why `calibrate --out path` could not write there, asked before minutes of measuring: None if it can."""
-    parent = os.path.dirname(os.path.abspath(path))
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
+    """Why no machine file can be written at `path`, asked before minutes of measuring: None if it can (its
+    folder made, a file opened in it and removed)."""
+    if not path or path.endswith(("/", os.sep)):
+        return "that names no file; give a file name, e.g. machine.json"
     if os.path.isdir(path):
-        return f"--out {path} is a folder; give a file name, e.g. {os.path.join(path, 'machine.json')}"
-    if not os.path.isdir(parent):
-        return f"--out {path}: {parent} is a file, not a folder"
-    if not os.access(parent, os.W_OK) or os.path.exists(path) and not os.access(path, os.W_OK):
-        return f"--out {path}: not writable here; give a path you can write"
+        return f"that is a folder; give a file name, e.g. {os.path.join(path, 'machine.json')}"
+    if os.path.exists(path) and not os.path.isfile(path):
+        return "that is not a regular file (a device or a pipe); give a file name"
+    folder = os.path.dirname(os.path.abspath(path))
+    existing = folder
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return f"{existing} is a file where a folder should be; give a path whose folders are folders"
+    trial = f"{path}.tmp{os.getpid()}"
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with open(trial, "w"):
+            pass
+        os.remove(trial)
+    except OSError as e:
+        return f"cannot write there ({e.strerror or e}); give a path in a folder you can write"
     return None
 
 

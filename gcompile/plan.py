@@ -34,6 +34,7 @@ import contextlib
 import dataclasses
 import functools
 import itertools
+import math
 import multiprocessing
 import os
 import sys
@@ -74,6 +75,10 @@ SAVING = tuple(filter(None, (tuple({k: v for saver in chosen for k, v in saver.i
 saver of a tier is tried and each that fits is ranked; the next tier only where none did. Sequence parallel
 shards the activations tp does not (norms, residuals, dropout masks) for collectives of the same volume, which
 is why Megatron pairs it with every tp > 1; ZeRO-2 shards the gradients, ZeRO-3 the weights too."""
+PLANNED = dict(cp=1, ep=1, virtual_pipeline_size=1, use_distributed_optimizer=False,
+               num_layers_per_virtual_pipeline_stage=None)
+"""[parallel] fields every candidate sets, where its layout does not name them (a layout names cp, ep and vpp
+only above 1; how dp shards it names by the sharding strategy, interleaving by vpp)."""
 LAYOUTS_PER_WORKER = 10
 """A worker process starts only for this many layouts: each imports torch and captures the model again first,
 seconds that a small search does not win back (tiny on 2 ranks here: 8 layouts, one process 10.2 s, two
@@ -91,6 +96,11 @@ class Candidate:
 
     def flags(self) -> list[str]:
         return layout_flags(self.layout)
+
+    def run_flags(self) -> list[str]:
+        """`flags()` and every other field the planner set, so that a run given them after its own flags (or a
+        preset's keys) is this layout, whatever those said: its cp, ep and vpp of 1 too."""
+        return layout_flags({**self.layout, **{k: v for k, v in PLANNED.items() if k not in self.layout}})
 
 
 class Refusal(NamedTuple):
@@ -120,7 +130,8 @@ class Search:
 def layout_flags(layout: dict) -> list[str]:
     flags = []
     for key, value in layout.items():
-        flags += [f"--{key.replace('_', '-')}", str(value).lower() if isinstance(value, bool) else str(value)]
+        flags += [f"--{key.replace('_', '-')}", str(value).lower() if isinstance(value, bool) or value is None
+                  else str(value)]
     return flags
 
 
@@ -130,6 +141,12 @@ def describe(layout: dict) -> str:
 
 def _powers_of_two(limit: int, divides: int) -> list[int]:
     return [n for n in (1, 2, 4, 8) if n <= limit and divides % n == 0]
+
+
+def _divisors(n: int) -> list[int]:
+    """Every divisor of `n`, ascending, found up to its square root (a world of 10^9 ranks in a blink)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def _chunks(layers: int, pp: int, listed: tuple[int, ...] = ()) -> list[int]:
@@ -152,7 +169,7 @@ def layouts(base: RunConfig, world: int, schedules=SCHEDULES, micro_batch_sizes=
     for tp in _powers_of_two(8, world):
         for cp in _powers_of_two(8, world // tp):
             rest = world // (tp * cp)
-            for pp in [d for d in range(1, rest + 1) if rest % d == 0]:
+            for pp in _divisors(rest):
                 dp = rest // pp
                 chunks = _chunks(m.n_layer, pp, base.parallel.pipeline_layers)
                 pipelines = [("1f1b", 1)] if pp == 1 else \
@@ -176,13 +193,8 @@ def layouts(base: RunConfig, world: int, schedules=SCHEDULES, micro_batch_sizes=
 def configure(base: RunConfig, layout: dict) -> RunConfig:
     """`base` with the layout's fields; ConfigError (every reason, one line) when it cannot run."""
     train = {k: v for k, v in layout.items() if k in TRAIN_FIELDS}
-    parallel = {k: v for k, v in layout.items() if k not in TRAIN_FIELDS}
-    parallel.setdefault("cp", 1)
-    parallel.setdefault("ep", 1)
-    parallel.setdefault("virtual_pipeline_size", 1)
-    config = dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, use_distributed_optimizer=False,
-                                                                    num_layers_per_virtual_pipeline_stage=None,
-                                                                    **parallel),
+    parallel = {**PLANNED, **{k: v for k, v in layout.items() if k not in TRAIN_FIELDS}}
+    config = dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, **parallel),
                                  train=dataclasses.replace(base.train, **train))
     validate(config)
     return config
@@ -393,8 +405,8 @@ def something_to_try(base: RunConfig, world: int, schedules: tuple[str, ...], mi
 
 def no_layout(found: Search, world: int) -> str:
     if found.refused:
-        return f"no layout of {world} ranks can run this config; the reasons above say what to change"
-    return (f"no layout of {world} ranks to try: no --micro-batch-sizes entry times a dp size divides "
+        return f"no layout of {counted(world, 'rank')} can run this config; the reasons above say what to change"
+    return (f"no layout of {counted(world, 'rank')} to try: no --micro-batch-sizes entry times a dp size divides "
             f"--global-batch-size")
 
 
@@ -404,7 +416,7 @@ def search_space(schedules: str, micro_batch_sizes: str,
     names = _names(schedules, SCHEDULES, "--schedules")
     comms = _names(cp_comm_types, CP_COMM_TYPES, "--cp-comm-types") if cp_comm_types is not None else ()
     try:
-        sizes = tuple(int(s) for s in micro_batch_sizes.split(","))
+        sizes = tuple(dict.fromkeys(int(s) for s in micro_batch_sizes.split(",") if s.strip()))
     except ValueError:
         sizes = ()
     if not sizes or min(sizes) < 1:
@@ -413,7 +425,7 @@ def search_space(schedules: str, micro_batch_sizes: str,
 
 
 def _names(given: str, known: tuple[str, ...], flag: str) -> tuple[str, ...]:
-    names = tuple(s.strip() for s in given.split(",") if s.strip())
+    names = tuple(dict.fromkeys(s.strip() for s in given.split(",") if s.strip()))  # each once
     if not names or any(n not in known for n in names):
         raise ConfigError(f"{flag} {given!r}: choose from {', '.join(known)}")
     return names
@@ -480,8 +492,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--world-size {args.world_size} must be at least 1")
         if args.workers < 1:
             raise ConfigError(f"--workers {args.workers} must be at least 1")
-        if args.memory_budget_gb is not None and args.memory_budget_gb <= 0:
-            raise ConfigError(f"--memory-budget-gb {args.memory_budget_gb:g} must be positive")
+        if args.memory_budget_gb is not None and not 0 < args.memory_budget_gb < math.inf:
+            raise ConfigError(f"--memory-budget-gb {args.memory_budget_gb:g} must be a positive finite number")
         for flag, value in (("--top", args.top), ("--refused", args.refused)):
             if value < 0:
                 raise ConfigError(f"{flag} {value} must be 0 or more")

@@ -82,18 +82,22 @@ class PlanCache:
             pass
         except IsADirectoryError:
             self.unread = f"{self.path} is a folder, so no plan is kept; remove it to keep them"
+        except _NotRegular:
+            self.unread = f"{self.path} is not a regular file (a pipe or a device), so no plan is kept; remove it " \
+                          f"to keep them"
         except (OSError, ValueError) as e:
             self.unread = f"{self.path} is not a plan cache gcompile can read ({e}); it will be replaced"
 
     def save(self) -> str | None:
         """Write what was added; None, or why it could not be (the plan stands, it is only not kept)."""
-        if not self.added or os.path.isdir(self.path):  # a folder: `unread` said so
+        if not self.added or os.path.exists(self.path) and not os.path.isfile(self.path):  # `unread` said why
             return None
         try:
             entries = _read(self.path)
         except (OSError, ValueError):
             entries = {}
-        entries.update(self.added)
+        entries.update((key, (step, memory)) for key, (step, memory) in self.added.items()  # what `_read` takes
+                       if _is_prediction({**dataclasses.asdict(step), "memory": memory}))
         text = json.dumps({"format": FORMAT, "code": code_version(), "entries": {
             key: {**dataclasses.asdict(step), "memory": memory} for key, (step, memory) in entries.items()}})
         temporary = f"{self.path}.{os.getpid()}.tmp"
@@ -109,9 +113,15 @@ class PlanCache:
         return None
 
 
+class _NotRegular(OSError):
+    """A plan cache path that holds a pipe or a device: reading it could wait for ever."""
+
+
 def _read(path: str) -> Known:
     """The entries of the file at `path` for this code ({} for another version's); ValueError when it is not a
     plan cache, or one entry is not a prediction this code could have made (its ranking would be wrong)."""
+    if os.path.exists(path) and not os.path.isdir(path) and not os.path.isfile(path):
+        raise _NotRegular(path)
     with open(path) as f:
         try:
             raw = json.load(f)

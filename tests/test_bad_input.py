@@ -57,6 +57,26 @@ def a_file(tmp, saved=None, name="file"):
     (tmp / name).write_text("not a folder\n")
 
 
+def machine_file_with(**fields):
+    """The kept one-GPU machine file (a good one) as m.json, with `fields` changed."""
+    def setup(tmp, saved=None):
+        with open(ONE_GPU) as f:
+            (tmp / "m.json").write_text(json.dumps({**json.load(f), **fields}))
+    return setup
+
+
+def not_utf8(name):
+    def setup(tmp, saved=None):
+        (tmp / name).write_bytes(b"\xff\xfe{}")
+    return setup
+
+
+def a_pipe(name):
+    def setup(tmp, saved=None):
+        os.mkfifo(tmp / name)
+    return setup
+
+
 def tokens(dtype, values):
     def write(tmp, saved=None):
         with IndexedDatasetWriter(str(tmp / "corpus"), dtype=dtype) as writer:
@@ -315,7 +335,20 @@ CASES = [
     ("plan micro-batch sizes", "plan", ["--world-size", "2", "--micro-batch-sizes", "0,2"], None,
      "--micro-batch-sizes '0,2': give positive whole numbers"),
     ("machine file not json", "plan", ["--world-size", "2", "--machine", "{tmp}/file"], a_file,
-     "is not one gcompile.calibrate wrote"),
+     "machine file {tmp}/file is not JSON (Expecting value: line 1 column 1 (char 0)); measure the machine it "
+     "describes again"),
+    ("machine file with a negative time", "plan", ["--world-size", "1", "--machine", "{tmp}/m.json"],
+     machine_file_with(op_seconds=-1), "machine file {tmp}/m.json is not one gcompile.calibrate wrote: op_seconds "
+                                       "is -1, not a non-negative finite number"),  # was: ranked at -2e6 ms
+    ("machine file with a rate of 0", "run_gpt", ["--check-plan", "--machine", "{tmp}/m.json"],
+     machine_file_with(bandwidth={"gpu": 0}), "bandwidth.gpu is 0, not a positive finite number"),  # was: a
+    # ZeroDivisionError after every program was built
+    ("machine file not UTF-8", "plan", ["--world-size", "1", "--machine", "{tmp}/m.json"], not_utf8("m.json"),
+     "machine file {tmp}/m.json cannot be read ('utf-8' codec can't decode byte 0xff"),
+    ("machine file a pipe", "plan", ["--world-size", "1", "--machine", "{tmp}/m.json"], a_pipe("m.json"),
+     "machine file {tmp}/m.json is not a regular file"),  # was: read for ever
+    ("machine given to a run", "run_gpt", ["--machine", "{tmp}/m.json"], None,
+     "--machine is what --check-plan, --dump-only and --auto-layout predict with"),  # was: silently unread
     ("one GPU's machine file, 2 ranks", "plan", ["--world-size", "2", "--machine", ONE_GPU], None,
      "measured no collectives (one GPU: nccl needs two), so it predicts one rank, not 2"),
     ("auto-layout with one GPU's machine file", "run_gpt", ["--auto-layout", "--world-size", "2", "--machine", ONE_GPU],
@@ -325,7 +358,9 @@ CASES = [
     ("check-plan with one GPU's machine file", "run_gpt", ["--tp", "2", "--check-plan", "--machine", ONE_GPU], None,
      "measured no collectives (one GPU: nccl needs two), so it predicts one rank, not 2"),
     ("plan budget 0", "plan", ["--world-size", "2", "--memory-budget-gb", "0"], None,
-     "--memory-budget-gb 0 must be positive"),
+     "--memory-budget-gb 0 must be a positive finite number"),
+    ("plan budget nan", "plan", ["--world-size", "2", "--memory-budget-gb", "nan"], None,
+     "--memory-budget-gb nan must be a positive finite number"),  # was: every layout built, then refused
     ("plan with a run's action", "plan", ["--world-size", "2", "--check-plan"], None,
      "--check-plan: run_gpt.py's, not the planner's; it plans only"),
     ("plan nothing to try", "plan", ["--world-size", "2", "--micro-batch-sizes", "3", "--machine", "{tmp}/none.json"],
@@ -335,7 +370,13 @@ CASES = [
     ("machine file a folder", "plan", ["--world-size", "2", "--machine", "{tmp}"], None,
      "machine file {tmp} is a folder; give the file in it"),
     ("calibrate out a folder", "calibrate", ["--out", "{tmp}"], None,
-     "--out {tmp} is a folder; give a file name, e.g. {tmp}/machine.json"),  # before minutes of measuring
+     "--out '{tmp}': that is a folder; give a file name, e.g. {tmp}/machine.json"),  # before minutes of measuring
+    ("calibrate out a folder's name", "calibrate", ["--out", "{tmp}/new/"], None,
+     "--out '{tmp}/new/': that names no file; give a file name"),  # was: measured, then no file to write
+    ("calibrate out a device", "calibrate", ["--out", "/dev/null"], None,
+     "--out '/dev/null': that is not a regular file (a device or a pipe); give a file name"),
+    ("calibrate out under a file", "calibrate", ["--out", "{tmp}/file/m.json"], a_file,
+     "--out '{tmp}/file/m.json': {tmp}/file is a file where a folder should be"),
     ("bisect tol negative", "inspect", ["bisect", "--tol", "-1"], None, "--tol -1 must be positive"),
     ("calibrate show missing", "calibrate", ["--show", "--out", "{tmp}/none.json"], None,
      "no machine file {tmp}/none.json"),

@@ -157,8 +157,34 @@ def test_machine_file_rates_and_links():
     assert again == m
     with pytest.raises(MachineError, match="not one gcompile.calibrate wrote"):
         Machine.from_json(json.dumps({"format": 5, "cores": 2}), "bad.json")
-    with pytest.raises(MachineError, match="has format 4, this gcompile reads 5; measure again"):
+    with pytest.raises(MachineError, match="has format 4, this gcompile reads 5; measure the machine it describes "
+                                           "again: python -m gcompile.calibrate --out old.json"):
         Machine.from_json("{\"format\": 4}", "old.json")
+
+
+@pytest.mark.parametrize("change, named", [
+    ({"op_seconds": -1}, "op_seconds is -1, not a non-negative finite number"),
+    ({"bandwidth": {"1": 0}}, "bandwidth.1 is 0, not a positive finite number"),
+    ({"matmul": {"1": {"float32": [[1.0, float("nan")]]}}}, "matmul.1.float32[0][1] is nan, not a positive"),
+    ({"matmul": {"1": {"float32": []}}}, "matmul.1.float32 is not a list of [FLOPs, FLOP/s] points"),
+    ({"contention": {}}, "contention is {}, not a non-empty object"),
+    ({"contention": {"two": 1.0}}, 'contention has the key "two", which is not a count of at least 1'),
+    ({"cores": "2"}, 'cores is "2", not a whole number of at least 1'),
+    ({"collectives": {"gloo": {"all_reduce": {"2": {"latency": 1e-3, "bandwidth": -1.0}}}}},
+     "collectives.gloo.all_reduce.2.bandwidth is -1.0, not a positive finite number"),
+    ({"collectives": {}}, "collectives.gloo has no all_reduce, all_gather_into_tensor"),
+    ({"waits": {"gloo": {"4": {"send_recv": None}}}}, "waits.gloo.4.send_recv is null, not a non-negative"),
+    ({"evil": 1}, "it has fields no machine file has (evil)"),
+])
+def test_a_machine_file_calibration_could_not_have_written_is_refused_naming_the_field(change, named):
+    """A file damaged or edited by hand: one line naming the field, before any prediction (which would otherwise
+    print negative or NaN times, or fail deep inside), and the fix."""
+    raw = {**json.loads(flat_machine().to_json()), **change}
+    with pytest.raises(MachineError) as refused:
+        Machine.from_json(json.dumps(raw), "m.json")
+    assert str(refused.value).startswith(f"machine file m.json is not one gcompile.calibrate wrote: {named}")
+    assert str(refused.value).endswith("; measure the machine it describes again: python -m gcompile.calibrate "
+                                       "--out m.json")
 
 
 def tiny(**parallel):
@@ -356,6 +382,22 @@ def test_a_plan_cache_that_cannot_be_read_is_said_and_replaced(tmp_path):
     folder.added["k"] = StepTime(1.0, 0.5, 0.5, 0.1), 42
     assert folder.unread == f"{tmp_path / 'folder.json'} is a folder, so no plan is kept; remove it to keep them"
     assert folder.save() is None  # said once, by `unread`
+    os.mkfifo(tmp_path / "pipe.json")
+    pipe = PlanCache(str(tmp_path / "pipe.json"))  # opened, it would wait for a writer for ever
+    assert pipe.unread == f"{tmp_path / 'pipe.json'} is not a regular file (a pipe or a device), so no plan is " \
+                          f"kept; remove it to keep them"
+
+
+def test_a_prediction_the_plan_cache_would_refuse_is_never_written(tmp_path):
+    """A machine file calibration could not have written once ranked layouts at negative times, and saved them;
+    the next run refused the whole file, every good prediction with it. Only what `_read` takes is written."""
+    path = str(tmp_path / "plans.json")
+    kept = PlanCache(path)
+    kept.added.update({"good": (StepTime(1.0, 0.5, 0.5, 0.1), 42), "negative": (StepTime(-1.0, -0.5, -0.5, 0.1), 42),
+                       "nan": (StepTime(float("nan"), 0.5, 0.5, 0.1), 42)})
+    assert kept.save() is None
+    again = PlanCache(path)
+    assert again.unread is None and again.known == {"good": (StepTime(1.0, 0.5, 0.5, 0.1), 42)}
 
 
 def test_the_plan_cache_is_for_one_version_of_gcompile_and_its_passes(tmp_path, monkeypatch):
@@ -462,6 +504,21 @@ def test_auto_layout_names_the_layout_flags_it_replaces(tmp_path, capsys):
     assert line.endswith("; in place of the given --micro-batch-size 2"), line
 
 
+def test_auto_layout_trains_the_world_it_planned(tmp_path, capsys):
+    """A layout names cp, ep and vpp only above 1, yet the run is parsed from the user's flags too: a given
+    --context-parallel-size 2 (Megatron's spelling of --cp) must not survive into a run of twice the ranks, nor a
+    given --use-distributed-optimizer into one that shards where the planner predicted none."""
+    machine = tmp_path / "machine.json"
+    machine_file.save(flat_machine(), str(machine))
+    argv = ["--config", os.path.join(ROOT, "configs", "tiny.toml"), "--context-parallel-size", "2",
+            "--use-distributed-optimizer", "--auto-layout", "--world-size", "1", "--machine", str(machine)]
+    chosen = run_gpt.auto_layout(*parse_args(argv), argv)
+    config, _ = parse_args(chosen)
+    assert config.world_size == 1 and (config.parallel.cp, config.parallel.sharding) == (1, "no_shard")
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("--auto-layout: training")]
+    assert line.endswith("; in place of the given --context-parallel-size 2, --use-distributed-optimizer"), line
+
+
 def test_an_action_computes_at_the_slowdown_of_the_ranks_computing_while_it_runs():
     """Spans by hand: the mean number of ranks busy over each span, each pipeline rank's count times its
     replicas. Then pp 2 on a machine where 2 ranks computing at once each run 2x slower (1 alone: 1x): with one
@@ -490,6 +547,15 @@ def test_an_action_computes_at_the_slowdown_of_the_ranks_computing_while_it_runs
     assert one.optimizer_seconds == pytest.approx(predicted(1, 2.0).optimizer_seconds, rel=1e-12)
     eight = predicted(8)
     assert predicted(8, 1.0).pipeline_seconds * 1.2 < eight.pipeline_seconds < predicted(8, 2.0).pipeline_seconds
+
+
+def test_a_world_of_a_billion_ranks_is_listed_from_its_divisors():
+    """Pipeline sizes are the divisors of what tp and cp leave: found up to the square root (a loop to n took
+    minutes at 10^9 ranks, with nothing printed)."""
+    assert all(plan._divisors(n) == [d for d in range(1, n + 1) if n % d == 0] for n in range(1, 400))
+    base = dataclasses.replace(tiny(), train=dataclasses.replace(tiny().train, global_batch_size=10 ** 9))
+    found = layouts(base, 10 ** 9, schedules=("1f1b",), micro_batch_sizes=(1,))
+    assert {layout["pp"] for layout in found if layout["tp"] == layout.get("cp", 1) == 1} == set(plan._divisors(10 ** 9))
 
 
 def test_planner_saves_memory_only_for_a_layout_over_the_budget():
