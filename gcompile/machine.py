@@ -205,7 +205,7 @@ def _check(raw) -> None:
             raise _Unfit(f"{name} is not text")
     if type(raw["cores"]) is not int or raw["cores"] < 1:
         raise _Unfit(f"cores is {_shown(raw['cores'])}, not a whole number of at least 1")
-    threads, ranks = _counted(1, "gpu"), _counted(1)
+    threads, ranks = _Counts(1, "gpu"), _Counts(1)
     curves = functools.partial(_table, keys=None, check=_curve)
     _table(raw["matmul"], "matmul", threads, curves)
     _table(raw["attention"], "attention", threads, _curve)
@@ -214,7 +214,7 @@ def _check(raw) -> None:
     _number(raw["op_seconds"], "op_seconds", positive=False)
     for name in ("contention", "host_contention"):
         _table(raw[name], name, ranks, _positive)
-    links = functools.partial(_table, keys=_counted(2), check=_link)
+    links = functools.partial(_table, keys=_Counts(2), check=_link)
     _table(raw["collectives"], "collectives", None, functools.partial(_table, keys=set(KINDS) | {"send_recv"},
                                                                         check=links), empty=True)
     gpu = "gpu" in raw["matmul"]
@@ -222,8 +222,8 @@ def _check(raw) -> None:
     default = "nccl" if gpu else "gloo"
     if lacking := [kind for kind in needed if kind not in raw["collectives"].get(default, {})]:
         raise _Unfit(f"collectives.{default} has no {', '.join(lacking)}")
-    waited = functools.partial(_table, keys=_counted(2, "send_recv"), check=functools.partial(_number, positive=False))
-    _table(raw.get("waits", {}), "waits", None, functools.partial(_table, keys=_counted(2), check=waited), empty=True)
+    waited = functools.partial(_table, keys=_Counts(2, "send_recv"), check=functools.partial(_number, positive=False))
+    _table(raw.get("waits", {}), "waits", None, functools.partial(_table, keys=_Counts(2), check=waited), empty=True)
 
 
 def _table(value, path: str, keys, check, empty: bool = False) -> None:
@@ -236,7 +236,7 @@ def _table(value, path: str, keys, check, empty: bool = False) -> None:
         check(item, f"{path}.{key}")
 
 
-class _counted:
+class _Counts:
     """Keys that are whole numbers of at least `least` ("2"), or one of `words`."""
 
     def __init__(self, least: int, *words: str):
