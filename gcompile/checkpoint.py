@@ -42,6 +42,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import shutil
 import sys
 import warnings
@@ -72,6 +73,8 @@ TRACKER = "latest_checkpointed_iteration.txt"
 METADATA = GCOMPILE_JSON
 TMP = ".tmp"
 """Suffix of a folder that is not a committed checkpoint."""
+OURS = re.compile(r"iter_\d{7}(\.old)?\.tmp")
+"""The unfinished folders a save leaves (killed mid-save): the only ones a save removes."""
 STATES = ("main", "exp_avg", "exp_avg_sq")
 SCALER = ("loss_scale", "growth_tracker", "hysteresis_left")
 """fp16 loss-scaler scalars of TrainState."""
@@ -88,9 +91,12 @@ def iteration_dir(root: str, iteration: int) -> str:
 
 
 def latest(root: str) -> str | None:
-    """The last committed checkpoint folder under `root`; None when there is none yet."""
+    """The last committed checkpoint folder under `root`; None when there is none yet (CheckpointError where
+    the folder holds one that cannot be found so: see `unfound`)."""
     tracker = os.path.join(root, TRACKER)
     if not os.path.isfile(tracker):
+        if why := unfound(root):
+            raise CheckpointError(why)
         return None
     with open(tracker, "rb") as f:
         text = f.read().decode("utf-8", errors="replace").strip()
@@ -101,6 +107,29 @@ def latest(root: str) -> str | None:
     if not os.path.isdir(folder):
         raise CheckpointError(f"{tracker} names iteration {text} but {folder} does not exist")
     return folder
+
+
+def unfound(root: str) -> str | None:
+    """Why `root`, without a tracker, is not simply a folder with no checkpoint yet, or None: it holds
+    checkpoints the tracker would name, or is one checkpoint's folder, or a Hugging Face model. Training from
+    iteration 0 there would ignore what the user meant to resume, then overwrite it."""
+    tracker = os.path.join(root, TRACKER)
+    if os.path.exists(tracker):
+        return f"{tracker} is not a file; remove it, then write the N of a folder iter_N beside it into a file of " \
+               f"that name"
+    if not os.path.isdir(root):
+        return None
+    names = os.listdir(root)
+    saved = sorted(n for n in names if re.fullmatch(r"iter_\d{7}", n) and os.path.isdir(os.path.join(root, n)))
+    if saved:
+        return (f"{root} holds {saved[-1]} but no {TRACKER} (copied without it?); write the iteration to resume "
+                f"into it: echo {int(saved[-1][5:])} > {tracker}")
+    if METADATA in names:
+        return f"{root} is one checkpoint's folder; give the folder that holds it: {os.path.dirname(os.path.abspath(root))}"
+    if hf.CONFIG in names:
+        return (f"{root} is a Hugging Face model; convert it first: python -m gcompile.checkpoint import-hf {root} "
+                f"--save DIR, then give DIR")
+    return None
 
 
 # ---------------------------------------------------------------- save
@@ -181,7 +210,7 @@ def _commit(root: str, tmp: str, final: str, iteration: int) -> None:
     """Rename the finished folder into place, then point the tracker at it; clear leftovers."""
     for name in os.listdir(root):
         path = os.path.join(root, name)
-        if name.endswith(TMP) and os.path.isdir(path) and path != tmp:
+        if OURS.fullmatch(name) and os.path.isdir(path) and path != tmp:  # not a user's own data.tmp
             shutil.rmtree(path, ignore_errors=True)
     replaced = final + ".old" + TMP
     if os.path.exists(final):  # saving an iteration again after resuming from an earlier one
@@ -382,6 +411,10 @@ def check(config: RunConfig) -> None:
             raise CheckpointError(f"--save {c.save}: cannot create the folder ({e.strerror})") from None
         if not os.access(c.save, os.W_OK | os.X_OK):
             raise CheckpointError(f"--save {c.save}: the folder is not writable")
+        resumed = c.load is not None and os.path.realpath(c.load) == os.path.realpath(c.save)
+        if not resumed and (other := latest(c.save)) is not None:  # its iter_N would be written over
+            raise CheckpointError(f"--save {c.save} holds another run's checkpoint ({os.path.basename(other)}); "
+                                  f"resume it with --load {c.save}, or save to a new folder")
     folder = latest(c.load) if c.load else None
     if folder is not None:
         checkpoint = Checkpoint(folder)
@@ -497,17 +530,21 @@ def main(argv: list[str] | None = None) -> int:
             problem = ("--output is empty; name the file to write" if not args.output
                        else f"--output {args.output} is a folder; name a file in it" if os.path.isdir(args.output)
                        else path_error("--output", args.output, folder=False))
+            problem = problem or _inside("--output", args.output, args.checkpoint)
             if problem:  # before the checkpoint is read, which takes a while
                 raise CheckpointError(problem)
             folder = export(args.checkpoint, args.output)
             print(f"exported {folder} to {args.output}")
         elif args.command == "import-hf":
             problem = path_error("--save", args.save)
+            if not problem and os.path.isdir(args.save) and os.listdir(args.save):
+                problem = f"--save {args.save} holds files already; give a new or empty folder for the import"
             if problem:
                 raise CheckpointError(problem)
             hf.import_hf(args.hf_dir, args.save)
         elif args.command == "export-hf":
-            problem = path_error("output_dir", args.output_dir)
+            problem = path_error("output_dir", args.output_dir) or _inside("output_dir", args.output_dir,
+                                                                            args.checkpoint)
             if problem:
                 raise CheckpointError(problem)
             hf.export_hf(args.checkpoint, args.output_dir)
@@ -531,6 +568,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # ---------------------------------------------------------------- helpers
+
+
+def _inside(flag: str, output: str, checkpoint: str) -> str | None:
+    """Why `output` may not be written: it lies in the checkpoint being read (its SAVE folder, where it is given
+    one iter_N folder), where it would replace a shard or the tracker. None when it lies elsewhere."""
+    given = os.path.realpath(checkpoint)
+    root = os.path.dirname(given) if os.path.isfile(os.path.join(given, METADATA)) else given
+    target = os.path.realpath(output)
+    if target == root or target.startswith(root + os.sep):
+        return f"{flag} {output} is inside the checkpoint folder {checkpoint} it reads; write it elsewhere"
+    return None
+
 
 
 def _put(buffer: torch.Tensor, spans: list[Span], values: torch.Tensor) -> None:

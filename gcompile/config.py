@@ -438,6 +438,9 @@ def build_config(overrides: dict[str, dict]) -> RunConfig:
     return config
 
 
+MAX_LAYERS = 10_000
+"""Checks below build the model on meta tensors, about a millisecond a layer: a typo of n_layer=100000000 would
+hang there before any line is printed. The deepest models trained have some hundred and fifty."""
 COMPILER_READS = ("n_layer", "block_size", "vocab_size")
 """Model config fields outside the model itself reads: blocks to split over pipeline stages, the longest
 sequence, the largest token id."""
@@ -575,6 +578,8 @@ def validate(config: RunConfig) -> None:
     positive("parallel", p, "tp", "pp", "dp", "cp", "ep", "virtual_pipeline_size", "make_vocab_size_divisible_by")
     positive("train", t, "micro_batch_size", "global_batch_size", "seq_length", "train_iters")
     positive("log", config.log, "log_interval")
+    if m.n_layer > MAX_LAYERS:
+        errors.append(f"n_layer={m.n_layer} is more than {MAX_LAYERS} layers; lower --n-layer")
     if not errors:  # the model's own rules (GPT-2's dropout range) before the plan below builds the model
         errors += config.model_spec.config_errors(m)
     if errors:

@@ -22,6 +22,9 @@ import torch
 from gcompile.checkpoint_files import CheckpointError
 from gcompile.models.spec import canonical_names
 
+CONFIG = "config.json"
+UNREAD = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
+"""Buffers older save_pretrained wrote beside the weights (the causal mask, RoPE's frequencies): made, not read."""
 SAFETENSORS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 """A sharded checkpoint's map of weight name -> file."""
@@ -105,30 +108,48 @@ FAMILIES = {
 def import_hf(hf_dir: str, save: str, log=print) -> str:
     """Write the Hugging Face model in `hf_dir` as an iteration-0 checkpoint in `save`; returns its folder."""
     from gcompile import checkpoint
-    from gcompile.config import build_config
+    from gcompile.check import PlanError, check_fits_machine
+    from gcompile.config import ConfigError, build_config
     from gcompile.pipeline import build_rank_program
     from gcompile.axes import Coords
     from gcompile.state import TrainState
 
+    where = os.path.join(hf_dir, CONFIG)
     hf = _read_config(hf_dir)
-    family = _family(hf.get("model_type"), os.path.join(hf_dir, "config.json"))
-    model = dict(arch=family.model, **family.from_hf(hf))
-    config = build_config({"model": model, "train": dict(micro_batch_size=1, global_batch_size=1,
-                                                         seq_length=min(128, model["block_size"]))})
+    family = _family(hf.get("model_type"), where)
+    try:
+        model = dict(arch=family.model, **family.from_hf(hf))
+        config = build_config({"model": model, "train": dict(micro_batch_size=1, global_batch_size=1,
+                                                             seq_length=min(128, model["block_size"]))})
+        check_fits_machine(config)  # before its weights are allocated
+    except CheckpointError:  # what a family's conversion refuses, named already
+        raise
+    except KeyError as e:
+        raise CheckpointError(f"{where} has no {e.args[0]}; give the config.json save_pretrained wrote") from None
+    except TypeError as e:
+        raise CheckpointError(f"{where}: a value of the wrong kind ({e}); give the config.json save_pretrained "
+                              f"wrote") from None
+    except (ValueError, ConfigError, PlanError) as e:  # a model that cannot be, or cannot be held here
+        raise CheckpointError(f"{where}: {e}") from None
     weights = _read_weights(hf_dir)
     program = build_rank_program(config, Coords.from_rank(0, {}), log=lambda _: None)
     state = TrainState.initial(program, config.model, 0, "cpu")
     views = program.layout.views(state.params)
     aliases = _aliases(config)
+    used = set()
     with torch.no_grad():
         for param in program.layout.params:
-            value = _weight(weights, param.name, aliases, family, hf_dir)
+            value = _weight(weights, param.name, aliases, family, hf_dir, used)
             if tuple(value.shape) != param.full_shape:
                 raise CheckpointError(f"{hf_dir}: {param.name} is {list(value.shape)}, the config makes it "
                                       f"{list(param.full_shape)}")
             views[param.name].copy_(value.reshape(views[param.name].shape))
         if state.main is not None:
             state.main.copy_(state.params)
+    if unused := sorted(k for k in weights.keys() - used if not k.endswith(UNREAD)):
+        raise CheckpointError(f"{hf_dir}: the weights hold {len(unused)} tensor(s) this config.json's model does not "
+                              f"have ({', '.join(unused[:3])}{', ...' if len(unused) > 3 else ''}); do its n_layer and "
+                              f"tie_word_embeddings match the weights?")
     os.makedirs(save, exist_ok=True)
     folder = checkpoint.save(save, checkpoint.Progress(0, 0), config, program, state)
     with open(os.path.join(save, "model.toml"), "w") as f:
@@ -155,7 +176,7 @@ def export_hf(path: str, out_dir: str, log=print) -> str:
         value = ckpt.full(ckpt.master, name).float()
         tensors[name] = (value.t() if name.endswith(family.transposed) else value).contiguous()
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
+    with open(os.path.join(out_dir, CONFIG), "w") as f:
         json.dump(hf, f, indent=2)
     save_file(tensors, os.path.join(out_dir, SAFETENSORS), metadata={"format": "pt"})
     log(f"exported {ckpt.folder} to {out_dir} ({hf['architectures'][0]}; load it with from_pretrained)")
@@ -163,14 +184,17 @@ def export_hf(path: str, out_dir: str, log=print) -> str:
 
 
 def _read_config(hf_dir: str) -> dict:
-    path = os.path.join(hf_dir, "config.json")
+    path = os.path.join(hf_dir, CONFIG)
     try:
         with open(path) as f:
-            return json.load(f)
+            found = json.load(f)
     except FileNotFoundError:
         raise CheckpointError(f"{hf_dir}: no config.json; give a folder written by save_pretrained") from None
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(found, dict):
+        raise CheckpointError(f"{path}: not a JSON object of a model's settings; give the one save_pretrained wrote")
+    return found
 
 
 def _family(model_type, where: str) -> Family:
@@ -189,19 +213,31 @@ def _require(hf: dict, **expected) -> None:
 def _read_weights(hf_dir: str) -> dict:
     """name -> a lazily read tensor, over one safetensors file or an index of shards (safetensors holds
     plain tensors only: reading it runs no code)."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     index = os.path.join(hf_dir, INDEX)
     if os.path.isfile(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
+        try:
+            with open(index) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        except (ValueError, UnicodeDecodeError, RecursionError, KeyError, TypeError, AttributeError):
+            raise CheckpointError(f"{index}: not a safetensors index (a weight_map of names to files)") from None
+        if strays := [name for name in files if not (isinstance(name, str) and name.endswith(".safetensors") and
+                                                     os.path.basename(name) == name)]:
+            raise CheckpointError(f"{index} names {str(strays[0])[:60]!r}, not a .safetensors file in {hf_dir}")
     elif os.path.isfile(os.path.join(hf_dir, SAFETENSORS)):
         files = [SAFETENSORS]
     else:
         raise CheckpointError(f"{hf_dir}: no {SAFETENSORS} or {INDEX} (pytorch_model.bin is not read: it is a pickle)")
     weights = {}
     for name in files:
-        handle = safe_open(os.path.join(hf_dir, name), framework="pt")
+        path = os.path.join(hf_dir, name)
+        if not os.path.isfile(path):
+            raise CheckpointError(f"{index} names {name}, which {hf_dir} does not hold")
+        try:
+            handle = safe_open(path, framework="pt")
+        except SafetensorError as e:
+            raise CheckpointError(f"{path}: not a safetensors file ({e}); give the one save_pretrained wrote") from None
         weights.update({key: (handle, key) for key in handle.keys()})
     return weights
 
@@ -216,12 +252,18 @@ def _aliases(config) -> dict[str, list[str]]:
     return names
 
 
-def _weight(weights: dict, name: str, aliases: dict, family: Family, hf_dir: str) -> torch.Tensor:
+def _weight(weights: dict, name: str, aliases: dict, family: Family, hf_dir: str, used: set) -> torch.Tensor:
+    """The weight of parameter `name` as gcompile holds it (its stored name added to `used`)."""
     for candidate in aliases.get(name, [name]):
         candidate = candidate if candidate in weights else candidate.removeprefix("transformer.")  # GPT2Model's names
         if candidate in weights:
             handle, key = weights[candidate]
-            value = handle.get_tensor(key).float()
+            value = handle.get_tensor(key)
+            if not value.is_floating_point() or not torch.isfinite(value).all():
+                held = "NaN or infinite values" if value.is_floating_point() else f"{value.dtype} values"
+                raise CheckpointError(f"{hf_dir}: {candidate} holds {held}, not floating-point weights")
+            used.add(candidate)
+            value = value.float()
             return value.t() if name.endswith(family.transposed) else value
     raise CheckpointError(f"{hf_dir}: the weights hold no {name}")
 

@@ -289,6 +289,23 @@ CASES = [
                                                                     "--check-plan"],
      lambda tmp, saved: (tmp / "squared.py").write_text(SQUARED_MEAN),
      "(aten.pow.Tensor_Scalar) uses a mean over the rank's tokens other than linearly"),
+    ("load a folder whose tracker is gone", "run_gpt", ["--load", "{tmp}/save", "--save", "{tmp}/save"],
+     copy_checkpoint(lambda save: os.remove(save / TRACKER)),  # was: trained from 0, then wrote over iter_1
+     "{tmp}/save holds iter_0000001 but no latest_checkpointed_iteration.txt (copied without it?); write the "
+     "iteration to resume into it: echo 1 > {tmp}/save/latest_checkpointed_iteration.txt"),
+    ("load one iteration's folder", "run_gpt", ["--load", "{saved}/save/" + ITERATION], None,
+     "save/iter_0000001 is one checkpoint's folder; give the folder that holds it"),
+    ("load a Hugging Face folder", "run_gpt", ["--load", "{tmp}"],
+     lambda tmp, saved: (tmp / "config.json").write_text("{}"), "is a Hugging Face model; convert it first: "
+                                                                "python -m gcompile.checkpoint import-hf"),
+    ("save over another run's checkpoint", "run_gpt", ["--save", "{tmp}/save"], copy_checkpoint(lambda save: None),
+     "--save {tmp}/save holds another run's checkpoint (iter_0000001); resume it with --load {tmp}/save, or save "
+     "to a new folder"),
+    ("export into the checkpoint it reads", "checkpoint",
+     ["export", "{tmp}/save", "--output", "{tmp}/save/" + ITERATION + "/__0_0.distcp"], copy_checkpoint(lambda _: None),
+     "--output {tmp}/save/iter_0000001/__0_0.distcp is inside the checkpoint folder {tmp}/save it reads"),
+    ("import-hf into a checkpoint", "checkpoint", ["import-hf", "{tmp}", "--save", "{tmp}/save"],
+     copy_checkpoint(lambda _: None), "--save {tmp}/save holds files already; give a new or empty folder"),
     ("tracker with a non-ASCII digit", "run_gpt", ["--load", "{tmp}/save"],
      copy_checkpoint(lambda save: (save / TRACKER).write_text("\u0661\n")), "expected an iteration number in ASCII"),
     ("gcompile.json missing a key", "run_gpt", ["--load", "{tmp}/save"],

@@ -326,3 +326,15 @@ def test_commit_replaces_an_iteration_and_clears_leftovers(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["iter_0000002", "iter_0000004", TRACKER]
     assert (tmp_path / "iter_0000002" / "was").read_text() == "iter_0000002.tmp"
     assert checkpoint.latest(str(tmp_path)) == str(tmp_path / "iter_0000002")
+
+
+def test_a_save_clears_only_the_unfinished_folders_saves_leave(tmp_path):
+    """A save killed mid-way leaves iter_N.tmp, which the next save removes; a user's own folder that happens to
+    end in .tmp beside the checkpoints is theirs (it was removed too)."""
+    for name in ("iter_0000002.tmp", "iter_0000002.old.tmp", "mydata.tmp"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "mydata.tmp" / "notes").write_text("kept")
+    (tmp_path / "iter_0000004.tmp").mkdir()
+    checkpoint._commit(str(tmp_path), str(tmp_path / "iter_0000004.tmp"), str(tmp_path / "iter_0000004"), 4)
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000004", checkpoint.TRACKER, "mydata.tmp"]
+    assert (tmp_path / "mydata.tmp" / "notes").read_text() == "kept"
