@@ -43,6 +43,9 @@ def parse_blend(data_path: str) -> list[tuple[float, str]]:
         if not (math.isfinite(w) and w > 0):
             raise DataError(f"--data-path {data_path!r}: weight {weight} of {prefix} must be a positive number")
         blend.append((w, prefix))
+    if not math.isfinite(sum(w for w, _ in blend)):  # each finite, their sum not: proportions of infinity
+        raise DataError(f"--data-path {data_path!r}: the weights sum to more than a float holds; give smaller ones "
+                        f"(only their proportions count)")
     return blend
 
 

@@ -42,6 +42,7 @@ import dataclasses
 import json
 import math
 import os
+import pickle
 import re
 import shutil
 import sys
@@ -57,7 +58,7 @@ from gcompile import hf
 from gcompile.arguments import ArgumentParser
 from gcompile.checkpoint_files import (CHECKSUMS, GCOMPILE_JSON, CheckpointError, MetadataReader, read_checked,
                                        write_checksums)
-from gcompile.config import RunConfig
+from gcompile.config import MAX_LAYERS, RunConfig
 from gcompile.flat import Span
 from gcompile.layout import Param, Shard, first_holder, full_value, local_value
 from gcompile.axes import ACROSS, AXES, FOLDED, Coords
@@ -489,15 +490,40 @@ def export(path: str, output: str) -> str:
 
 def load_exported(path: str, spec: ModelSpec) -> tuple[torch.nn.Module, object]:
     """The single-device model of a file `export` wrote (or nanoGPT saved), of the model `spec`, and its config."""
+    if os.path.isdir(path):
+        raise CheckpointError(f"{path} is a folder; give the file export wrote (export SAVE --output FILE)")
     if not os.path.isfile(path):
         raise CheckpointError(f"{path}: no such file")
+    not_ours = f"{path}: not a {spec.name} model exported by gcompile.checkpoint"
     try:
-        exported = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch's own advice on old pickles: not ours to print
+            warnings.simplefilter("ignore")
+            exported = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:  # torch's message advises weights_only=False, which would run the file's code
+        raise CheckpointError(f"{not_ours}: it holds Python objects beyond tensors and numbers, and loading them "
+                              f"could run code; refused") from None
+    except Exception as e:  # anything else torch.load refuses: not a torch file, truncated
+        raise CheckpointError(f"{not_ours} ({first_line(e)})") from None
+    try:
         config = spec.config(**exported["model_args"])
+        if getattr(config, "n_layer", 0) > MAX_LAYERS:
+            raise ValueError(f"n_layer={config.n_layer} is more than {MAX_LAYERS} layers")
+        with torch.device("meta"):
+            numel = sum(p.numel() for p in spec.module(config).parameters())
+    except (TypeError, KeyError, ValueError, RuntimeError) as e:  # RuntimeError: sizes no tensor can have
+        raise CheckpointError(f"{not_ours}: its model_args are not a {spec.name} config's ({first_line(e)}); is "
+                              f"--model-name right?") from None
+    if numel * 4 > os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"):
+        raise CheckpointError(f"{not_ours}: its model_args make {numel:,} parameters, more than this machine's "
+                              f"memory holds")
+    try:
         model = spec.module(config)
         model.load_state_dict(exported["model"])
-    except Exception as e:  # anything torch.load or load_state_dict refuses
-        raise CheckpointError(f"{path}: not a model exported by gcompile.checkpoint ({first_line(e)})") from None
+    except Exception as e:  # load_state_dict's first line only names the model; its second names the keys
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        raise CheckpointError(f"{not_ours} ({(lines[1:] or lines or [type(e).__name__])[0][:200]})") from None
+    if broken := next((name for name, p in model.named_parameters() if not torch.isfinite(p).all()), None):
+        raise CheckpointError(f"{path}: its {broken} holds NaN or infinite values; nothing can be sampled from it")
     return model, config
 
 
@@ -549,8 +575,10 @@ def main(argv: list[str] | None = None) -> int:
                 raise CheckpointError(problem)
             hf.export_hf(args.checkpoint, args.output_dir)
         else:
-            if args.temperature <= 0:
+            if not (0 < args.temperature < math.inf):
                 raise CheckpointError(f"--temperature {args.temperature} must be above 0")
+            if args.max_new_tokens < 0:
+                raise CheckpointError(f"--max-new-tokens {args.max_new_tokens} must be 0 or more")
             if args.top_k < 0:
                 raise CheckpointError(f"--top-k {args.top_k} must be 0 (all tokens) or more")
             try:

@@ -400,6 +400,11 @@ def _coerce(value, annotation, key: str):
 
 def load_toml(path: str) -> dict[str, dict]:
     """A preset as {section: {field: value}}; unknown sections or keys are errors."""
+    if os.path.exists(path) and not os.path.isdir(path) and not os.path.isfile(path):
+        raise ConfigError(f"--config {path} is not a regular file (a device or a pipe); name a TOML file")
+    if os.path.isfile(path) and os.path.getsize(path) > MAX_PRESET_BYTES:
+        raise ConfigError(f"--config {path} holds {os.path.getsize(path):,} bytes, not a preset (at most "
+                          f"{MAX_PRESET_BYTES:,}); name a TOML file such as configs/tiny.toml")
     try:
         with open(path, "rb") as f:
             raw = tomllib.load(f)
@@ -438,6 +443,8 @@ def build_config(overrides: dict[str, dict]) -> RunConfig:
     return config
 
 
+MAX_PRESET_BYTES = 1 << 20
+"""A TOML preset is a few hundred bytes; one of a megabyte is some other file, read whole otherwise."""
 MAX_LAYERS = 10_000
 """Checks below build the model on meta tensors, about a millisecond a layer: a typo of n_layer=100000000 would
 hang there before any line is printed. The deepest models trained have some hundred and fifty."""

@@ -33,6 +33,8 @@ from gcompile.arguments import ArgumentParser
 from gcompile.indexed_dataset import DataError, IndexedDataset, IndexedDatasetWriter, temp_name
 from gcompile.paths import path_error
 
+MAX_WORKERS = 256
+"""Tokenizing processes at most: each starts Python and a tokenizer (10^5 of them took the machine down)."""
 META_SUFFIX = ".meta.json"
 """PREFIX + this: the tokenizer and largest id of a prepared pair."""
 
@@ -140,9 +142,10 @@ def prepare(inputs: list[str], output: str, pattern: str = "*", skip_dirs: tuple
                         f"(writes data/corpus.bin, .idx and .meta.json)")
     if problem := path_error("--output", output, folder=False):
         raise DataError(problem)
-    if workers < 1:
-        raise DataError(f"--workers {workers}: must be at least 1")
+    if not 1 <= workers <= MAX_WORKERS:
+        raise DataError(f"--workers {workers}: give 1 to {MAX_WORKERS} (this machine has {os.cpu_count()} cores)")
     files = find_files(inputs, pattern, skip_dirs)
+    workers = min(workers, len(files))  # a process per file at most
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     if train_vocab_size is not None:
         path = os.path.abspath(output + ".tokenizer.json")

@@ -17,6 +17,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 import run_gpt
 from gcompile.checkpoint_files import CHECKSUMS, write_checksums
@@ -75,6 +76,13 @@ def a_pipe(name):
     def setup(tmp, saved=None):
         os.mkfifo(tmp / name)
     return setup
+
+
+def nan_export(tmp, saved):
+    """The run's export with one weight NaN: a model that trained into NaN."""
+    exported = torch.load(saved() / "model.pt", weights_only=True)
+    exported["model"]["transformer.wte.weight"][0, 0] = float("nan")
+    torch.save(exported, tmp / "nan.pt")
 
 
 def tokens(dtype, values):
@@ -318,6 +326,21 @@ CASES = [
      copy_checkpoint(truncate_metadata), ".metadata: not DCP metadata"),
     ("export under a file", "checkpoint", ["export", "{saved}/save", "--output", "{tmp}/file/model.pt"], a_file,
      "--output {tmp}/file/model.pt: {tmp}/file is a file"),
+    ("generate temperature nan", "checkpoint", ["generate", "{saved}/model.pt", "--temperature", "nan"], None,
+     "--temperature nan must be above 0"),  # was: a traceback from torch.multinomial
+    ("generate a folder", "checkpoint", ["generate", "{tmp}"], None,
+     "{tmp} is a folder; give the file export wrote"),
+    ("generate from NaN weights", "checkpoint", ["generate", "{tmp}/nan.pt"], nan_export,
+     "{tmp}/nan.pt: its transformer.wte.weight holds NaN or infinite values"),
+    ("generate with model_args of another model", "checkpoint", ["generate", "{saved}/model.pt", "--model-name",
+                                                                   "llama"], None,
+     "not a llama model exported by gcompile.checkpoint: its model_args are not a llama config's"),
+    ("config a device", "run_gpt", ["--config", "/dev/zero"], None,
+     "--config /dev/zero is not a regular file (a device or a pipe)"),  # was: read until memory ran out
+    ("blend weights past a float", "run_gpt", ["--data-path", "1e308", "{tmp}/a", "1e308", "{tmp}/b"], None,
+     "the weights sum to more than a float holds"),
+    ("prepare workers 100000", "data", ["prepare", "--input", "{tmp}/file", "--output", "{tmp}/out",
+                                        "--workers", "100000"], a_file, "--workers 100000: give 1 to 256"),
     ("generate top-k -5", "checkpoint", ["generate", "{saved}/model.pt", "--top-k", "-5"], None,
      "--top-k -5 must be 0 (all tokens) or more"),
     ("inspect a file", "inspect", ["{tmp}/file"], a_file, "{tmp}/file is a file; give the folder run_gpt.py "
