@@ -32,7 +32,7 @@ import numpy as np
 from gcompile.blend import BlendedDataset, parse_blend
 from gcompile import paths
 from gcompile.indexed_dataset import DataError, IndexedDataset
-from gcompile.prepare import META_SUFFIX, main, prepare
+from gcompile.prepare import META_SUFFIX, bin_stamp, main, prepare
 
 STDLIB = sysconfig.get_paths()["stdlib"]
 """The running interpreter's standard library: the default corpus, present on every machine."""
@@ -189,7 +189,8 @@ def prepared_record(path: str) -> dict | None:
     except (OSError, ValueError):
         return None
     whole = isinstance(record, dict) and all(isinstance(record.get(k), int) for k in ("largest_id", "vocab_size"))
-    return record if whole and record.get("num_tokens") == len(load_tokens(path)) else None
+    beside = whole and record.get("bin") == bin_stamp(path.removesuffix(".bin") + ".bin")
+    return record if beside and record.get("num_tokens") == len(load_tokens(path)) else None
 
 
 def check_token_ids(config: DataConfig, train, valid, vocab_size: int) -> None:

@@ -9,9 +9,11 @@ PREFIX.meta.json records what the ids mean and the largest one, so a run can ref
 model whose vocabulary is too small without reading the tokens:
 
     {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": "/abs/PREFIX.tokenizer.json",
-     "vocab_size": 5000, "eod": 0, "largest_id": 4987, "num_tokens": 123456, ...}
+     "vocab_size": 5000, "eod": 0, "largest_id": 4987, "num_tokens": 123456, "bin": [bytes, mtime_ns], ...}
 
-Megatron ignores the file; files without one (Megatron's own) are scanned instead.
+Megatron ignores the file; files without one (Megatron's own) are scanned instead, and so are
+files whose .bin is not the one the record was written beside (its size and modification time:
+a record copied from another pair of the same token count once let ids past the vocabulary in).
 
     python -m gcompile.data prepare --input DIR_OR_FILE [...] --output PREFIX [--pattern '*.py']
         [--tokenizer-type T ...] [--train-tokenizer --vocab-size N] [--workers N] [--append-eod]
@@ -36,6 +38,12 @@ from gcompile.paths import path_error
 MAX_WORKERS = 256
 """Tokenizing processes at most: each starts Python and a tokenizer (10^5 of them took the machine down)."""
 META_SUFFIX = ".meta.json"
+
+
+def bin_stamp(path: str) -> list[int]:
+    """What tells one .bin from another without reading it: its bytes and modification time."""
+    found = os.stat(path)
+    return [found.st_size, found.st_mtime_ns]
 """PREFIX + this: the tokenizer and largest id of a prepared pair."""
 
 
@@ -170,7 +178,8 @@ def prepare(inputs: list[str], output: str, pattern: str = "*", skip_dirs: tuple
             largest = max(largest, int(ids.max(initial=-1)))
             progress.update(nbytes, len(ids))
     meta = dict(dataclasses.asdict(spec), vocab_size=tokenizer.vocab_size, eod=tokenizer.eod,
-                largest_id=largest, num_tokens=int(sum(writer.lengths)), append_eod=append_eod)
+                largest_id=largest, num_tokens=int(sum(writer.lengths)), append_eod=append_eod,
+                bin=bin_stamp(output + ".bin"))
     temp = temp_name(output + META_SUFFIX)
     with open(temp, "w") as f:
         json.dump(meta, f, indent=1)

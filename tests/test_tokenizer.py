@@ -16,6 +16,7 @@ from tokenizers import ByteLevelBPETokenizer, Tokenizer, models, pre_tokenizers,
 import run_gpt
 from gcompile import prepare, tokenizer
 from gcompile.data import DataConfig, DataError, build_datasets, check_token_ids
+from gcompile.prepare import bin_stamp
 from gcompile.indexed_dataset import IndexedDataset, IndexedDatasetWriter
 
 TEXTS = {
@@ -150,7 +151,8 @@ def test_run_refuses_a_vocab_smaller_than_the_data(corpus, tmp_path, capsys):
 
 def test_vocab_check_believes_only_a_record_of_these_tokens(tmp_path):
     """Megatron's files carry no .meta.json: their tokens are read. A record of another token count (left
-    from an earlier pair) or a damaged one is not believed; one of this count is, and no token is read."""
+    from an earlier pair), of another .bin of the same count (copied from it), or a damaged one is not believed;
+    one written beside this .bin is, and no token is read."""
     with IndexedDatasetWriter(str(tmp_path / "meg")) as writer:
         writer.add_document([1, 2, 300, 4] * 10)
     config = DataConfig(str(tmp_path / "meg"), split="1,1")
@@ -158,11 +160,15 @@ def test_vocab_check_believes_only_a_record_of_these_tokens(tmp_path):
     beyond = r"the train part holds token id 300 but vocab_size=257; raise --vocab-size to at least 301"
     with pytest.raises(DataError, match=beyond):
         check_token_ids(config, *parts, 257)
-    for record in (json.dumps(dict(largest_id=5, vocab_size=257, num_tokens=3)), "{not json"):
+    stamp = bin_stamp(str(tmp_path / "meg.bin"))
+    other = [stamp[0], stamp[1] + 1]  # another .bin of the same size: written at another time
+    for record in (json.dumps(dict(largest_id=5, vocab_size=257, num_tokens=3, bin=stamp)), "{not json",
+                   json.dumps(dict(largest_id=5, vocab_size=257, num_tokens=40, bin=other)),
+                   json.dumps(dict(largest_id=5, vocab_size=257, num_tokens=40))):
         (tmp_path / "meg.meta.json").write_text(record)
         with pytest.raises(DataError, match=beyond):
             check_token_ids(config, *parts, 257)
-    (tmp_path / "meg.meta.json").write_text(json.dumps(dict(largest_id=5, vocab_size=257, num_tokens=40)))
+    (tmp_path / "meg.meta.json").write_text(json.dumps(dict(largest_id=5, vocab_size=257, num_tokens=40, bin=stamp)))
     check_token_ids(config, *parts, 257)  # the record says 5: believed, the 300 unread
     os.remove(tmp_path / "meg.meta.json")
     check_token_ids(config, *parts, 301)
@@ -183,7 +189,7 @@ def test_vocab_check_believes_only_a_record_of_these_tokens(tmp_path):
      r"--train-tokenizer makes a HuggingFaceTokenizer, not --tokenizer-type GPT2BPETokenizer"),
     (["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "NO_EOD", "--append-eod"],
      r"--append-eod: .*NO_EOD has no end-of-document token"),
-    (["--workers", "0"], r"--workers 0: must be at least 1"),
+    (["--workers", "0"], r"--workers 0: give 1 to 256"),
 ])
 def test_bad_tokenizer_flags_are_one_line(corpus, tmp_path, capsys, args, message):
     (tmp_path / "BAD").write_text("{not json")
