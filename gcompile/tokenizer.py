@@ -120,19 +120,35 @@ def _hugging_face(path: str | None) -> HuggingFace:
         tokenizer = Tokenizer.from_file(path)
     except Exception as e:  # tokenizers raises plain Exception on a malformed file
         raise TokenizerError(f"--tokenizer-model {path}: not a Hugging Face tokenizer.json ({e})") from None
-    names = (_eos_from_config(os.path.dirname(path)),) + END_OF_DOCUMENT
-    ids = [tokenizer.token_to_id(name) for name in names if name]
+    config = os.path.join(os.path.dirname(path), "tokenizer_config.json")
+    if (named := _eos_from_config(config)) is not None:
+        if (eod := tokenizer.token_to_id(named)) is None:
+            raise TokenizerError(f"{config}: eos_token {named!r} is not in {path}'s vocabulary; name one of its "
+                                 f"tokens, or remove the key")
+        return HuggingFace(tokenizer, eod)
+    ids = [tokenizer.token_to_id(name) for name in END_OF_DOCUMENT]
     return HuggingFace(tokenizer, next((i for i in ids if i is not None), None))
 
 
-def _eos_from_config(folder: str) -> str | None:
-    """transformers' eos_token from tokenizer_config.json (a string, or a dict with "content")."""
-    path = os.path.join(folder, "tokenizer_config.json")
+def _eos_from_config(path: str) -> str | None:
+    """transformers' eos_token from the tokenizer_config.json at `path` (a string, or a dict with "content");
+    None where there is no file or it names none."""
     if not os.path.isfile(path):
         return None
-    with open(path) as f:
-        eos = json.load(f).get("eos_token")
-    return eos.get("content") if isinstance(eos, dict) else eos
+    try:
+        with open(path, encoding="utf-8") as f:
+            found = json.load(f)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise TokenizerError(f"{path}: not valid JSON ({e}); fix it, or remove it (it names the end-of-document "
+                             f"token)") from None
+    if not isinstance(found, dict):
+        raise TokenizerError(f"{path}: not a JSON object of tokenizer settings; fix it, or remove it")
+    eos = found.get("eos_token")
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    if eos is not None and not isinstance(eos, str):
+        raise TokenizerError(f"{path}: eos_token is {json.dumps(eos)[:40]}, not a token's text; name one, or remove "
+                             f"the key")
+    return eos
 
 
 def train_bpe(documents, vocab_size: int, path: str) -> int:

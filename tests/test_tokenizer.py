@@ -202,3 +202,26 @@ def test_bad_tokenizer_flags_are_one_line(corpus, tmp_path, capsys, args, messag
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("python -m gcompile.data prepare: error: ") and re.search(message, err[0]), err
     assert not os.path.exists(tmp_path / "out.bin")
+
+
+@pytest.mark.parametrize("config, message", [
+    ("{{{", r"tokenizer_config.json: not valid JSON \(.*\); fix it, or remove it"),
+    ("[1]", r"tokenizer_config.json: not a JSON object of tokenizer settings"),
+    ('{"eos_token": 5}', r"tokenizer_config.json: eos_token is 5, not a token's text"),
+    ('{"eos_token": "<notthere>"}', r"tokenizer_config.json: eos_token '<notthere>' is not in .*tokenizer.json's "
+                                    r"vocabulary"),  # it fell back to another token without a word
+])
+def test_a_bad_tokenizer_config_is_one_line(corpus, tmp_path, capsys, config, message):
+    """transformers' tokenizer_config.json beside a tokenizer.json names its end-of-document token."""
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.train_from_iterator(list(TEXTS.values()), trainers.BpeTrainer(vocab_size=270, show_progress=False,
+                                                                      special_tokens=["<|endoftext|>"]))
+    bpe.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(config)
+    assert cli("--input", corpus, "--output", tmp_path / "out", "--tokenizer-type", "HuggingFaceTokenizer",
+               "--tokenizer-model", folder, "--append-eod") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.search(message, err[0]), err
