@@ -277,6 +277,11 @@ class Checkpoint:
         except (TypeError, ValueError) as e:  # a field missing, of the wrong type, or a key not of our making
             raise CheckpointError(f"{path}: {first_line(e)}; the file is damaged or not written by gcompile, "
                                   f"load an earlier checkpoint or save again") from None
+        named = re.fullmatch(r"iter_(\d{7})", os.path.basename(os.path.normpath(folder)))
+        if named and int(named[1]) != self.meta["iteration"]:
+            raise CheckpointError(f"{path} records iteration {self.meta['iteration']} but lies in "
+                                  f"{os.path.basename(os.path.normpath(folder))} (files copied between iterations?); "
+                                  f"load an earlier checkpoint or save again")
         self.reader = MetadataReader(folder)
         try:  # here, so that DCP's own read does not print its tracebacks before failing
             self.reader.read_metadata()
@@ -285,6 +290,12 @@ class Checkpoint:
         except Exception as e:  # a missing or damaged file fails as whatever its reader raised
             raise CheckpointError(f"{folder}: cannot read its DCP .metadata ({first_line(e)}); the save is "
                                   f"incomplete or damaged, load an earlier checkpoint or save again") from None
+        stored = self.reader.metadata.state_dict_metadata
+        for key, record in self.meta["keys"].items():  # what a read allocates: the shape DCP stored, no other
+            size = getattr(stored.get(key), "size", None)
+            if size is None or list(size) != record["shape"]:
+                raise CheckpointError(f"{path}: key {key!r} is {record['shape']} there, {list(size or [])} in the DCP "
+                                      f".metadata; load an earlier checkpoint or save again")
         self.files = None  # key -> file name, read on the first failure
 
     @property
@@ -663,7 +674,24 @@ def _check_meta(meta) -> None:
                 raise ValueError(f"{where!r} is {json.dumps(record[name])[:40]}, of the wrong type")
     if meta["model"] not in MODELS:
         raise ValueError(f"model {meta['model']!r} is none of {', '.join(MODELS)}")
-    model_spec(meta["model"]).config(**meta["config"]["model"])  # TypeError: a field this model does not have
+    defaults = model_spec(meta["model"]).config(**meta["config"]["model"])  # TypeError: a field it does not have
+    defaults = dataclasses.replace(defaults, **{f.name: f.default for f in dataclasses.fields(defaults)
+                                                 if f.default is not dataclasses.MISSING})
+    for name, value in meta["config"]["model"].items():
+        kind = type(getattr(defaults, name))
+        if getattr(defaults, name) is not None and not (isinstance(value, kind) and type(value) is not bool or
+                                                        type(value) is kind or kind is float and type(value) is int):
+            raise ValueError(f"'config.model.{name}' is {json.dumps(value)[:40]}, of the wrong type")
+    for name in ("iteration", "consumed_samples", "step"):
+        if not 0 <= meta[name] < 10 ** 12:  # NaN fails too
+            raise ValueError(f"{name!r} is {meta[name]}, not a count this run could have reached")
+    for axis in ("tp", "pp", "dp"):
+        if meta["layout"][axis] < 1:
+            raise ValueError(f"'layout.{axis}' is {meta['layout'][axis]}, not a number of ranks")
+    shapes = [(f"params.{name}.full_shape", record["full_shape"]) for name, record in meta["params"].items()]
+    for where, shape in shapes + [(f"keys.{key}.shape", record["shape"]) for key, record in meta["keys"].items()]:
+        if not all(type(n) is int and n >= 0 for n in shape) or math.prod(shape) >= 2 ** 40:
+            raise ValueError(f"{where!r} is {json.dumps(shape)[:40]}, not the shape of a tensor saved here")
     for key, record in meta["keys"].items():
         if not isinstance(getattr(torch, record["dtype"], None), torch.dtype):
             raise ValueError(f"{key!r} has dtype {record['dtype']!r}, not a torch dtype")
