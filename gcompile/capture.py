@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 from torch.export.graph_signature import InputKind
 
+from gcompile.config import ConfigError
 from gcompile.layout import Param
 from gcompile.models.spec import Input, canonical_names
 from gcompile.report import number_reports
@@ -37,6 +38,7 @@ def capture(build: Callable[[], nn.Module], batch: tuple[Input, ...], decays: Ca
         example = tuple(torch.empty(i.shape, dtype=i.dtype) for i in batch)
     exported = torch.export.export(model, example)
     graph = exported.graph_module
+    _check_loss(graph, type(model).__name__)
 
     canonical = canonical_names(model)
     placeholders = list(graph.graph.find_nodes(op="placeholder"))
@@ -68,6 +70,19 @@ def capture(build: Callable[[], nn.Module], batch: tuple[Input, ...], decays: Ca
     stage = Stage(index=0, graph=graph, params=params, inputs=roles, outputs=["loss"])
     refresh_meta(stage)
     return Program(stages=[stage], history=["capture"])
+
+
+def _check_loss(graph: torch.fx.GraphModule, model: str) -> None:
+    """ConfigError unless forward's (first) output is a floating-point scalar: the loss every pass, the schedule
+    and the optimizer step read. A model that returns its logits instead fails later, deep inside autograd."""
+    returned = graph.graph.output_node().args[0]
+    first = returned[0] if isinstance(returned, (tuple, list)) and returned else returned
+    value = first.meta.get("val") if isinstance(first, torch.fx.Node) else first
+    if not (isinstance(value, torch.Tensor) and value.dim() == 0 and value.is_floating_point()):
+        held = f"a {value.dtype} tensor of shape {list(value.shape)}" if isinstance(value, torch.Tensor) else \
+            type(value).__name__
+        raise ConfigError(f"{model}.forward returns {held}, not the loss: return the scalar loss (the mean over "
+                          f"the batch's tokens) first")
 
 
 @contextlib.contextmanager

@@ -69,6 +69,9 @@ def plan_errors(spec: ModelSpec, config, entries: tuple[str, ...], tp: int, writ
         return (str(e),)
     with torch.device("meta"):
         model = spec.module(config)
+    if not isinstance(model, nn.Module):  # a user's model function that returns something else
+        return (f"model {spec.name}: its module(config) returned a {type(model).__name__}, not a torch.nn.Module; "
+                f"return the model",)
     modules = dict(model.named_modules())
     owners = list(dict.fromkeys(module_of(name) for name, _ in model.named_parameters()))  # a tied name once
     every = {module_of(name) for name, _ in model.named_parameters(remove_duplicate=False)}  # tied aliases too

@@ -37,7 +37,7 @@ TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--block-size", "16
 CLIS = {"run_gpt": run_gpt.main, "checkpoint": checkpoint.main, "inspect": inspect.main, "data": data.main,
         "plan": plan.main, "calibrate": calibrate.main}
 ITERATION = "iter_0000001"
-REFUSED_IN_THE_BUILD = {"pass returning None"}
+REFUSED_IN_THE_BUILD = {"pass returning None", "own model returning logits"}
 """Cases that only building the program finds: with one rank that happens in this process, after run_ranks
 is called but before any step; every other case is refused before run_ranks."""
 
@@ -193,6 +193,13 @@ SQUARED_MEAN = MASKED_ATTENTION.replace("whose attention takes an explicit mask,
         return F.cross_entropy(self.head(y).view(-1, 257), targets.view(-1)) + y.mean(1).pow(2).sum()""").replace(
     'spec_with_defaults("masked"', 'spec_with_defaults("squared"')
 
+LOGITS = SQUARED_MEAN.replace("whose loss squares a mean over the tokens, which", "whose forward returns its logits, "
+                                                                                 "which no").replace(
+    "return F.cross_entropy(self.head(y).view(-1, 257), targets.view(-1)) + y.mean(1).pow(2).sum()",
+    "return self.head(y)").replace('spec_with_defaults("squared"', 'spec_with_defaults("logits"')
+NOT_A_MODULE = LOGITS.replace('spec_with_defaults("logits", MaskedConfig, Masked)',
+                              'spec_with_defaults("number", MaskedConfig, lambda config: 5)')
+
 
 # (id, cli, argv with {tmp} and {saved}, setup(tmp, saved) or None, a part of the one line);
 # `saved()` is the `saved_run` fixture's folder, made when a case first asks for it
@@ -314,6 +321,14 @@ CASES = [
      "--output {tmp}/save/iter_0000001/__0_0.distcp is inside the checkpoint folder {tmp}/save it reads"),
     ("import-hf into a checkpoint", "checkpoint", ["import-hf", "{tmp}", "--save", "{tmp}/save"],
      copy_checkpoint(lambda _: None), "--save {tmp}/save holds files already; give a new or empty folder"),
+    ("own model returning logits", "run_gpt", ["--arch", "{tmp}/logits.py:SPEC"],
+     lambda tmp, saved: (tmp / "logits.py").write_text(LOGITS),  # was: a traceback deep inside autograd
+     "Masked.forward returns a torch.float32 tensor of shape [2, 16, 257], not the loss: return the scalar loss"),
+    ("own model function returning a number", "run_gpt", ["--arch", "{tmp}/number.py:SPEC"],
+     lambda tmp, saved: (tmp / "number.py").write_text(NOT_A_MODULE),
+     "model number: its module(config) returned a int, not a torch.nn.Module"),
+    ("own model a function of arguments", "run_gpt", ["--arch", "json:loads"], None,
+     "model 'json:loads': calling it for its ModelSpec raised TypeError"),
     ("tracker with a non-ASCII digit", "run_gpt", ["--load", "{tmp}/save"],
      copy_checkpoint(lambda save: (save / TRACKER).write_text("\u0661\n")), "expected an iteration number in ASCII"),
     ("gcompile.json missing a key", "run_gpt", ["--load", "{tmp}/save"],

@@ -34,7 +34,12 @@ def register_user_model(arch: str) -> str:
     from gcompile.models.spec import ModelSpec
 
     found = load_object(arch, "model")
-    spec = found() if callable(found) and not isinstance(found, ModelSpec) else found
+    try:
+        spec = found() if callable(found) and not isinstance(found, ModelSpec) else found
+    except Exception as e:  # the user's function, called with nothing, as a ModelSpec's maker is
+        raise UserCodeError(f"model {arch!r}: calling it for its ModelSpec raised {type(e).__name__}: "
+                            f"{str(e).splitlines()[0] if str(e) else ''}; name a ModelSpec, or a function of no "
+                            f"arguments that returns one") from None
     if not isinstance(spec, ModelSpec):
         raise UserCodeError(f"model {arch!r} is a {type(spec).__name__}, not a ModelSpec; return one, e.g. "
                             f"gcompile.models.spec.spec_with_defaults(name, config, module)")
