@@ -387,7 +387,11 @@ def _coerce(value, annotation, key: str):
             items = [v for v in value.split(",") if v.strip()] if isinstance(value, str) else value
             return tuple(_coerce(v, typing.get_args(annotation)[0], key) for v in items)
         if kind is str and isinstance(value, list):  # a TOML list, or the words after a flag of nargs="+"
+            if not all(isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in value):
+                raise ValueError(value)  # a list in the list, a table
             return shlex.join(str(v) for v in value) if value != [""] else ""  # "" stays "": validate refuses it
+        if kind is str and not isinstance(value, str):  # TOML's data_path = 5
+            raise ValueError(value)
         if kind is int and isinstance(value, float) and not value.is_integer():
             raise ValueError(value)
         return kind(value)
@@ -418,7 +422,7 @@ def load_toml(path: str) -> dict[str, dict]:
         raise ConfigError(f"--config {path}: not UTF-8 text (byte {e.start}); a preset is a TOML file") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"--config {path}: not valid TOML ({e})") from None
-    overrides = {}
+    overrides, wrong = {}, []
     for section, values in raw.items():
         if section not in SECTIONS or not isinstance(values, dict):
             raise ConfigError(f"{path}: unknown section [{section}]; known: {', '.join(SECTIONS)}")
@@ -428,7 +432,12 @@ def load_toml(path: str) -> dict[str, dict]:
         for key, value in values.items():
             if key not in known:
                 raise ConfigError(f"{path}: unknown key {key!r} in [{section}]; known: {', '.join(known)}")
-            overrides.setdefault(section, {})[key] = _coerce(value, known[key].type, f"[{section}] {key}")
+            try:
+                overrides.setdefault(section, {})[key] = _coerce(value, known[key].type, f"[{section}] {key}")
+            except ConfigError as e:  # every value of the wrong type, all at once
+                wrong += e.reasons
+    if wrong:
+        raise ConfigError(*wrong)
     return overrides
 
 

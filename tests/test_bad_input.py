@@ -241,6 +241,12 @@ CASES = [
     ("config is a folder", "run_gpt", ["--config", "{tmp}"], None, "is a folder; name a TOML file"),
     ("config not UTF-8", "run_gpt", ["--config", "{tmp}/bad.toml"],
      lambda tmp, saved: (tmp / "bad.toml").write_bytes(b"[model]\nn_layer = 2 # \xff\n"), "not UTF-8 text"),
+    ("config with several wrong types", "run_gpt", ["--config", "{tmp}/bad.toml"],
+     lambda tmp, saved: (tmp / "bad.toml").write_text('[model]\nn_layer = "two"\n[train]\nlr = "fast"\n'),
+     "[model] n_layer='two' is not a valid int; [train] lr='fast' is not a valid float"),  # was: the first only
+    ("config data path a number", "run_gpt", ["--config", "{tmp}/bad.toml"],
+     lambda tmp, saved: (tmp / "bad.toml").write_text("[data]\ndata_path = 5\n"),
+     "[data] data_path=5 is not a valid str"),  # was: "no 5.bin / 5.idx found"
     ("config boolean for an integer", "run_gpt", ["--config", "{tmp}/bad.toml"],
      lambda tmp, saved: (tmp / "bad.toml").write_text("[model]\nn_layer = true\n"),
      "[model] n_layer = true, but it takes an integer"),
