@@ -325,13 +325,14 @@ class Checkpoint:
         """`model` (a model config) is the model saved here, up to dropout."""
         if spec_of(model) is not self.model_spec:
             raise CheckpointError(f"{self.folder} holds a {self.model_spec.name} model "
-                                  f"(this run: {spec_of(model).name})")
+                                  f"(this run: {spec_of(model).name}); give the run its model (--arch)")
         saved = self.model_config
         diffs = [f"{f.name}={getattr(saved, f.name)} (this run: {getattr(model, f.name)})"
                  for f in dataclasses.fields(saved) if f.name != "dropout"
                  and getattr(saved, f.name) != getattr(model, f.name)]
         if diffs:
-            raise CheckpointError(f"{self.folder} holds a different model: {', '.join(diffs)}")
+            raise CheckpointError(f"{self.folder} holds a different model: {', '.join(diffs)}; give the run the "
+                                  f"saved sizes, or --load another folder")
 
     def full(self, state: str, name: str) -> torch.Tensor:
         """The full single-device tensor of parameter `name`'s `state` ("model", "main", "exp_avg", ...)."""

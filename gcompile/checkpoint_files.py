@@ -56,7 +56,8 @@ def read_checked(folder: str, name: str) -> bytes:
         with open(path, "rb") as f:
             recorded = json.loads(f.read())[name]
     except FileNotFoundError:
-        raise CheckpointError(f"{folder}: no {CHECKSUMS} (saved by an older gcompile, or not committed)") from None
+        raise CheckpointError(f"{folder}: no {CHECKSUMS} (saved by an older gcompile, or not committed); load an "
+                              f"earlier checkpoint, or save this one again") from None
     except (ValueError, KeyError, TypeError):
         raise CheckpointError(f"{path}: unreadable; the file is damaged") from None
     if zlib.crc32(data) != recorded:

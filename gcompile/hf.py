@@ -179,6 +179,9 @@ def export_hf(path: str, out_dir: str, log=print) -> str:
     with open(os.path.join(out_dir, CONFIG), "w") as f:
         json.dump(hf, f, indent=2)
     save_file(tensors, os.path.join(out_dir, SAFETENSORS), metadata={"format": "pt"})
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(os.path.join(out_dir, SAFETENSORS), 0o666 & ~umask)  # safetensors writes 0600: as readable as config.json
     log(f"exported {ckpt.folder} to {out_dir} ({hf['architectures'][0]}; load it with from_pretrained)")
     return ckpt.folder
 

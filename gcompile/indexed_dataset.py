@@ -145,7 +145,10 @@ class IndexedDataset:
                             f"({lengths.sum()} tokens of {self.dtype.name}); the pair does not match, "
                             "prepare it again")
         ends = pointers + lengths * self.dtype.itemsize
-        if (pointers < 0).any() or (ends > bin_size).any():
+        if (pointers < 0).any():
+            raise DataError(f"{idx_path}: a sequence pointer is negative ({pointers.min()}); the index is corrupt, "
+                            f"prepare it again")
+        if (ends > bin_size).any():
             raise DataError(f"{idx_path}: sequence pointers reach byte {ends.max()}, beyond the "
                             f"{bin_size}-byte {bin_path}; the index is corrupt, prepare it again")
         if len(pointers) and (pointers[0] != 0 or (pointers[1:] != ends[:-1]).any()):
