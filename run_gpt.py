@@ -105,6 +105,18 @@ def plan_only(config: RunConfig, dump_only: bool, machine_path: str | None) -> i
     return 0
 
 
+def make_folders(folders: dict[str, str | None]) -> None:
+    """The folders a run writes, made before any rank starts: a path no folder can have (under /proc, a name
+    longer than the file system's limit) is one line here, not a traceback from every rank."""
+    for flag, folder in folders.items():
+        if folder:
+            try:
+                os.makedirs(folder, exist_ok=True)
+            except OSError as e:
+                raise ConfigError(f"{flag} {folder}: cannot make the folder ({e.strerror or e}); give a folder you "
+                                  f"can write") from None
+
+
 def auto_layout(config: RunConfig, flags, argv: list[str]) -> list[str]:
     """--auto-layout: the planner's fastest layout of --world-size ranks that fits --memory-budget-gb, as the
     flags the run (and every rank it starts) is then parsed from."""
@@ -149,7 +161,10 @@ def main(argv: list[str]) -> int:
                 print("note: --sequence-parallel does nothing at tp 1 (it shards the sequence over tp ranks)",
                       file=sys.stderr)
             if flags.dump_only or flags.check_plan:
+                make_folders({"--dump-graphs": config.log.dump_graphs} if flags.dump_only else {})
                 return plan_only(config, flags.dump_only, flags.machine)
+            make_folders({"--run-dir": config.log.run_dir, "--dump-graphs": config.log.dump_graphs,
+                          "--tensorboard-dir": config.log.tensorboard_dir})
             if config.world_size > 1:
                 start_rank_server()
             if config.log.dump_graphs:

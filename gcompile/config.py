@@ -626,6 +626,9 @@ def validate(config: RunConfig) -> None:
         errors.append(f"distributed-timeout-minutes={p.distributed_timeout_minutes} must be positive")
     if not p.hang_timeout_s >= 0:
         errors.append(f"hang-timeout-s={p.hang_timeout_s} must be 0 (no watchdog) or positive")
+    elif 0 < p.hang_timeout_s < 1:  # it would call a healthy run hung while it builds
+        errors.append(f"hang-timeout-s={p.hang_timeout_s}: the watchdog looks once a second; give 0 (no watchdog) "
+                      f"or at least 1")
     if p.ddp_bucket_size is not None and p.ddp_bucket_size < 1:
         errors.append(f"ddp_bucket_size={p.ddp_bucket_size} must be at least 1 element")
     if t.min_lr > t.lr:

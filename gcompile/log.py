@@ -156,14 +156,21 @@ def rank_ranges(ranks: list[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
+MAX_RANKS = 1 << 24
+"""More ranks than any world: a range beyond it is text no dump wrote (listing it would take all memory)."""
+
+
 def parse_rank_ranges(text: str) -> list[int]:
-    """The ranks that rank_ranges wrote as `text`."""
+    """The ranks that rank_ranges wrote as `text`; ValueError for text it cannot have written."""
     parts = text.removeprefix("ranks ").removeprefix("rank ").split(",")
     if len(parts) == 4 and parts[2] == "...":  # first, second, ..., last
         first, second, last = int(parts[0]), int(parts[1]), int(parts[3])
-        return list(range(first, last + 1, second - first))
-    ranks = []
-    for part in parts:
-        a, _, b = part.partition("-")
-        ranks += range(int(a), int(b or a) + 1)
-    return ranks
+        found = range(first, last + 1, second - first)
+    else:
+        found = []
+        for part in parts:
+            a, _, b = part.partition("-")
+            found.append(range(int(a), int(b or a) + 1))
+    if sum(map(len, found if isinstance(found, list) else [found])) > MAX_RANKS:
+        raise ValueError(f"more than {MAX_RANKS} ranks")
+    return list(found) if isinstance(found, range) else [r for part in found for r in part]

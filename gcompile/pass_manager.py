@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 import torch.fx as fx
 
-from gcompile.config import RunConfig
+from gcompile.config import ConfigError, RunConfig
 from gcompile.axes import Coords
 from gcompile.log import rank_ranges
 from gcompile.program import Program, diff_counts, dump_text, op_counts, propagate_shapes, refresh_meta
@@ -226,9 +226,15 @@ def clear_stale_dumps(root: str, ranks: Iterable[int]) -> None:
             clear_rank_dump(folder)
             if not os.listdir(folder):
                 os.rmdir(folder)
-    for name in ("plan.txt", DUMP_INDEX):
-        if os.path.isfile(os.path.join(root, name)):
-            os.remove(os.path.join(root, name))
+    for name, first in (("plan.txt", "plan checked: "), (DUMP_INDEX, "rank")):
+        path = os.path.join(root, name)
+        if os.path.isfile(path):
+            with open(path, "rb") as f:
+                ours = f.read(len(first)) == first.encode()
+            if not ours:  # a user's own file of that name: a dump would write over it
+                raise ConfigError(f"--dump-graphs {root} holds a {name} no dump wrote; give an empty folder or one "
+                                  f"a dump wrote, or move the file")
+            os.remove(path)
 
 
 def write_dump_index(root: str, shared_by: dict[int, tuple[int, ...]]) -> None:

@@ -383,6 +383,19 @@ CASES = [
     ("inspect rank0 a file", "inspect", ["{tmp}/dump"], dump_folder(lambda dump: a_file(dump, name="rank0")),
      "rank0 is a file where a rank folder belongs"),
     ("inspect non-UTF-8 dump", "inspect", ["{tmp}/dump"], dump_folder(non_utf8_rank0), "schedule.txt: not UTF-8"),
+    ("inspect index.txt of a huge range", "inspect", ["{tmp}/dump"],
+     dump_folder(lambda dump: ((dump / "rank0").mkdir(), (dump / "index.txt").write_text("rank0: ranks 0-10000000000\n"))),
+     "index.txt: cannot read 'rank0: ranks 0-10000000000'"),  # was: a MemoryError listing them
+    ("inspect a rank whose folder is gone", "inspect", ["{tmp}/dump", "show", "2"],
+     dump_folder(lambda dump: ((dump / "rank1").mkdir(), (dump / "index.txt").write_text("rank0: ranks 0,2\nrank1: ranks 1,3\n"))),
+     "index.txt of {tmp}/dump names rank0/ for rank 2, and there is no such folder"),  # was: "no rank 2; ranks: 0..3"
+    ("dump into a folder with a plan.txt of the user's", "run_gpt", ["--dump-graphs", "{tmp}"],
+     lambda tmp, saved: (tmp / "plan.txt").write_text("my own plan\n"),  # was: deleted without a word
+     "--dump-graphs {tmp} holds a plan.txt no dump wrote; give an empty folder or one a dump wrote"),
+    ("run dir that cannot be made", "run_gpt", ["--run-dir", "/proc/gcompile-run"], None,
+     "--run-dir /proc/gcompile-run: cannot make the folder"),  # was: a traceback from every rank
+    ("hang timeout under a second", "run_gpt", ["--hang-timeout-s", "0.001"], None,
+     "hang-timeout-s=0.001: the watchdog looks once a second"),  # was: a healthy run called hung
     ("inspect index.txt garbled", "inspect", ["{tmp}/dump", "show", "3"], dump_folder(garbled_index),
      "index.txt: cannot read 'rank0: ranks zero to seven'"),
     ("world-size without auto-layout", "run_gpt", ["--world-size", "4"], None,
