@@ -31,6 +31,7 @@ import torch.fx as fx
 from gcompile.collectives import collective_nodes
 from gcompile.config import RunConfig
 from gcompile.log import counted
+from gcompile.machine import ram_bytes
 from gcompile.axes import group_members
 from gcompile.log import rank_ranges
 from gcompile.report import is_metric
@@ -387,7 +388,7 @@ def check_fits_machine(config: RunConfig) -> None:
         have = sum(torch.cuda.get_device_properties(d).total_memory for d in devices)
         where = f"the {len(devices)} GPU(s) its ranks take"
     else:
-        have, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's RAM"
+        have, where = ram_bytes(), "this machine's RAM"
     if need > have:
         raise PlanError(f"the model's {numel:,} parameters need at least {need:,} bytes ({need / 2 ** 30:,.1f} GiB: "
                         f"{per_param} bytes each for weights, gradients and AdamW states) but {where} holds "

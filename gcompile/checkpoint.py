@@ -61,6 +61,7 @@ from gcompile.checkpoint_files import (CHECKSUMS, GCOMPILE_JSON, CheckpointError
 from gcompile.config import MAX_LAYERS, RunConfig
 from gcompile.flat import Span
 from gcompile.layout import Param, Shard, first_holder, full_value, local_value
+from gcompile.machine import ram_bytes
 from gcompile.axes import ACROSS, AXES, FOLDED, Coords
 from gcompile.models import DEFAULT_MODEL, MODELS, model_spec, spec_of
 from gcompile.models.spec import ModelSpec
@@ -74,7 +75,9 @@ TRACKER = "latest_checkpointed_iteration.txt"
 METADATA = GCOMPILE_JSON
 TMP = ".tmp"
 """Suffix of a folder that is not a committed checkpoint."""
-OURS = re.compile(r"iter_\d{7}(\.old)?\.tmp")
+ITERATION = re.compile(r"iter_(\d{7})")
+"""A committed checkpoint's folder (`iteration_dir`)."""
+OURS = re.compile(ITERATION.pattern + r"(\.old)?\.tmp")
 """The unfinished folders a save leaves (killed mid-save): the only ones a save removes."""
 STATES = ("main", "exp_avg", "exp_avg_sq")
 SCALER = ("loss_scale", "growth_tracker", "hysteresis_left")
@@ -121,7 +124,7 @@ def unfound(root: str) -> str | None:
     if not os.path.isdir(root):
         return None
     names = os.listdir(root)
-    saved = sorted(n for n in names if re.fullmatch(r"iter_\d{7}", n) and os.path.isdir(os.path.join(root, n)))
+    saved = sorted(n for n in names if ITERATION.fullmatch(n) and os.path.isdir(os.path.join(root, n)))
     if saved:
         return (f"{root} holds {saved[-1]} but no {TRACKER} (copied without it?); write the iteration to resume "
                 f"into it: echo {int(saved[-1][5:])} > {tracker}")
@@ -277,7 +280,7 @@ class Checkpoint:
         except (TypeError, ValueError) as e:  # a field missing, of the wrong type, or a key not of our making
             raise CheckpointError(f"{path}: {first_line(e)}; the file is damaged or not written by gcompile, "
                                   f"load an earlier checkpoint or save again") from None
-        named = re.fullmatch(r"iter_(\d{7})", os.path.basename(os.path.normpath(folder)))
+        named = ITERATION.fullmatch(os.path.basename(os.path.normpath(folder)))
         if named and int(named[1]) != self.meta["iteration"]:
             raise CheckpointError(f"{path} records iteration {self.meta['iteration']} but lies in "
                                   f"{os.path.basename(os.path.normpath(folder))} (files copied between iterations?); "
@@ -525,7 +528,7 @@ def load_exported(path: str, spec: ModelSpec) -> tuple[torch.nn.Module, object]:
     except (TypeError, KeyError, ValueError, RuntimeError) as e:  # RuntimeError: sizes no tensor can have
         raise CheckpointError(f"{not_ours}: its model_args are not a {spec.name} config's ({first_line(e)}); is "
                               f"--model-name right?") from None
-    if numel * 4 > os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"):
+    if numel * 4 > ram_bytes():
         raise CheckpointError(f"{not_ours}: its model_args make {numel:,} parameters, more than this machine's "
                               f"memory holds")
     try:
@@ -621,7 +624,6 @@ def _inside(flag: str, output: str, checkpoint: str) -> str | None:
     return None
 
 
-
 def _put(buffer: torch.Tensor, spans: list[Span], values: torch.Tensor) -> None:
     """Write the elements of a flattened parameter piece that `spans` place in an optimizer buffer."""
     for s in spans:
@@ -675,13 +677,13 @@ def _check_meta(meta) -> None:
                 raise ValueError(f"{where!r} is {json.dumps(record[name])[:40]}, of the wrong type")
     if meta["model"] not in MODELS:
         raise ValueError(f"model {meta['model']!r} is none of {', '.join(MODELS)}")
-    defaults = model_spec(meta["model"]).config(**meta["config"]["model"])  # TypeError: a field it does not have
-    defaults = dataclasses.replace(defaults, **{f.name: f.default for f in dataclasses.fields(defaults)
-                                                 if f.default is not dataclasses.MISSING})
+    config = model_spec(meta["model"]).config
+    config(**meta["config"]["model"])  # TypeError: a field this model does not have
+    kinds = {f.name: type(f.default) for f in dataclasses.fields(config)
+             if f.default is not dataclasses.MISSING and f.default is not None}  # None: of no one kind
     for name, value in meta["config"]["model"].items():
-        kind = type(getattr(defaults, name))
-        if getattr(defaults, name) is not None and not (isinstance(value, kind) and type(value) is not bool or
-                                                        type(value) is kind or kind is float and type(value) is int):
+        kind = kinds.get(name, type(value))
+        if not (type(value) is kind or kind is float and type(value) is int):  # a bool is no int here
             raise ValueError(f"'config.model.{name}' is {json.dumps(value)[:40]}, of the wrong type")
     for name in ("iteration", "consumed_samples", "step"):
         if not 0 <= meta[name] < 10 ** 12:  # NaN fails too

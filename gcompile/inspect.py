@@ -139,11 +139,10 @@ def _rank(root: str, rank: int) -> str:
     if rank in ranks:
         return ranks[rank]
     owner = next((r for r, members in shared_by.items() if rank in members and r in ranks), None)
-    if (gone := next((r for r, members in shared_by.items() if rank in members and r not in ranks), None)) is not None \
-            and owner is None:
-        raise InspectError(f"index.txt of {root} names rank{gone}/ for rank {rank}, and there is no such folder; "
-                           f"write the dump again")
     if owner is None:
+        if (gone := next((r for r, members in shared_by.items() if rank in members), None)) is not None:
+            raise InspectError(f"index.txt of {root} names rank{gone}/ for rank {rank}, and there is no such "
+                               f"folder; write the dump again")
         every = [r for members in shared_by.values() for r in members] or list(ranks)
         raise InspectError(f"no rank {rank} in {root}; ranks: {min(every)}..{max(every)}")
     print(f"rank {rank} runs rank {owner}'s program (index.txt): reading {ranks[owner]}", file=sys.stderr)

@@ -165,12 +165,9 @@ def parse_rank_ranges(text: str) -> list[int]:
     parts = text.removeprefix("ranks ").removeprefix("rank ").split(",")
     if len(parts) == 4 and parts[2] == "...":  # first, second, ..., last
         first, second, last = int(parts[0]), int(parts[1]), int(parts[3])
-        found = range(first, last + 1, second - first)
+        runs = [range(first, last + 1, second - first)]
     else:
-        found = []
-        for part in parts:
-            a, _, b = part.partition("-")
-            found.append(range(int(a), int(b or a) + 1))
-    if sum(map(len, found if isinstance(found, list) else [found])) > MAX_RANKS:
+        runs = [range(int(a), int(b or a) + 1) for a, _, b in (part.partition("-") for part in parts)]
+    if sum(map(len, runs)) > MAX_RANKS:
         raise ValueError(f"more than {MAX_RANKS} ranks")
-    return list(found) if isinstance(found, range) else [r for part in found for r in part]
+    return [rank for run in runs for rank in run]

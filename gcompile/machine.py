@@ -308,12 +308,17 @@ def fingerprint() -> tuple[str, str]:
         with open("/proc/cpuinfo") as f:
             names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
         cpu = names[0] if names else cpu
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
+    memory = ram_bytes()
     gpus = [torch.cuda.get_device_name(d) for d in range(torch.cuda.device_count())] \
         if torch.cuda.is_available() else []
     description = (f"{cpu}, {os.cpu_count()} cores, {memory / 2 ** 30:.0f} GiB"
                    f"{', ' + ', '.join(gpus) if gpus else ''}, torch {torch.__version__}")
     return hashlib.sha256(description.encode()).hexdigest()[:12], description
+
+
+def ram_bytes() -> int:
+    """This machine's memory (0 where the OS does not say)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
 
 
 def default_path() -> str:

@@ -38,13 +38,13 @@ from gcompile.paths import path_error
 MAX_WORKERS = 256
 """Tokenizing processes at most: each starts Python and a tokenizer (10^5 of them took the machine down)."""
 META_SUFFIX = ".meta.json"
+"""PREFIX + this: the tokenizer and largest id of a prepared pair."""
 
 
 def bin_stamp(path: str) -> list[int]:
     """What tells one .bin from another without reading it: its bytes and modification time."""
     found = os.stat(path)
     return [found.st_size, found.st_mtime_ns]
-"""PREFIX + this: the tokenizer and largest id of a prepared pair."""
 
 
 def find_files(inputs: list[str], pattern: str = "*", skip_dirs: tuple[str, ...] = ()) -> list[str]:
