@@ -185,7 +185,8 @@ def train(config: RunConfig, coords: Coords, device: str = "cpu", log=print) -> 
             folder = checkpoint.save(c.save, Progress(iteration, consumed), config, program, state)
             quiet(f"saved checkpoint at iteration {iteration} to {folder} ({time.perf_counter() - started:.2f} s)")
         if exiting:
-            quiet(f"exiting at iteration {iteration} (--exit-interval {c.exit_interval})")
+            quiet(f"exiting at iteration {iteration} (--exit-interval {c.exit_interval})" +
+                  ("" if c.save else "; nothing saved: no --save"))
             break
         if signalled:
             quiet(f"exiting at iteration {iteration} on SIGTERM (--exit-signal-handler)")

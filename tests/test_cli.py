@@ -91,3 +91,12 @@ def test_subprocess_has_no_traceback(tmp_path):
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     assert result.stderr.strip().startswith("run_gpt.py: error:")
+
+
+def test_exit_interval_without_save_says_nothing_was_saved(tmp_path, capfd):
+    """Megatron's --exit-interval stops a run without --save too; the line that says it stopped says so."""
+    argv = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--block-size", "16", "--seq-length", "16",
+            "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "3", "--eval-interval", "0",
+            "--exit-interval", "1", "--run-dir", str(tmp_path / "run")]
+    assert run_gpt.main(argv) == 0
+    assert "exiting at iteration 1 (--exit-interval 1); nothing saved: no --save" in capfd.readouterr().out
