@@ -52,12 +52,17 @@ def find_file(rank_dir: str, part: str) -> str:
 
 
 def _read(path: str) -> list[str]:
+    """A dump file's lines; InspectError for one no dump writes (empty: a dump cut short, not text)."""
     try:
         with open(path, encoding="utf-8") as f:
-            return f.read().splitlines(keepends=True)
+            lines = f.read().splitlines(keepends=True)
     except UnicodeDecodeError as e:
         raise InspectError(f"{path}: not UTF-8 text (byte {e.start}); dumps are text that run_gpt.py "
                            f"--dump-graphs wrote, write it again") from None
+    if not lines:
+        raise InspectError(f"{path} is empty: a dump writes none (was it cut short?); write it again with "
+                           f"run_gpt.py --dump-graphs DIR")
+    return lines
 
 
 def list_ranks(root: str) -> str:
@@ -108,7 +113,11 @@ def _collectives(summary: str) -> str:
     for words in lines[start + 1:]:
         if not words or words[0].startswith(("#", "(")):
             break
-        kind, group, count, _, nbytes, _ = words  # all_reduce tp 26 calls 1,316,864 bytes
+        if len(words) != 6:  # all_reduce tp 26 calls 1,316,864 bytes
+            raise InspectError(f"{summary}: cannot read {' '.join(words)!r} under '# per iteration'; a line is "
+                               f"`all_reduce tp 26 calls 1,316,864 bytes`, as run_gpt.py --dump-graphs writes it; "
+                               f"write the dump again")
+        kind, group, count, _, nbytes, _ = words
         calls.append(f"{kind} {group} x{count} {nbytes} B")
     return f"collectives/iteration: {', '.join(calls) or 'none'}"
 

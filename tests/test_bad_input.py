@@ -383,6 +383,16 @@ CASES = [
     ("inspect rank0 a file", "inspect", ["{tmp}/dump"], dump_folder(lambda dump: a_file(dump, name="rank0")),
      "rank0 is a file where a rank folder belongs"),
     ("inspect non-UTF-8 dump", "inspect", ["{tmp}/dump"], dump_folder(non_utf8_rank0), "schedule.txt: not UTF-8"),
+    ("inspect an empty schedule.txt", "inspect", ["{tmp}/dump"],
+     dump_folder(lambda dump: ((dump / "rank0").mkdir(), (dump / "rank0" / "schedule.txt").write_text(""))),
+     "rank0/schedule.txt is empty: a dump writes none (was it cut short?)"),  # was: an IndexError
+    ("inspect an empty graph file", "inspect", ["{tmp}/dump", "show", "0", "lower"],
+     dump_folder(lambda dump: ((dump / "rank0").mkdir(), (dump / "rank0" / "02_lower_stage0.txt").write_text(""))),
+     "rank0/02_lower_stage0.txt is empty"),  # was: nothing printed, status 0
+    ("inspect a summary.txt cut short", "inspect", ["{tmp}/dump"],
+     dump_folder(lambda dump: ((dump / "rank0").mkdir(),
+                               (dump / "rank0" / "summary.txt").write_text("# per iteration\nall_reduce tp\n"))),
+     "summary.txt: cannot read 'all_reduce tp' under '# per iteration'"),  # was: a ValueError
     ("inspect index.txt of a huge range", "inspect", ["{tmp}/dump"],
      dump_folder(lambda dump: ((dump / "rank0").mkdir(), (dump / "index.txt").write_text("rank0: ranks 0-10000000000\n"))),
      "index.txt: cannot read 'rank0: ranks 0-10000000000'"),  # was: a MemoryError listing them
