@@ -31,6 +31,7 @@ from gcompile.arguments import ArgumentParser
 from gcompile.config import ConfigError, RunConfig, parse_args
 from gcompile.harness import World
 from gcompile.layout import local_value
+from gcompile.pass_manager import PassError
 from gcompile.axes import REPLICAS, group_members, world_axes_of
 from gcompile.pipeline import GRAD_SYNC, BuildCache, pass_lists
 from gcompile.reference import EagerStep, eager_step
@@ -206,7 +207,7 @@ def main(argv: list[str]) -> int:
             raise ConfigError(f"--tol {known.tol:g} must be positive (a relative error)")
         config, _ = parse_args(rest)
         diverged = bisect(config, known.tol)
-    except ConfigError as e:
+    except (ConfigError, PassError) as e:  # a pass that cannot load, run or be placed, as run_gpt.py says it
         print(f"{p.prog}: error: {e}", file=sys.stderr)
         return 2
     if diverged is None:

@@ -11,6 +11,9 @@ used by every reader; autograd then sums the gradient contributions as eager doe
 """
 
 import contextlib
+import io
+import logging
+import sys
 from collections.abc import Callable
 
 import torch
@@ -23,6 +26,7 @@ from gcompile.models.spec import Input, canonical_names
 from gcompile.report import number_reports
 from gcompile.program import Program, Stage, refresh_meta
 from gcompile.torch_api import FakeTensorMode
+from gcompile.user_code import failure_line
 
 
 def capture(build: Callable[[], nn.Module], batch: tuple[Input, ...], decays: Callable[[str, tuple[int, ...]], bool],
@@ -34,9 +38,21 @@ def capture(build: Callable[[], nn.Module], batch: tuple[Input, ...], decays: Ca
     """
     fake_mode = FakeTensorMode()
     with fake_mode, torch.device(device), _default_dtype(dtype):
-        model = build()
+        try:
+            model = build()
+        except Exception as e:
+            raise ConfigError(f"the model could not be built: {failure_line(e)}") from e
         example = tuple(torch.empty(i.shape, dtype=i.dtype) for i in batch)
-    exported = torch.export.export(model, example)
+    printed = io.StringIO()  # what torch prints on the way: the graph traced so far, where export fails
+    try:
+        with _quiet(SHAPES_LOG), contextlib.redirect_stderr(printed):
+            exported = torch.export.export(model, example)
+    except Exception as e:
+        data_dependent = " (code that branches on a tensor's values cannot be captured: compute both sides and " \
+                         "pick with torch.where)" if "data-dependent" in str(e) else ""
+        call = f"{type(model).__name__}.forward({', '.join(i.role for i in batch)})"
+        raise ConfigError(f"torch.export cannot capture {call}: {failure_line(e)}{data_dependent}") from e
+    sys.stderr.write(printed.getvalue())
     graph = exported.graph_module
     _check_loss(graph, type(model).__name__)
 
@@ -47,7 +63,9 @@ def capture(build: Callable[[], nn.Module], batch: tuple[Input, ...], decays: Ca
         if spec.kind == InputKind.USER_INPUT:
             continue
         if spec.kind != InputKind.PARAMETER:
-            raise NotImplementedError(f"capture: {spec.kind.name} input {spec.target} is not supported")
+            held = "a buffer (register_buffer)" if spec.kind == InputKind.BUFFER else "a tensor attribute"
+            raise ConfigError(f"{type(model).__name__} holds {held}, {spec.target}: only parameters are carried "
+                              f"through the passes; compute it in forward (e.g. from torch.arange)")
         name = canonical[spec.target]
         if name in kept:  # second placeholder of a tied parameter
             node.replace_all_uses_with(kept[name])
@@ -76,6 +94,9 @@ def _check_loss(graph: torch.fx.GraphModule, model: str) -> None:
     """ConfigError unless forward's (first) output is a floating-point scalar: the loss every pass, the schedule
     and the optimizer step read. A model that returns its logits instead fails later, deep inside autograd."""
     returned = graph.graph.output_node().args[0]
+    if isinstance(returned, (tuple, list)) and len(returned) > 1:
+        raise ConfigError(f"{model}.forward returns {len(returned)} values; return the loss alone (the mean over "
+                          f"the batch's tokens; gcompile.report.report(value, name) logs others)")
     first = returned[0] if isinstance(returned, (tuple, list)) and returned else returned
     value = first.meta.get("val") if isinstance(first, torch.fx.Node) else first
     if not (isinstance(value, torch.Tensor) and value.dim() == 0 and value.is_floating_point()):
@@ -83,6 +104,26 @@ def _check_loss(graph: torch.fx.GraphModule, model: str) -> None:
             type(value).__name__
         raise ConfigError(f"{model}.forward returns {held}, not the loss: return the scalar loss (the mean over "
                           f"the batch's tokens) first")
+    if value.dtype != torch.float32:
+        raise ConfigError(f"{model}.forward returns a {value.dtype} loss: return it in float32, the dtype its "
+                          f"gradient starts backward in (bf16 and fp16 runs compute the loss in float32 too)")
+
+
+SHAPES_LOG = "torch.fx.experimental.symbolic_shapes"
+"""Where torch warns before export fails on a branch on a tensor's values (and prints the graph traced so
+far): the one line capture raises names the user's line instead."""
+
+
+@contextlib.contextmanager
+def _quiet(name: str):
+    """Torch's logger `name` says nothing below an error while this runs."""
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 @contextlib.contextmanager

@@ -383,8 +383,10 @@ def _coerce(value, annotation, key: str):
                     raise ValueError(value)
                 return value.lower() in ("true", "1")
             return value
-        if kind is tuple:
-            items = [v for v in value.split(",") if v.strip()] if isinstance(value, str) else value
+        if kind is tuple:  # "a, b", or a list of such (a flag given more than once; a TOML list)
+            given = [value] if isinstance(value, str) else value
+            items = [v.strip() for item in given for v in (item.split(",") if isinstance(item, str) else [item])
+                     if not isinstance(v, str) or v.strip()]
             return tuple(_coerce(v, typing.get_args(annotation)[0], key) for v in items)
         if kind is str and isinstance(value, list):  # a TOML list, or the words after a flag of nargs="+"
             if not all(isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in value):
@@ -468,8 +470,9 @@ def _family(arch: str) -> str:
     if arch in CONFIGS:
         return arch
     if ":" in arch:
+        taken = {n: section for section in SECTIONS if section != "model" for n in section_fields(section)}
         try:
-            return register_user_model(arch)
+            return register_user_model(arch, reserved={**taken, **dict.fromkeys(RUN_FLAGS, "run_gpt.py")})
         except UserCodeError as e:
             raise ConfigError(str(e)) from None
     raise ConfigError(f"arch={arch!r} is not a model family here; known: {', '.join(CONFIGS)}, or your own "
@@ -509,6 +512,10 @@ class _ArgumentParser(ArgumentParser):
         raise ConfigError(self.explain(message))
 
 
+RUN_FLAGS = ("config", "dump_only", "check_plan", "auto_layout", "world_size", "machine", "help")
+"""run_gpt.py's flags that are no config key (`parser`)."""
+
+
 def parser() -> argparse.ArgumentParser:
     p = _ArgumentParser(
         prog="run_gpt.py",
@@ -535,6 +542,9 @@ def parser() -> argparse.ArgumentParser:
         if _base_type(f.type) is bool:
             p.add_argument(f"--{flag}", *aliases, dest=f.name, nargs="?", const="true", metavar="BOOL",
                            help=help_text)
+        elif f.type == tuple[str, ...]:  # given more than once, the entries add up (--passes A --passes B)
+            p.add_argument(f"--{flag}", *aliases, dest=f.name, metavar=f.name.upper(), help=help_text,
+                           action="append")
         else:
             p.add_argument(f"--{flag}", *aliases, dest=f.name, metavar=f.name.upper(), help=help_text,
                            nargs=f.metadata.get("nargs"))

@@ -34,6 +34,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from gcompile.backward_split import split_backward
 from gcompile.collectives import is_collective
+from gcompile.pass_manager import PassError
 from gcompile.torch_api import activation_memory_budget, aot_export_joint_with_descriptors, min_cut_rematerialization_partition
 from gcompile.report import is_metric
 from gcompile.program import Stage, ancestors, descendants, drop_dead_nodes
@@ -49,7 +50,7 @@ def lower_stage(stage: Stage, recompute: bool = False) -> LoweredStage:
                 .requires_grad_(v.dtype.is_floating_point) for v in vals]
     with contextlib.ExitStack() as stack:
         joint = aot_export_joint_with_descriptors(stack, stage.graph, tuple(args)).graph_module
-    _check_joint_convention(joint, len(args), len(stage.outputs), stage.index,
+    _check_joint_convention(joint, len(args), stage.outputs, stage.index,
                             differentiable=sum(not is_metric(role) for role in stage.outputs))
     if stage.recompute_from_params:
         _recompute_parameter_derived(joint, len(stage.params))
@@ -182,16 +183,24 @@ def _drop_dead_code(forward: fx.GraphModule, backward: fx.GraphModule, num_outpu
     return num_saved - len(unread)
 
 
-def _check_joint_convention(joint: fx.GraphModule, num_inputs: int, num_outputs: int, stage: int,
+def _check_joint_convention(joint: fx.GraphModule, num_inputs: int, outputs: list[str], stage: int,
                             differentiable: int) -> None:
     """The joint graph must take (*primals, *tangents) and return (*outputs, *grads) in order, a tangent for
     each of the first `differentiable` outputs (the rest are reported metrics, detached).
 
     aot_autograd only guarantees this through descriptors; a graph with input
     mutations or aliased outputs could differ, and we would rather stop than
-    silently misplace a gradient.
+    silently misplace a gradient. An output autograd gives no tangent does not depend differentiably on
+    the inputs (detached, integer, or a model without parameters): PassError, which names it.
     """
+    num_outputs = len(outputs)
     descs = [str(n.meta.get("desc")) for n in joint.graph.find_nodes(op="placeholder")]
+    constant = [role for i, role in enumerate(outputs[:differentiable])
+                if f"TangentAOTInput(output=PlainAOTOutput(idx={i}))" not in descs]
+    if constant:
+        raise PassError(f"stage {stage}: its {', '.join(constant)} output does not depend on the parameters "
+                        f"through anything autograd differentiates (detached, integer, or a model without "
+                        f"parameters); a pass or the model's forward cut it off")
     expected = [f"PlainAOTInput(idx={i})" for i in range(num_inputs)]
     expected += [f"TangentAOTInput(output=PlainAOTOutput(idx={i}))" for i in range(differentiable)]
     out_descs = [str(d) for d in joint.graph.output_node().meta.get("desc", [])]

@@ -8,8 +8,12 @@ shapes are re-derived from its placeholders, so a pass that leaves the graph
 inconsistent fails right there, named, with the passes that ran before it.
 """
 
+import contextlib
+import faulthandler
+import io
 import os
 import re
+import sys
 import time
 import typing
 from collections import Counter
@@ -21,9 +25,10 @@ import torch.fx as fx
 from gcompile.config import ConfigError, RunConfig
 from gcompile.axes import Coords
 from gcompile.log import rank_ranges
-from gcompile.program import Program, diff_counts, dump_text, op_counts, propagate_shapes, refresh_meta
-from gcompile.rank_program import RankProgram
-from gcompile.user_code import UserCodeError, load_object
+from gcompile.program import (Program, broken_convention, diff_counts, dump_text, op_counts, propagate_shapes,
+                              refresh_meta)
+from gcompile.rank_program import RankProgram, broken_instructions, broken_stage
+from gcompile.user_code import UserCodeError, failure_line, load_object
 
 
 @dataclass(frozen=True)
@@ -55,9 +60,13 @@ def resolve_pass(spec: str) -> tuple[str, PassFn]:
     `path/to/file.py:function` for a user pass."""
     if ":" in spec:
         try:
-            return spec.rpartition(":")[2], load_object(spec, "pass")
+            found = load_object(spec, "pass")
         except UserCodeError as e:
             raise PassError(str(e)) from None
+        if not callable(found):
+            raise PassError(f"pass {spec!r} is a {type(found).__name__}, not a function; a pass is "
+                            f"def name(program, ctx) -> program")
+        return spec.rpartition(":")[2], found
     if spec not in _REGISTRY:
         raise PassError(f"unknown pass {spec!r}; registered: {', '.join(sorted(_REGISTRY))}")
     return spec, _REGISTRY[spec]
@@ -75,18 +84,22 @@ def run_passes(program: Program, specs: list[str], ctx: PassContext, log: Callab
                                          "after:lower=... (or after:grad_sync) to get the RankProgram")
         before = _op_counts(program)
         start = time.perf_counter()
+        failed = f"pass {number} {name!r} failed{_on_rank(spec, ctx)} (after {' -> '.join(program.history)})"
         try:
-            result = fn(program, ctx)
+            with _watched(spec, ctx):
+                result = fn(program, ctx)
             _check_returns(result, name, Program)
             for stage in result.stages:
                 refresh_meta(stage)
         except PassError:
             raise
-        except Exception as e:
+        except (Exception, SystemExit) as e:
             hint = " (before lowering a pass gets the forward Program; one over the RankProgram goes " \
                    "after:lower=...)" if isinstance(e, AttributeError) else ""
-            raise PassError(f"pass {number} {name!r} failed (after {' -> '.join(program.history)}): "
-                            f"{type(e).__name__}: {e}{hint}") from e
+            raise PassError(f"{failed}: {_raised(e, spec)}{hint}") from e
+        if why := broken_convention(result):
+            raise PassError(f"pass {number} {name!r} (after {' -> '.join(program.history)}) broke the program: "
+                            f"{why}")
         program = result
         program.history.append(name)
         after = _op_counts(program)
@@ -108,23 +121,33 @@ def run_rank_passes(rank_program: RankProgram, specs: list[str], ctx: PassContex
                                              "before:lower=... to get the forward Program")
         before = _rank_op_counts(rank_program)
         fingerprints = {id(gm): _fingerprint(gm) for gm in _rank_graphs(rank_program)}
+        held = _holdings(rank_program)
         start = time.perf_counter()
         history = " -> ".join(rank_program.history)
         try:
-            result = fn(rank_program, ctx)
+            with _watched(spec, ctx):
+                result = fn(rank_program, ctx)
             _check_returns(result, name, RankProgram)
         except PassError:
             raise
-        except Exception as e:
-            raise PassError(f"rank pass {number} {name!r} failed (after {history}): {type(e).__name__}: {e}") from e
-        edited = [gm for gm in _rank_graphs(rank_program) if _fingerprint(gm) != fingerprints[id(gm)]]
-        if edited:
+        except (Exception, SystemExit) as e:
+            raise PassError(f"rank pass {number} {name!r} failed{_on_rank(spec, ctx)} (after {history}): "
+                            f"{_raised(e, spec)}") from e
+        if _holdings(rank_program) != held:
+            raise PassError(f"rank pass {number} {name!r} assigned into the program it was given (after {history}): "
+                            f"ranks share its stages, so other ranks would change too: build new ones and return "
+                            f"them with dataclasses.replace(program, stages={{**program.stages, s: "
+                            f"dataclasses.replace(stage, backward=new)}})")
+        if any(_fingerprint(gm) != fingerprints[id(gm)] for gm in _rank_graphs(rank_program)):
             raise PassError(f"rank pass {number} {name!r} edited a graph of the program it was given in place "
                             f"(after {history}); ranks share those graphs, so other ranks would change too: "
                             f"copy.deepcopy the GraphModule, edit the copy, and return it with dataclasses.replace")
         for gm in _rank_graphs(result):
             if id(gm) not in fingerprints and any("val" not in n.meta for n in gm.graph.nodes if n.op != "output"):
                 _refresh(gm, name, number, history)
+        if why := next(filter(None, map(broken_stage, result.stages.values())), None) or \
+                broken_instructions(result):
+            raise PassError(f"rank pass {number} {name!r} (after {history}) broke the program: {why}")
         rank_program = replace(result, history=rank_program.history + (name,))
         log(f"rank pass {number:02d} {name} ({(time.perf_counter() - start) * 1e3:.0f} ms): "
             f"{diff_counts(before, _rank_op_counts(rank_program)).replace(chr(10), '; ')}")
@@ -150,6 +173,44 @@ def _check_returns(result, name: str, expected: type) -> None:
         got = "a GraphModule" if isinstance(result, fx.GraphModule) else type(result).__name__
         raise PassError(f"pass {name!r} returned {got}, not the {expected.__name__} it was given: "
                         f"a pass returns the program, changed (e.g. dataclasses.replace(program, stages=...))")
+
+
+@contextlib.contextmanager
+def _watched(spec: str, ctx: PassContext):
+    """A user pass that runs past --hang-timeout-s stops the process with every thread's stack, the pass's line
+    among them: a pass that loops forever in the launcher, or in a run of one rank, has no other watchdog."""
+    timeout, watched = ctx.config.parallel.hang_timeout_s, False
+    if ":" in spec and timeout:
+        try:
+            faulthandler.dump_traceback_later(timeout, exit=True, file=sys.__stderr__)
+            watched = True
+        except (AttributeError, ValueError, io.UnsupportedOperation):  # no standard error to write it to
+            pass
+    try:
+        yield
+    finally:
+        if watched:
+            faulthandler.cancel_dump_traceback_later()
+
+
+def _on_rank(spec: str, ctx: PassContext) -> str:
+    """" on rank 1 (pp0 dp0 tp1)" for a user pass (which may act on one rank alone), "" for a built-in one."""
+    return f" on rank {ctx.coords.rank} {ctx.coords}" if ":" in spec else ""
+
+
+def _raised(error: BaseException, spec: str) -> str:
+    """What a pass raised, in one line; for a user pass at the line of the user's code it came from
+    (gcompile.user_code.failure_line)."""
+    if isinstance(error, SystemExit):
+        return f"it called sys.exit({error.code!r}); a pass returns the program, or raises to stop the run"
+    return failure_line(error) if ":" in spec else f"{type(error).__name__}: {error}"
+
+
+def _holdings(program: RankProgram) -> list:
+    """Which stage objects and graphs a rank program holds: a pass that assigns into them (stages[s] = ...,
+    stage.backward = ...) edits what the ranks share as surely as one that edits a graph."""
+    return [(s, id(stage), [(name, id(gm)) for name, gm in stage.graphs().items()])
+            for s, stage in program.stages.items()] + [id(program.optimizer)]
 
 
 def _fingerprint(gm: fx.GraphModule) -> list:

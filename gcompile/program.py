@@ -86,6 +86,33 @@ class Program:
         return "\n\n".join(format_stage(s) for s in self.stages)
 
 
+def broken_convention(program: Program) -> str | None:
+    """Why `program` no longer has the shape lowering and the runtime read, or None: each stage's placeholders
+    its parameters then its inputs, an output per role, the loss a floating-point scalar. A pass that breaks it
+    would otherwise fail deep in autograd, or train with a value in the wrong place."""
+    if not program.stages:
+        return "the program has no stages"
+    for stage in program.stages:
+        placeholders, expected = len(stage.placeholders()), len(stage.params) + len(stage.inputs)
+        if placeholders != expected:
+            return (f"stage {stage.index} has {placeholders} inputs for its {len(stage.params)} parameters and "
+                    f"{len(stage.inputs)} inputs {stage.inputs}")
+        outputs = [n for n in stage.graph.graph.nodes if n.op == "output"]
+        returned = outputs[0].args[0] if len(outputs) == 1 else None
+        if not isinstance(returned, (tuple, list)) or len(returned) != len(stage.outputs):
+            found = "no output node" if not outputs else f"{len(returned)} outputs" \
+                if isinstance(returned, (tuple, list)) else f"output {returned!r}"
+            return f"stage {stage.index} has {found} for its output roles {stage.outputs}"
+        for role, node in zip(stage.outputs, returned):
+            value = node.meta.get("val") if isinstance(node, fx.Node) else node
+            if role == "loss" and not (isinstance(value, torch.Tensor) and value.dim() == 0
+                                       and value.is_floating_point()):
+                held = f"a {value.dtype} tensor of shape {list(value.shape)}" if isinstance(value, torch.Tensor) \
+                    else repr(value)
+                return f"stage {stage.index}'s loss is {held}, not a floating-point scalar"
+    return None
+
+
 def refresh_meta(stage: Stage) -> None:
     """Re-run shape propagation from the placeholders' fake values (after a rewrite)."""
     propagate_shapes(stage.graph)

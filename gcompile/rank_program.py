@@ -4,17 +4,19 @@ Lowering steps build it (gcompile.lower per stage, gcompile.lower_rank for the
 rank); rank passes rewrite it into a new one. Nothing here builds a graph.
 """
 
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, replace
 
 import torch
 import torch.fx as fx
 
 from gcompile.flat import FlatLayout
 from gcompile.axes import Coords, group_members
-from gcompile.instructions import OPTIMIZER, Instruction, format_instructions
+from gcompile.instructions import OPT_STEP, OPTIMIZER, Instruction, format_instructions
 from gcompile.layout import Param
 from gcompile.program import activation_roles, format_graph
-from gcompile.schedule import Schedule
+from gcompile.report import is_metric
+from gcompile.schedule import Action, Kind, Schedule
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,56 @@ class LoweredStage:
                      f"(*param_grads, *input_grads, *{[f'{b}[{a}:{e}]' for b, a, e in self.last_outputs]})\n"
                      f"{format_graph(self.backward_last)}")
         return text
+
+
+def broken_stage(stage: LoweredStage) -> str | None:
+    """Why the stage's graphs no longer take and return what the runtime passes and reads (the conventions
+    above), or None: a graph with one output too few trains with each later gradient in the wrong place."""
+    grads_in = sum(not is_metric(role) for role in stage.outputs)
+    split = stage.backward_weight is not None
+    returns = len(stage.params) + len(stage.inputs) + (stage.num_stash if split else 0)
+    expected = {"forward": (len(stage.params) + len(stage.inputs), len(stage.outputs) + stage.num_saved),
+                "backward": (stage.num_saved + grads_in, returns),
+                "backward_last": (stage.num_saved + grads_in + len(stage.last_inputs),
+                                  returns + len(stage.last_outputs)),
+                "backward_weight": (len(stage.weight_inputs) + stage.num_stash, len(stage.params))}
+    for name, gm in stage.graphs().items():
+        takes, gives = expected[name]
+        outputs = [n for n in gm.graph.nodes if n.op == "output"]
+        returned = outputs[0].args[0] if len(outputs) == 1 and isinstance(outputs[0].args[0], (tuple, list)) else None
+        found = (len(gm.graph.find_nodes(op="placeholder")), None if returned is None else len(returned))
+        if found != (takes, gives):
+            return (f"stage {stage.index}'s {name} graph takes {found[0]} inputs and returns "
+                    f"{'no tuple' if found[1] is None else found[1]}; the runtime passes it {takes} and reads {gives}")
+    return None
+
+
+def broken_instructions(program: "RankProgram") -> str | None:
+    """Why the instruction list cannot run an iteration, or None: every microbatch of each of the rank's stages
+    forward once, then backward once (W once after it where the backward is split), on graphs the stage
+    holds, and the optimizer step once, last."""
+    steps = [i for i, instruction in enumerate(program.instructions) if instruction.op == OPT_STEP]
+    if steps != [len(program.instructions) - 1]:
+        return f"the optimizer step is at {steps or 'no place'} of {len(program.instructions)} instructions, " \
+               f"not once and last"
+    runs = Counter()
+    for instruction in program.instructions[:-1]:
+        if not instruction.is_compute:
+            continue
+        stage = program.stages.get(instruction.stage)
+        if stage is None or instruction.graph not in stage.graphs():
+            return f"{instruction.action} runs a graph its rank does not hold ({instruction.graph} of stage " \
+                   f"{instruction.stage})"
+        runs[instruction.action] += 1
+        before = {Kind.B: Kind.F, Kind.W: Kind.B}.get(instruction.action.kind)
+        if before and not runs[replace(instruction.action, kind=before)]:
+            return f"{instruction.action} runs before {replace(instruction.action, kind=before)}"
+    for s, stage in program.stages.items():
+        for kind in (Kind.F, Kind.B) + ((Kind.W,) if stage.backward_weight is not None else ()):
+            for action in (Action(s, kind, mb) for mb in range(program.schedule.num_microbatches)):
+                if runs[action] != 1:
+                    return f"{action} runs {runs[action]} times, not once"
+    return None
 
 
 @dataclass(frozen=True)

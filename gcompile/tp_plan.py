@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 
 from gcompile.models.spec import ModelSpec
+from gcompile.user_code import failure_line
 
 PLACEMENTS = ("column", "row", "vocab", "replicate")
 
@@ -67,8 +68,11 @@ def plan_errors(spec: ModelSpec, config, entries: tuple[str, ...], tp: int, writ
         plan = parse_plan(entries)
     except ValueError as e:
         return (str(e),)
-    with torch.device("meta"):
-        model = spec.module(config)
+    try:
+        with torch.device("meta"):
+            model = spec.module(config)
+    except Exception as e:  # a user's model that fails to build
+        return (f"model {spec.name} could not be built: {failure_line(e)}",)
     if not isinstance(model, nn.Module):  # a user's model function that returns something else
         return (f"model {spec.name}: its module(config) returned a {type(model).__name__}, not a torch.nn.Module; "
                 f"return the model",)
@@ -87,6 +91,10 @@ def plan_errors(spec: ModelSpec, config, entries: tuple[str, ...], tp: int, writ
                           f"or the output head's Linear")
         elif placement in ("column", "row"):
             errors += spec.tp_errors(model, name, placement, tp)
+    if tp > 1 and not errors and all(plan.placement(name) == "replicate" for name in owners):
+        errors.append(f"tp={tp}, but the tp plan of {spec.name} cuts none of its parameters: each tp rank would "
+                      f"compute the whole model; give --tp-plan (e.g. \"blocks.*.up=column\", \"blocks.*.down=row\") "
+                      f"or --tp 1")
     return tuple(dict.fromkeys(errors))
 
 

@@ -10,6 +10,7 @@ import importlib.util
 import os
 import re
 import sys
+import sysconfig
 import traceback
 
 
@@ -26,21 +27,39 @@ def load_object(spec: str, what: str):
     except FileNotFoundError:
         raise UserCodeError(f"{what} {spec!r} cannot be loaded: no file {module_name}") from None
     except ModuleNotFoundError as e:
+        if module_name.endswith(".py") or not _names_module(e, module_name):  # a module the user's code imports
+            raise UserCodeError(f"{what} {spec!r} cannot be loaded: {failure_line(e)}") from None
         raise UserCodeError(f"{what} {spec!r} cannot be loaded: {e}; name a module importable from this folder "
                             f"or PYTHONPATH, or give the file: path/to/file.py:{name}") from None
     except AttributeError:
         raise UserCodeError(f"{what} {spec!r} cannot be loaded: {module_name} has no {name!r}") from None
     except Exception as e:
-        raise UserCodeError(f"{what} {spec!r} cannot be loaded: {_load_failure(e)}") from None
+        raise UserCodeError(f"{what} {spec!r} cannot be loaded: {failure_line(e)}") from None
 
 
-def _load_failure(error: Exception) -> str:
-    """`RuntimeError at FILE:LINE: first line of its message`: one line that points into the user's code."""
+def _names_module(error: ModuleNotFoundError, module_name: str) -> bool:
+    """Whether the module not found is `module_name` or a package above it (not one it imports)."""
+    return error.name is None or module_name == error.name or module_name.startswith(error.name + ".")
+
+
+LIBRARIES = tuple(os.path.join(sysconfig.get_paths()[key], "") for key in ("stdlib", "purelib", "platlib")) + \
+    (os.path.join(os.path.dirname(os.path.abspath(__file__)), ""),)
+"""Where frames are not the user's: Python's library, installed packages (torch), and gcompile."""
+
+
+def failure_line(error: BaseException) -> str:
+    """`KeyError at FILE:LINE: first line of its message` (or `AssertionError at FILE:LINE (the line)` where
+    it has none), at the innermost frame of the user's code: one line that points into it."""
     text = (str(error).strip().splitlines() or [""])[0]
     if isinstance(error, SyntaxError):  # its message names the file and line already
         return f"SyntaxError: {text}"
-    frame = traceback.extract_tb(error.__traceback__)[-1]
-    return f"{type(error).__name__} at {frame.filename}:{frame.lineno}: {text}"
+    frames = [f for f in traceback.extract_tb(error.__traceback__)
+              if not os.path.abspath(f.filename).startswith(LIBRARIES) and not f.filename.startswith("<")]
+    if not frames:
+        return f"{type(error).__name__}: {text}"
+    frame = frames[-1]
+    where = f"{type(error).__name__} at {frame.filename}:{frame.lineno}"
+    return f"{where}: {text}" if text else f"{where} ({frame.line})"
 
 
 def _load_file(path: str):

@@ -1,11 +1,14 @@
 """User passes with the mistakes a newcomer makes (issue 12, 6 a-e), for the pass driver's tests."""
 
 import copy
+import os
+import sys
 from dataclasses import replace
 
 import torch
 
 from gcompile.pass_manager import PassContext
+from gcompile.program import Program
 from gcompile.rank_program import RankProgram
 
 
@@ -47,3 +50,81 @@ def expects_the_rank_program(program: RankProgram, ctx: PassContext) -> RankProg
 
 def does_nothing(program: RankProgram, ctx: PassContext) -> RankProgram:
     return program
+
+
+def drops_a_gradient(program: RankProgram, ctx: PassContext) -> RankProgram:
+    """(f) Leaves the backward graph one output short: every later gradient would land one place off."""
+    index = min(program.stages)
+    backward = copy.deepcopy(program.stages[index].backward)
+    output = backward.graph.output_node()
+    output.args = (tuple(output.args[0][1:]),)
+    backward.graph.eliminate_dead_code()
+    backward.recompile()
+    return replace(program, stages={**program.stages, index: replace(program.stages[index], backward=backward)})
+
+
+def drops_the_optimizer_step(program: RankProgram, ctx: PassContext) -> RankProgram:
+    """(f) An instruction list that never steps."""
+    return replace(program, instructions=program.instructions[:-1])
+
+
+def assigns_into_a_stage(program: RankProgram, ctx: PassContext) -> RankProgram:
+    """(a) Copies the graph, as it should, but puts the copy into the stage it was given, which ranks share."""
+    stage = program.stages[min(program.stages)]
+    stage.backward = copy.deepcopy(stage.backward)
+    return program
+
+
+def makes_the_loss_a_vector(program: Program, ctx: PassContext) -> Program:
+    """(f) A forward pass whose last stage returns the loss times a vector: no scalar to start backward from."""
+    stage = program.stages[-1]
+    graph, output = stage.graph.graph, stage.output_node()
+    with graph.inserting_before(output):
+        vector = graph.call_function(torch.ops.aten.expand.default, (output.args[0][0], [3]))
+    output.args = ((vector, *output.args[0][1:]),)
+    return program
+
+
+def exits(program: Program, ctx: PassContext) -> Program:
+    """(f) Ends the process where it should return the program."""
+    sys.exit(0)
+
+
+def fails_on_rank_1(program: Program, ctx: PassContext) -> Program:
+    """(f) Raises on one rank, from a line of this file."""
+    if ctx.coords.rank == 1:
+        return {}["missing"]
+    return program
+
+
+def _in_a_rank() -> bool:
+    """Whether this process is a started rank (its world is up), not the launcher checking the plan."""
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def ends_rank_1(program: RankProgram, ctx: PassContext) -> RankProgram:
+    """(g) Ends rank 1's process with status 0, which no exception handler sees."""
+    if _in_a_rank() and ctx.coords.rank == 1:
+        os._exit(0)
+    return program
+
+
+def drops_a_collective_in_the_ranks(program: RankProgram, ctx: PassContext) -> RankProgram:
+    """(g) Acts otherwise in the ranks than in the launcher (as one that reads os.environ["RANK"] does): rank 1
+    drops its first backward's first all-reduce, which the launcher's check never sees."""
+    if not (_in_a_rank() and ctx.coords.rank == 1):
+        return program
+    index = min(program.stages)
+    backward = copy.deepcopy(program.stages[index].backward)
+    wait = next(n for n in backward.graph.nodes if n.target is torch.ops._c10d_functional.wait_tensor.default)
+    wait.replace_all_uses_with(wait.args[0].args[0])
+    backward.graph.erase_node(wait)
+    backward.graph.eliminate_dead_code()
+    backward.recompile()
+    return replace(program, stages={**program.stages, index: replace(program.stages[index], backward=backward)})
+
+
+def loops_forever(program: Program, ctx: PassContext) -> Program:
+    """(g) Never returns."""
+    while True:
+        pass

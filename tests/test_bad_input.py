@@ -37,7 +37,8 @@ TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--block-size", "16
 CLIS = {"run_gpt": run_gpt.main, "checkpoint": checkpoint.main, "inspect": inspect.main, "data": data.main,
         "plan": plan.main, "calibrate": calibrate.main}
 ITERATION = "iter_0000001"
-REFUSED_IN_THE_BUILD = {"pass returning None", "own model returning logits"}
+REFUSED_IN_THE_BUILD = {"pass returning None", "own model returning logits", "own model returning two values",
+                        "own model with a float64 loss", "own model with a buffer", "own model branching on values"}
 """Cases that only building the program finds: with one rank that happens in this process, after run_ranks
 is called but before any step; every other case is refused before run_ranks."""
 
@@ -197,6 +198,22 @@ LOGITS = SQUARED_MEAN.replace("whose loss squares a mean over the tokens, which"
                                                                                  "which no").replace(
     "return F.cross_entropy(self.head(y).view(-1, 257), targets.view(-1)) + y.mean(1).pow(2).sum()",
     "return self.head(y)").replace('spec_with_defaults("squared"', 'spec_with_defaults("logits"')
+RETURNS_TWO = LOGITS.replace('"logits"', '"two"').replace("return self.head(y)",
+                                                             "return F.cross_entropy(self.head(y).view(-1, 257), "
+                                                             "targets.view(-1)), y")
+FLOAT64_LOSS = RETURNS_TWO.replace('"two"', '"double"').replace("targets.view(-1)), y", "targets.view(-1)).double()")
+WITH_BUFFER = SQUARED_MEAN.replace('"squared"', '"buffered"').replace(
+    "self.head = nn.Linear(config.n_embd, config.vocab_size)",
+    "self.head = nn.Linear(config.n_embd, config.vocab_size)\n        self.register_buffer('scale', torch.ones(1))")
+BRANCHES = SQUARED_MEAN.replace('"squared"', '"branches"').replace("        y = self.embed(idx)  # (B, T, C)\n",
+                                                              "        y = self.embed(idx)  # (B, T, C)\n"
+                                                              "        if y.sum() > 0:\n            y = -y\n")
+FAILS_TO_BUILD = SQUARED_MEAN.replace('"squared"', '"broken"').replace(
+    "        self.embed = nn.Embedding(config.vocab_size, config.n_embd)\n",
+    "        raise ValueError('no embedding for this vocabulary')\n")
+NOT_FROZEN = SQUARED_MEAN.replace('"squared"', '"thawed"').replace("@dataclass(frozen=True)", "@dataclass")
+SHARES_A_FLAG = SQUARED_MEAN.replace('"squared"', '"lr"').replace('    """Hidden size."""\n',
+                                                            '    """Hidden size."""\n    lr: float = 0.1\n')
 NOT_A_MODULE = LOGITS.replace('spec_with_defaults("logits", MaskedConfig, Masked)',
                               'spec_with_defaults("number", MaskedConfig, lambda config: 5)')
 
@@ -330,6 +347,35 @@ CASES = [
     ("own model returning logits", "run_gpt", ["--arch", "{tmp}/logits.py:SPEC"],
      lambda tmp, saved: (tmp / "logits.py").write_text(LOGITS),  # was: a traceback deep inside autograd
      "Masked.forward returns a torch.float32 tensor of shape [2, 16, 257], not the loss: return the scalar loss"),
+    ("own model returning two values", "run_gpt", ["--arch", "{tmp}/two.py:SPEC"],
+     lambda tmp, saved: (tmp / "two.py").write_text(RETURNS_TWO),  # was: a traceback from lowering
+     "Masked.forward returns 2 values; return the loss alone"),
+    ("own model with a float64 loss", "run_gpt", ["--arch", "{tmp}/double.py:SPEC"],
+     lambda tmp, saved: (tmp / "double.py").write_text(FLOAT64_LOSS),  # was: a traceback from the first backward
+     "Masked.forward returns a torch.float64 loss: return it in float32"),
+    ("own model with a buffer", "run_gpt", ["--arch", "{tmp}/buffered.py:SPEC"],
+     lambda tmp, saved: (tmp / "buffered.py").write_text(WITH_BUFFER),  # was: a NotImplementedError traceback
+     "Masked holds a buffer (register_buffer), scale: only parameters are carried through the passes"),
+    ("own model branching on values", "run_gpt", ["--arch", "{tmp}/branches.py:SPEC"],
+     lambda tmp, saved: (tmp / "branches.py").write_text(BRANCHES),  # was: torch.export's 250 lines
+     "torch.export cannot capture Masked.forward(idx, targets): GuardOnDataDependentSymNode at {tmp}/branches.py:33: "),
+    ("own model failing to build", "run_gpt", ["--arch", "{tmp}/broken.py:SPEC"],
+     lambda tmp, saved: (tmp / "broken.py").write_text(FAILS_TO_BUILD),
+     "model broken could not be built: ValueError at {tmp}/broken.py:28: no embedding for this vocabulary"),
+    ("own model config not frozen", "run_gpt", ["--arch", "{tmp}/thawed.py:SPEC"],
+     lambda tmp, saved: (tmp / "thawed.py").write_text(NOT_FROZEN),  # was: TypeError: unhashable type
+     "its config 'MaskedConfig' is not a frozen dataclass; declare it with @dataclass(frozen=True)"),
+    ("own model config field a run flag", "run_gpt", ["--arch", "{tmp}/lr.py:SPEC"],
+     lambda tmp, saved: (tmp / "lr.py").write_text(SHARES_A_FLAG),  # was: --lr set the learning rate, not it
+     "its config's lr (train) is also the run's, so its flag sets that instead; rename the field"),
+    ("own model at tp 2 without a tp plan", "run_gpt", ["--arch", "{tmp}/two.py:SPEC", "--tp", "2"],
+     lambda tmp, saved: (tmp / "two.py").write_text(MASKED_ATTENTION.replace('"masked"', '"plain"')),
+     "tp=2, but the tp plan of plain cuts none of its parameters"),  # was: two ranks, each the whole model
+    ("pass a module it cannot import", "run_gpt", ["--passes", "{tmp}/user_pass.py:my_pass"],
+     a_pass("import no_such_module_of_mine\n"),  # was: "name a module importable from this folder"
+     "ModuleNotFoundError at {tmp}/user_pass.py:1: No module named 'no_such_module_of_mine'"),
+    ("pass that is no function", "run_gpt", ["--passes", "{tmp}/user_pass.py:my_pass"], a_pass("my_pass = 42\n"),
+     "is a int, not a function"),
     ("own model function returning a number", "run_gpt", ["--arch", "{tmp}/number.py:SPEC"],
      lambda tmp, saved: (tmp / "number.py").write_text(NOT_A_MODULE),
      "model number: its module(config) returned a int, not a torch.nn.Module"),

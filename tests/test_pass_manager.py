@@ -13,7 +13,7 @@ import pytest
 
 from gcompile.check import check_plan
 from gcompile.collectives import collective_nodes
-from gcompile.config import build_config
+from gcompile.config import build_config, parse_args
 from gcompile.pass_manager import PassError
 from gcompile.world import build_world
 
@@ -95,3 +95,74 @@ def test_dp_rewrites_show_in_the_numbered_dump_the_log_and_the_schedule(tmp_path
     assert f"_c10d_functional.{op}.default" in open(tmp_path / "rank1" / dump).read()
     schedule = open(tmp_path / "rank1" / "schedule.txt").read().splitlines()
     assert schedule[-1].split()[1:3] == ["OPT_STEP", "optimizer"], schedule[-1]
+
+
+@pytest.mark.parametrize("name, message", [
+    ("drops_a_gradient", r"'drops_a_gradient' \(after .*\) broke the program: stage 0's backward graph takes "
+                         r"\d+ inputs and returns (\d+); the runtime passes it \d+ and reads (?!\1)\d+"),
+    ("drops_the_optimizer_step", r"'drops_the_optimizer_step' .* broke the program: the optimizer step is at no place"),
+    ("assigns_into_a_stage", r"'assigns_into_a_stage' assigned into the program it was given .*dataclasses.replace"),
+])
+def test_a_rank_pass_that_breaks_the_program_is_named(name, message):
+    """Each of these trained (a gradient one place off, no step) or crashed mid-run with a KeyError before."""
+    with pytest.raises(PassError, match=message):
+        build((f"after:lower={CARELESS}:{name}",), dp=2)
+
+
+def test_a_forward_pass_that_breaks_the_loss_or_exits_is_named():
+    with pytest.raises(PassError, match=r"'makes_the_loss_a_vector' \(after capture\) broke the program: stage 0's "
+                                        r"loss is a torch.float32 tensor of shape \[3\], not a floating-point scalar"):
+        build((f"after:capture={CARELESS}:makes_the_loss_a_vector",))
+    with pytest.raises(PassError, match=r"'exits' failed on rank 0 .* it called sys.exit\(0\)"):
+        build((f"after:capture={CARELESS}:exits",))
+
+
+def test_a_failing_user_pass_is_named_with_its_rank_and_line():
+    line = next(i for i, text in enumerate(open(os.path.join(ROOT, "tests", "careless_passes.py")), 1)
+                if 'return {}["missing"]' in text)
+    with pytest.raises(PassError, match=rf"pass 2 'fails_on_rank_1' failed on rank 1 \(pp0 dp0 tp1\) \(after "
+                                        rf"capture -> tensor_parallel\): KeyError at .*tests/careless_passes.py:"
+                                        rf"{line}: 'missing'"):
+        build((f"{CARELESS}:fails_on_rank_1",), tp=2)
+
+
+def run(*flags, timeout=300):
+    """run_gpt.py on two tp ranks of a small model, as a user runs it."""
+    return subprocess.run([sys.executable, "run_gpt.py", "--n-layer", "2", "--n-embd", "32", "--n-head", "4",
+                           "--block-size", "16", "--seq-length", "16", "--micro-batch-size", "1",
+                           "--global-batch-size", "2", "--train-iters", "2", "--eval-interval", "0", "--tp", "2",
+                           *flags], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_a_rank_that_ends_early_or_builds_another_program_stops_the_run():
+    """A rank that ended with status 0 mid-build was not noticed (the others waited for the hang watchdog), and
+    one that built another program than the launcher checked hung in the collective it dropped."""
+    ended = run("--run-dir", "runs/test-ends-early", "--hang-timeout-s", "60",
+                "--passes", f"after:lower={CARELESS}:ends_rank_1")
+    assert ended.returncode == 1
+    assert "run_gpt.py: rank 1 ended with status 0 while building the rank program, before its training did" \
+        in ended.stderr, ended.stderr
+    other = run("--run-dir", "runs/test-other-program", "--hang-timeout-s", "60",
+                "--passes", f"after:lower={CARELESS}:drops_a_collective_in_the_ranks")
+    assert other.returncode == 2
+    assert "run_gpt.py: error: rank 1 (pp0 dp0 tp1) built another program than the launcher checked for it" \
+        in other.stderr, other.stderr
+
+
+@pytest.mark.slow
+def test_a_user_pass_that_never_returns_stops_at_the_hang_timeout_with_its_line():
+    line = next(i for i, text in enumerate(open(os.path.join(ROOT, "tests", "careless_passes.py")), 1)
+                if text.strip() == "while True:")
+    hung = run("--hang-timeout-s", "3", "--passes", f"{CARELESS}:loops_forever", timeout=120)
+    assert hung.returncode == 1
+    assert "Timeout (0:00:03)!" in hung.stderr and f'careless_passes.py", line {line} in loops_forever' \
+        in hung.stderr, hung.stderr
+
+
+def test_passes_given_twice_or_after_a_comma_and_a_space_are_all_read():
+    """The second --passes replaced the first, and ' tests.x:y' after a comma named no file."""
+    config, _ = parse_args(["--passes", f"{CARELESS}:does_nothing, {CARELESS}:exits",
+                            "--passes", f"after:lower={CARELESS}:does_nothing"])
+    assert config.parallel.passes == (f"{CARELESS}:does_nothing", f"{CARELESS}:exits",
+                                      f"after:lower={CARELESS}:does_nothing")

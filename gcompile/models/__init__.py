@@ -7,6 +7,8 @@ flags, presets and `run_gpt.py --help` never waits for it. A user's own model
 its arch is read: importing it runs the user's code, which the user asked for.
 """
 
+import dataclasses
+
 from gcompile.user_code import UserCodeError, load_object
 
 from gcompile.models.gpt2_config import GPTConfig
@@ -29,8 +31,10 @@ def model_spec(name: str):
     return _USER_SPECS[name] if name in _USER_SPECS else load_object(MODELS[name], "model")
 
 
-def register_user_model(arch: str) -> str:
-    """Load the ModelSpec (or the function returning it) that `arch` names and register it; its name."""
+def register_user_model(arch: str, reserved: dict[str, str] | None = None) -> str:
+    """Load the ModelSpec (or the function returning it) that `arch` names and register it; its name.
+    `reserved`: names its config's fields may not have (the run's own keys, by where they live), since the
+    flag of that name sets the run's."""
     from gcompile.models.spec import ModelSpec
 
     found = load_object(arch, "model")
@@ -43,6 +47,15 @@ def register_user_model(arch: str) -> str:
     if not isinstance(spec, ModelSpec):
         raise UserCodeError(f"model {arch!r} is a {type(spec).__name__}, not a ModelSpec; return one, e.g. "
                             f"gcompile.models.spec.spec_with_defaults(name, config, module)")
+    if not (dataclasses.is_dataclass(spec.config) and spec.config.__dataclass_params__.frozen):
+        raise UserCodeError(f"model {arch!r}: its config {getattr(spec.config, '__name__', spec.config)!r} is not a "
+                            f"frozen dataclass; declare it with @dataclass(frozen=True) (its fields become the "
+                            f"[model] keys)")
+    reserved = reserved or {}
+    if clash := [f"{f.name} ({reserved[f.name]})" for f in dataclasses.fields(spec.config) if f.name in reserved]:
+        raise UserCodeError(f"model {arch!r}: its config's {', '.join(clash)} {'is' if len(clash) == 1 else 'are'} "
+                            f"also the run's, so its flag sets that instead; rename the field (e.g. model_"
+                            f"{clash[0].split()[0]})")
     if spec.name in MODELS and MODELS[spec.name] != arch:
         raise UserCodeError(f"model {arch!r} is named {spec.name!r}, which {MODELS[spec.name]} has; rename it")
     MODELS[spec.name], CONFIGS[spec.name], _USER_SPECS[spec.name] = arch, spec.config, spec
