@@ -186,7 +186,7 @@ def _supervise(procs: list[multiprocessing.Process], signals: list[int], watchdo
                 deadline = time.monotonic() + GRACE_S
         if failure is None and not signals:
             failed = [(rank, proc.exitcode) for rank, proc in enumerate(procs)
-                      if proc.exitcode not in (None, 0, *orderly)]
+                      if proc.exitcode not in (None, 0, *orderly) or proc.exitcode == 0 and _ended_early(watchdog, rank)]
             failure = min(failed, key=lambda f: f[1] >= 0, default=None)  # killed by a signal: the cause, not a
             # peer whose collective failed with it
             if failure:
@@ -210,6 +210,10 @@ def _supervise(procs: list[multiprocessing.Process], signals: list[int], watchdo
     if failure is None:
         return 0
     rank, code = failure
+    if code == 0:
+        print(f"{prog}: rank {rank} ended with status 0 while {_ended_early(watchdog, rank)}, before its training "
+              f"did (a sys.exit or os._exit in a pass or the model?); stopped the others", file=sys.stderr)
+        return 1
     if code == 2:  # the rank printed its one-line error
         return 2
     if code < 0:
@@ -217,6 +221,16 @@ def _supervise(procs: list[multiprocessing.Process], signals: list[int], watchdo
         return shutdown.exit_status(-code)
     print(f"{prog}: rank {rank} failed with exit code {code}; its output is above", file=sys.stderr)
     return code
+
+
+def _ended_early(watchdog: "flight.Watchdog | None", rank: int) -> str:
+    """For a rank that ended with status 0: what its flight record says it was doing where that is not the end
+    of training ("" where it is, or there is no watchdog to read it)."""
+    if watchdog is None:
+        return ""
+    record = flight.read(flight.rank_file(watchdog.folder, rank))
+    phase = record and record["phase"]
+    return "" if phase == "done" else phase or "starting"
 
 
 def _send(procs: list[multiprocessing.Process], signum: int) -> None:

@@ -24,6 +24,7 @@ from gcompile.cuda_graphs import GraphedTrainStep, host_reads
 from gcompile.config import RunConfig, TrainConfig
 from gcompile.blend import BlendedDataset
 from gcompile.check import MeasuredMemory, estimate_memory
+from gcompile.checked_plan import check_built
 from gcompile.data import GPTDataset, build_datasets, check_token_ids
 from gcompile.flight import FlightRecorder, flight_dir, rank_file
 from gcompile.log import MetricsLog
@@ -89,6 +90,7 @@ def train(config: RunConfig, coords: Coords, device: str = "cpu", log=print) -> 
 
     recorder.phase("building the rank program")
     program = build_rank_program(config, coords, device, dump_root=config.log.dump_graphs, log=quiet)
+    check_built(config, program)  # the program the launcher checked for this rank
     if config.log.dump_schedule and coords.rank == 0:
         dump_schedule(program.schedule, config.log.run_dir, log)
     compiler = Compiler(enabled=t.compile, log=quiet)
@@ -217,9 +219,9 @@ def resume(config: RunConfig, program: RankProgram, state: TrainState, log) -> P
             log(f"no checkpoint in {root}; starting from iteration 0")
         return Progress(0, 0)
     progress = checkpoint.load(folder, config, program, state, log)
-    change = lr_schedule_change(checkpoint.Checkpoint(folder).meta["config"]["train"], config.train,
-                                progress.iteration)
-    if change:
+    change = progress.iteration and lr_schedule_change(checkpoint.Checkpoint(folder).meta["config"]["train"],
+                                                       config.train, progress.iteration)
+    if change:  # at iteration 0 (import-hf's checkpoint) no step followed a schedule yet
         log(change)
     return progress
 

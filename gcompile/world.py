@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.distributed as dist
 
+from gcompile import checked_plan
 from gcompile.check import MeasuredMemory, check_plan, estimate_memory
 from gcompile.compile import Compiler, CompileStats, graph_key, named_graphs
 from gcompile.config import RunConfig
@@ -123,6 +124,7 @@ def prepare_launch(config: RunConfig, device: str, threads: int, log: Callable[[
     log(f"building the {distinct} of {config.world_size} ranks (capture, passes, lowering) to check the plan")
     programs, shared_by = build_distinct(config, device, log=lambda _: None, cache=cache)
     report = check_plan(programs, config.parallel.memory_budget_gb, shared_by)
+    checked_plan.write(config, programs, shared_by)
     steps = ", ".join(f"{step} {seconds:.1f} s" for step, seconds in cache.seconds.items())
     largest = max(programs, key=lambda r: estimate_memory(programs[r]).total)
     log(f"{report.splitlines()[0]} (built in {time.perf_counter() - start:.1f} s: {steps}); "
