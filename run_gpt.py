@@ -14,10 +14,13 @@ import signal
 import sys
 import time
 
+from gcompile import shutdown
 from gcompile.config import ConfigError, RunConfig, answer_help, canonical_flag, parse_args
 
 if __name__ == "__main__":
     answer_help(sys.argv[1:])  # before the imports below load torch (seconds): --help is immediate
+    shutdown.install(shutdown.stopper(exit_signal_handler=False))  # SIGINT/SIGTERM: one line, 130/143; from
+    # here, so that a Ctrl-C while torch loads is that line too, not a traceback of the import
 
 import torch
 
@@ -25,7 +28,6 @@ from gcompile.checkpoint import CheckpointError, check
 from gcompile.data import DataError, build_datasets, check_batches, check_token_ids
 from gcompile.check import PlanError, check_fits_machine, check_plan
 from gcompile.mesh import MeshError, check_shm_room
-from gcompile import shutdown
 from gcompile.log import counted
 from gcompile.launch import join_world, rank_threads, run_ranks, start_rank_server, under_launcher
 from gcompile.axes import Coords
@@ -186,5 +188,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    shutdown.install(shutdown.stopper(exit_signal_handler=False))  # SIGINT/SIGTERM: one line, 130/143
     sys.exit(main(sys.argv[1:]))

@@ -78,8 +78,9 @@ def test_export_hf_round_trips_through_transformers(tmp_path):
 
 
 @pytest.mark.slow
-def test_trained_on_tp2_then_loaded_by_from_pretrained(tmp_path, capsys):
-    """import-hf -> 3 steps on tp 2 (two gloo ranks) -> export-hf -> from_pretrained gives gcompile's logits."""
+def test_trained_on_tp2_then_loaded_by_from_pretrained(tmp_path, capfd):
+    """import-hf -> 3 steps on tp 2 (two gloo ranks) -> export-hf -> from_pretrained gives gcompile's logits. The
+    import is iteration 0, which no learning-rate schedule has run: training from it warns of no change."""
     torch.manual_seed(2)
     hf_llama(False).save_pretrained(tmp_path / "hf")
     save, trained = tmp_path / "save", tmp_path / "trained"
@@ -87,6 +88,8 @@ def test_trained_on_tp2_then_loaded_by_from_pretrained(tmp_path, capsys):
     assert run_gpt.main(["--config", str(save / "model.toml"), "--load", str(save), "--save", str(trained), "--tp", "2",
                          "--train-iters", "3", "--micro-batch-size", "2", "--global-batch-size", "4",
                          "--seq-length", "32", "--eval-interval", "0", "--run-dir", str(tmp_path / "run")]) == 0
+    out = capfd.readouterr().out
+    assert "loaded" in out and "learning-rate schedule differs" not in out, out
     assert checkpoint_main(["export-hf", str(trained), str(tmp_path / "out")]) == 0
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     model = gcompile_model(trained, tmp_path, "llama")

@@ -176,6 +176,17 @@ def test_one_process_run_stops_on_sigterm_with_one_line(tmp_path):
     assert stderr.splitlines() == ["run_gpt.py: stopped by SIGTERM"] and "Traceback" not in stdout
 
 
+def test_ctrl_c_while_torch_loads_is_one_line(tmp_path):
+    """A second in, the launcher is still importing torch (seconds here), which printed KeyboardInterrupt's
+    traceback of the import."""
+    proc = start(tmp_path, *FOREVER)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=60) == 130
+    stdout, stderr = output(tmp_path)
+    assert stderr.splitlines() == ["run_gpt.py: stopped by SIGINT"] and "Traceback" not in stdout
+
+
 @pytest.mark.slow
 def test_sigterm_with_exit_signal_handler_saves_where_every_rank_stops_and_resumes_exactly(tmp_path):
     # SIGTERM to rank 1 alone (a scheduler signals every process; which gets it first is chance):
