@@ -14,7 +14,9 @@ import io
 import os
 import re
 import sys
+import threading
 import time
+import traceback
 import typing
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -28,7 +30,7 @@ from gcompile.log import rank_ranges
 from gcompile.program import (Program, broken_convention, diff_counts, dump_text, op_counts, propagate_shapes,
                               refresh_meta)
 from gcompile.rank_program import RankProgram, broken_instructions, broken_stage
-from gcompile.user_code import UserCodeError, failure_line, load_object
+from gcompile.user_code import LIBRARIES, UserCodeError, failure_line, load_object
 
 
 @dataclass(frozen=True)
@@ -86,7 +88,7 @@ def run_passes(program: Program, specs: list[str], ctx: PassContext, log: Callab
         start = time.perf_counter()
         failed = f"pass {number} {name!r} failed{_on_rank(spec, ctx)} (after {' -> '.join(program.history)})"
         try:
-            with _watched(spec, ctx):
+            with _watched(spec, ctx, f"pass {number} {name!r}"):
                 result = fn(program, ctx)
             _check_returns(result, name, Program)
             for stage in result.stages:
@@ -125,7 +127,7 @@ def run_rank_passes(rank_program: RankProgram, specs: list[str], ctx: PassContex
         start = time.perf_counter()
         history = " -> ".join(rank_program.history)
         try:
-            with _watched(spec, ctx):
+            with _watched(spec, ctx, f"rank pass {number} {name!r}"):
                 result = fn(rank_program, ctx)
             _check_returns(result, name, RankProgram)
         except PassError:
@@ -176,21 +178,40 @@ def _check_returns(result, name: str, expected: type) -> None:
 
 
 @contextlib.contextmanager
-def _watched(spec: str, ctx: PassContext):
-    """A user pass that runs past --hang-timeout-s stops the process with every thread's stack, the pass's line
-    among them: a pass that loops forever in the launcher, or in a run of one rank, has no other watchdog."""
-    timeout, watched = ctx.config.parallel.hang_timeout_s, False
-    if ":" in spec and timeout:
-        try:
-            faulthandler.dump_traceback_later(timeout, exit=True, file=sys.__stderr__)
-            watched = True
-        except (AttributeError, ValueError, io.UnsupportedOperation):  # no standard error to write it to
-            pass
+def _watched(spec: str, ctx: PassContext, what: str):
+    """A user pass that runs past --hang-timeout-s stops the process with one line naming it and the line of the
+    user's code it is at: a pass that loops forever in the launcher, or in a run of one rank, has no other
+    watchdog. Where the pass holds the interpreter (stuck inside a C call), faulthandler prints every thread's
+    stack at twice the timeout instead."""
+    timeout = ctx.config.parallel.hang_timeout_s
+    if ":" not in spec or not timeout:
+        yield
+        return
+    timer = threading.Timer(timeout, _stop_hung_pass, (threading.get_ident(), f"{what}{_on_rank(spec, ctx)}",
+                                                       timeout))
+    timer.daemon = True
+    timer.start()
+    try:
+        faulthandler.dump_traceback_later(2 * timeout, exit=True, file=sys.__stderr__)
+        backstop = True
+    except (AttributeError, ValueError, io.UnsupportedOperation):  # no standard error to write it to
+        backstop = False
     try:
         yield
     finally:
-        if watched:
+        timer.cancel()
+        if backstop:
             faulthandler.cancel_dump_traceback_later()
+
+
+def _stop_hung_pass(thread: int, what: str, timeout: float) -> None:
+    frame = sys._current_frames().get(thread)
+    stack = [f for f in traceback.extract_stack(frame) if not os.path.abspath(f.filename).startswith(LIBRARIES)] \
+        if frame is not None else []
+    at = f", at {stack[-1].filename}:{stack[-1].lineno} in {stack[-1].name}" if stack else ""
+    os.write(2, f"{os.path.basename(sys.argv[0])}: error: {what} has run for {timeout:g} s (--hang-timeout-s)"
+                f"{at}; stopped\n".encode())
+    os._exit(1)
 
 
 def _on_rank(spec: str, ctx: PassContext) -> str:
