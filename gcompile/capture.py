@@ -30,11 +30,12 @@ from gcompile.user_code import failure_line
 
 
 def capture(build: Callable[[], nn.Module], batch: tuple[Input, ...], decays: Callable[[str, tuple[int, ...]], bool],
-            device: str = "cpu", dtype: torch.dtype = torch.float32) -> Program:
+            device: str = "cpu", dtype: torch.dtype = torch.float32, vocab_size: int | None = None) -> Program:
     """The forward+loss program of one microbatch: forward(*params, *batch) -> (loss,).
 
     `build` makes the module (called under the fake mode); `batch` is forward's inputs by role;
-    `decays(name, full_shape)` says which parameters take weight decay (`Param.decays`).
+    `decays(name, full_shape)` says which parameters take weight decay (`Param.decays`); `vocab_size`: the
+    token ids' bound, which a cross-entropy over the targets must score as classes.
     """
     fake_mode = FakeTensorMode()
     with fake_mode, torch.device(device), _default_dtype(dtype):
@@ -55,6 +56,7 @@ def capture(build: Callable[[], nn.Module], batch: tuple[Input, ...], decays: Ca
     sys.stderr.write(printed.getvalue())
     graph = exported.graph_module
     _check_loss(graph, type(model).__name__)
+    _check_reads(graph, type(model).__name__, [i.role for i in batch], vocab_size)
 
     canonical = canonical_names(model)
     placeholders = list(graph.graph.find_nodes(op="placeholder"))
@@ -107,6 +109,23 @@ def _check_loss(graph: torch.fx.GraphModule, model: str) -> None:
     if value.dtype != torch.float32:
         raise ConfigError(f"{model}.forward returns a {value.dtype} loss: return it in float32, the dtype its "
                           f"gradient starts backward in (bf16 and fp16 runs compute the loss in float32 too)")
+
+
+def _check_reads(graph: torch.fx.GraphModule, model: str, roles: list[str], vocab_size: int | None) -> None:
+    """ConfigError for a forward that never reads one of its inputs (a loss that ignores the targets trains on
+    nothing, silently), or whose cross-entropy scores fewer classes than there are token ids (the first batch
+    with a larger id failed deep inside the loss)."""
+    inputs = [n for n in graph.graph.find_nodes(op="placeholder")][-len(roles):]
+    for role, node in zip(roles, inputs):
+        if not node.users:
+            raise ConfigError(f"{model}.forward never reads {role}: the loss must come from the model's output for "
+                              f"idx, scored against targets")
+    for node in graph.graph.find_nodes(op="call_function", target=torch.ops.aten.cross_entropy_loss.default):
+        scores = node.args[0].meta["val"]
+        classes = scores.shape[1] if scores.dim() > 1 else scores.shape[0]
+        if vocab_size is not None and classes < vocab_size:
+            raise ConfigError(f"{model}'s cross-entropy scores {classes} classes, but token ids go up to "
+                              f"vocab_size={vocab_size} - 1: make its output head vocab_size wide")
 
 
 SHAPES_LOG = "torch.fx.experimental.symbolic_shapes"

@@ -158,7 +158,7 @@ def _build_rank_program(config: RunConfig, coords: Coords, device: str, dump_roo
         spec, start = config.model_spec, time.perf_counter()
         cache.captured[key] = capture(functools.partial(spec.module, config.model),
                                       spec.example_batch(t.micro_batch_size, t.seq_length), spec.decays,
-                                      device, config.param_dtype)
+                                      device, config.param_dtype, config.model.vocab_size)
         seconds = time.perf_counter() - start
         cache.seconds["capture"] += seconds
         log(f"captured {spec.name} with torch.export in {seconds:.1f} s")

@@ -38,7 +38,8 @@ CLIS = {"run_gpt": run_gpt.main, "checkpoint": checkpoint.main, "inspect": inspe
         "plan": plan.main, "calibrate": calibrate.main}
 ITERATION = "iter_0000001"
 REFUSED_IN_THE_BUILD = {"pass returning None", "own model returning logits", "own model returning two values",
-                        "own model with a float64 loss", "own model with a buffer", "own model branching on values"}
+                        "own model with a float64 loss", "own model with a buffer", "own model branching on values",
+                        "own model ignoring the targets", "own model head narrower than the vocabulary"}
 """Cases that only building the program finds: with one rank that happens in this process, after run_ranks
 is called but before any step; every other case is refused before run_ranks."""
 
@@ -214,6 +215,12 @@ FAILS_TO_BUILD = SQUARED_MEAN.replace('"squared"', '"broken"').replace(
 NOT_FROZEN = SQUARED_MEAN.replace('"squared"', '"thawed"').replace("@dataclass(frozen=True)", "@dataclass")
 SHARES_A_FLAG = SQUARED_MEAN.replace('"squared"', '"lr"').replace('    """Hidden size."""\n',
                                                             '    """Hidden size."""\n    lr: float = 0.1\n')
+IGNORES_TARGETS = SQUARED_MEAN.replace('"squared"', '"untargeted"').replace(
+    "return F.cross_entropy(self.head(y).view(-1, 257), targets.view(-1)) + y.mean(1).pow(2).sum()",
+    "return self.head(y).pow(2).mean()")
+SMALL_HEAD = SQUARED_MEAN.replace('"squared"', '"narrow"').replace(
+    "nn.Linear(config.n_embd, config.vocab_size)", "nn.Linear(config.n_embd, 100)").replace(
+    "self.head(y).view(-1, 257)", "self.head(y).view(-1, 100)")
 NOT_A_MODULE = LOGITS.replace('spec_with_defaults("logits", MaskedConfig, Masked)',
                               'spec_with_defaults("number", MaskedConfig, lambda config: 5)')
 
@@ -353,6 +360,12 @@ CASES = [
     ("own model with a float64 loss", "run_gpt", ["--arch", "{tmp}/double.py:SPEC"],
      lambda tmp, saved: (tmp / "double.py").write_text(FLOAT64_LOSS),  # was: a traceback from the first backward
      "Masked.forward returns a torch.float64 loss: return it in float32"),
+    ("own model ignoring the targets", "run_gpt", ["--arch", "{tmp}/untargeted.py:SPEC"],
+     lambda tmp, saved: (tmp / "untargeted.py").write_text(IGNORES_TARGETS),  # was: trained on nothing, silently
+     "Masked.forward never reads targets"),
+    ("own model head narrower than the vocabulary", "run_gpt", ["--arch", "{tmp}/narrow.py:SPEC"],
+     lambda tmp, saved: (tmp / "narrow.py").write_text(SMALL_HEAD),  # was: an IndexError from the first step
+     "Masked's cross-entropy scores 100 classes, but token ids go up to vocab_size=257 - 1"),
     ("own model with a buffer", "run_gpt", ["--arch", "{tmp}/buffered.py:SPEC"],
      lambda tmp, saved: (tmp / "buffered.py").write_text(WITH_BUFFER),  # was: a NotImplementedError traceback
      "Masked holds a buffer (register_buffer), scale: only parameters are carried through the passes"),
