@@ -169,6 +169,7 @@ class Runtime:
         self.weight_args = {}
         """(stage, mb) -> what its W reads, kept by its B."""
         self.pending_recvs = {}
+        """Buffer name -> (label, Works) of each receive posted into it and not yet waited for."""
         self.sends: dict[str, list[_Sent]] = {}
         """Buffer name -> each tensor sent from it and not yet waited for."""
         comm = []
@@ -216,7 +217,7 @@ class Runtime:
 
     def _forward(self, a: Instruction, training: bool):
         stage = self.program.stages[a.stage]
-        acts = iter(self._take(self.acts, (a.stage, a.mb)) if a.stage > 0 else [])
+        acts = iter(self._take(self.acts, (a.stage, a.mb), a.reads[0]) if a.stage > 0 else [])
         fixed = dict(zip(("idx", "targets"), self.batch[a.mb]), **self.constants[a.stage])
         inputs = [fixed[role] if role in fixed else next(acts) for role in stage.inputs]
         out = self.functions[a.stage].forward(*self.param_args[a.stage], *inputs)
@@ -249,7 +250,7 @@ class Runtime:
         if a.stage == self.last_stage:
             output_grads = [self.loss_grad]
         else:
-            output_grads = self._take(self.grads_in, (a.stage, a.mb))
+            output_grads = self._take(self.grads_in, (a.stage, a.mb), a.reads[1])
         last = a.graph == "backward_last"
         if last:
             extra = [getattr(self.state, buffer)[start:end] for buffer, start, end in stage.last_inputs]
@@ -284,10 +285,10 @@ class Runtime:
         if pairs:
             foreach_add_([acc for acc, _ in pairs], [g for _, g in pairs])
 
-    def _take(self, store: dict, key) -> list[torch.Tensor]:
-        """A stage's inputs: produced locally, or received (waited for now)."""
-        if key in self.pending_recvs:
-            label, works = self.pending_recvs.pop(key)
+    def _take(self, store: dict, key, buffer: str) -> list[torch.Tensor]:
+        """A stage's inputs: produced locally, or received into `buffer` (waited for now)."""
+        if buffer in self.pending_recvs:
+            label, works = self.pending_recvs.pop(buffer)
             self.recorder.start("collective", label)
             for work in works:
                 work.wait()
@@ -324,7 +325,8 @@ class Runtime:
             if sends:  # keep the sent tensors alive until their sends are done
                 self.sends[a.reads[0]] = [_Sent(work, t, alone=not batched) for work, t in zip(own, tensors)]
             else:
-                self.pending_recvs[(a.stage, a.mb)] = (self.labels[id(a)], own)
+                self.pending_recvs[a.writes[0]] = (self.labels[id(a)], own)  # by buffer: a middle stage's
+                # activation and gradient of one microbatch share (stage, mb), and one microbatch posts both at once
             i += len(tensors)
         for a in instructions:
             if a.op == WAIT_SEND:
