@@ -101,6 +101,10 @@ def bisect(config: RunConfig, tol: float = TOL, log: Callable[[str], None] = pri
         draws_dropout = config.model_spec.module(config.model).training  # the mode capture traces
     if t.bf16 or t.fp16 or draws_dropout:
         raise ConfigError("bisect compares fp32 runs without dropout; drop --bf16 / --fp16 / --dropout")
+    if config.parallel.cp > 1:  # a cp rank's gradient is its tokens' share until the reduction over cp: bisect
+        # compared it with the whole share's and named context_parallel for every cp layout
+        raise ConfigError("bisect does not compare context-parallel layouts yet; check one with a short run against "
+                          "--cp 1 (python run_gpt.py ... --train-iters 3: the same losses and grad norms)")
     tokens = torch.randint(0, config.model.vocab_size, (t.global_batch_size, t.seq_length + 1),
                            generator=torch.Generator().manual_seed(t.seed))
     eager = eager_step(config, tokens, t.lr)
