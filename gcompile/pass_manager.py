@@ -30,7 +30,7 @@ from gcompile.log import rank_ranges
 from gcompile.program import (Program, broken_convention, diff_counts, dump_text, op_counts, propagate_shapes,
                               refresh_meta)
 from gcompile.rank_program import RankProgram, broken_instructions, broken_stage
-from gcompile.user_code import LIBRARIES, UserCodeError, failure_line, load_object
+from gcompile.user_code import UserCodeError, failure_line, load_object, user_frame
 
 
 @dataclass(frozen=True)
@@ -206,9 +206,8 @@ def _watched(spec: str, ctx: PassContext, what: str):
 
 def _stop_hung_pass(thread: int, what: str, timeout: float) -> None:
     frame = sys._current_frames().get(thread)
-    stack = [f for f in traceback.extract_stack(frame) if not os.path.abspath(f.filename).startswith(LIBRARIES)] \
-        if frame is not None else []
-    at = f", at {stack[-1].filename}:{stack[-1].lineno} in {stack[-1].name}" if stack else ""
+    user = user_frame(traceback.extract_stack(frame)) if frame is not None else None
+    at = f", at {user.filename}:{user.lineno} in {user.name}" if user else ""
     os.write(2, f"{os.path.basename(sys.argv[0])}: error: {what} has run for {timeout:g} s (--hang-timeout-s)"
                 f"{at}; stopped\n".encode())
     os._exit(1)

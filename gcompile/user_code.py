@@ -47,17 +47,21 @@ LIBRARIES = tuple(os.path.join(sysconfig.get_paths()[key], "") for key in ("stdl
 """Where frames are not the user's: Python's library, installed packages (torch), and gcompile."""
 
 
+def user_frame(frames: traceback.StackSummary) -> traceback.FrameSummary | None:
+    """The innermost of `frames` in the user's code (not in LIBRARIES, not generated code), or None."""
+    return next((f for f in reversed(frames)
+                 if not os.path.abspath(f.filename).startswith(LIBRARIES) and not f.filename.startswith("<")), None)
+
+
 def failure_line(error: BaseException) -> str:
     """`KeyError at FILE:LINE: first line of its message` (or `AssertionError at FILE:LINE (the line)` where
     it has none), at the innermost frame of the user's code: one line that points into it."""
     text = (str(error).strip().splitlines() or [""])[0]
     if isinstance(error, SyntaxError):  # its message names the file and line already
         return f"SyntaxError: {text}"
-    frames = [f for f in traceback.extract_tb(error.__traceback__)
-              if not os.path.abspath(f.filename).startswith(LIBRARIES) and not f.filename.startswith("<")]
-    if not frames:
+    frame = user_frame(traceback.extract_tb(error.__traceback__))
+    if frame is None:
         return f"{type(error).__name__}: {text}"
-    frame = frames[-1]
     where = f"{type(error).__name__} at {frame.filename}:{frame.lineno}"
     return f"{where}: {text}" if text else f"{where} ({frame.line})"
 
