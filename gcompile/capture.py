@@ -24,7 +24,7 @@ from gcompile.config import ConfigError
 from gcompile.layout import Param
 from gcompile.models.spec import Input, canonical_names
 from gcompile.report import number_reports
-from gcompile.program import Program, Stage, refresh_meta
+from gcompile.program import Program, Stage, not_a_loss, refresh_meta
 from gcompile.torch_api import FakeTensorMode
 from gcompile.user_code import failure_line
 
@@ -100,14 +100,11 @@ def _check_loss(graph: torch.fx.GraphModule, model: str) -> None:
         raise ConfigError(f"{model}.forward returns {len(returned)} values; return the loss alone (the mean over "
                           f"the batch's tokens; gcompile.report.report(value, name) logs others)")
     first = returned[0] if isinstance(returned, (tuple, list)) and returned else returned
-    value = first.meta.get("val") if isinstance(first, torch.fx.Node) else first
-    if not (isinstance(value, torch.Tensor) and value.dim() == 0 and value.is_floating_point()):
-        held = f"a {value.dtype} tensor of shape {list(value.shape)}" if isinstance(value, torch.Tensor) else \
-            type(value).__name__
+    if held := not_a_loss(first):
         raise ConfigError(f"{model}.forward returns {held}, not the loss: return the scalar loss (the mean over "
                           f"the batch's tokens) first")
-    if value.dtype != torch.float32:
-        raise ConfigError(f"{model}.forward returns a {value.dtype} loss: return it in float32, the dtype its "
+    if (dtype := first.meta["val"].dtype) != torch.float32:
+        raise ConfigError(f"{model}.forward returns a {dtype} loss: return it in float32, the dtype its "
                           f"gradient starts backward in (bf16 and fp16 runs compute the loss in float32 too)")
 
 

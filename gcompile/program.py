@@ -104,13 +104,19 @@ def broken_convention(program: Program) -> str | None:
                 if isinstance(returned, (tuple, list)) else f"output {returned!r}"
             return f"stage {stage.index} has {found} for its output roles {stage.outputs}"
         for role, node in zip(stage.outputs, returned):
-            value = node.meta.get("val") if isinstance(node, fx.Node) else node
-            if role == "loss" and not (isinstance(value, torch.Tensor) and value.dim() == 0
-                                       and value.is_floating_point()):
-                held = f"a {value.dtype} tensor of shape {list(value.shape)}" if isinstance(value, torch.Tensor) \
-                    else repr(value)
+            if role == "loss" and (held := not_a_loss(node)):
                 return f"stage {stage.index}'s loss is {held}, not a floating-point scalar"
     return None
+
+
+def not_a_loss(returned) -> str | None:
+    """What a graph returns where its loss belongs (a node, or a constant), said in a few words; None where it is
+    a floating-point scalar, the loss every pass, the schedule and the optimizer step read."""
+    value = returned.meta.get("val") if isinstance(returned, fx.Node) else returned
+    if isinstance(value, torch.Tensor):
+        return None if value.dim() == 0 and value.is_floating_point() else \
+            f"a {value.dtype} tensor of shape {list(value.shape)}"
+    return f"{type(value).__name__} {value!r}"
 
 
 def refresh_meta(stage: Stage) -> None:
