@@ -163,7 +163,10 @@ class Runtime:
 
     def _run(self, microbatches, instructions: list[Instruction], training: bool):
         self.batch = microbatches
-        self.saved, self.acts, self.grads_in, self.losses = {}, {}, {}, []
+        self.saved, self.losses = {}, []
+        self.messages: dict[str, list[torch.Tensor]] = {}
+        """Buffer name (gcompile.instructions: act[...], grad[...]) -> the activations or gradients a stage
+        produced for another, or a receive fills, until they are sent or read."""
         self.metrics: dict[str, list[torch.Tensor]] = {}
         """What the model reported (gcompile.report) by role, one value per microbatch, this rank's stages."""
         self.weight_args = {}
@@ -211,13 +214,13 @@ class Runtime:
         self.meter.sample(
             state=self.state.buffers().values(),
             activations=_tensors(*self.saved.values(), *self.weight_args.values()),
-            messages=_tensors(*self.acts.values(), *self.grads_in.values(),
+            messages=_tensors(*self.messages.values(),
                               [s.tensor for sent in self.sends.values() for s in sent]),
             other=_tensors(*self.batch, self.losses, *(c.values() for c in self.constants.values()), [self.loss_grad]))
 
     def _forward(self, a: Instruction, training: bool):
         stage = self.program.stages[a.stage]
-        acts = iter(self._take(self.acts, (a.stage, a.mb), a.reads[0]) if a.stage > 0 else [])
+        acts = iter(self._take(a.reads[0]) if a.stage > 0 else [])
         fixed = dict(zip(("idx", "targets"), self.batch[a.mb]), **self.constants[a.stage])
         inputs = [fixed[role] if role in fixed else next(acts) for role in stage.inputs]
         out = self.functions[a.stage].forward(*self.param_args[a.stage], *inputs)
@@ -232,7 +235,7 @@ class Runtime:
         if a.stage == self.last_stage:
             self.losses.append(outputs[0].detach())
         else:
-            self.acts[(a.stage + 1, a.mb)] = [t.contiguous() for t in outputs]  # as the next stage was traced
+            self.messages[a.writes[0]] = [t.contiguous() for t in outputs]  # as the next stage was traced
 
     def _count_saved(self, a: Instruction):
         live = sum(1 for s, _ in self.saved if s == a.stage)
@@ -250,7 +253,7 @@ class Runtime:
         if a.stage == self.last_stage:
             output_grads = [self.loss_grad]
         else:
-            output_grads = self._take(self.grads_in, (a.stage, a.mb), a.reads[1])
+            output_grads = self._take(a.reads[1])
         last = a.graph == "backward_last"
         if last:
             extra = [getattr(self.state, buffer)[start:end] for buffer, start, end in stage.last_inputs]
@@ -272,8 +275,8 @@ class Runtime:
             grads = grads[:len(grads) - len(stage.last_outputs)]
         if a.stage > 0:
             acts = stage.activation_inputs()
-            self.grads_in[(a.stage - 1, a.mb)] = [grads[n + i].contiguous()
-                                                  for i, role in enumerate(stage.inputs) if role in acts]
+            self.messages[a.writes[1]] = [grads[n + i].contiguous()
+                                          for i, role in enumerate(stage.inputs) if role in acts]
 
     def _weight_backward(self, a: Instruction):
         args = self.weight_args.pop((a.stage, a.mb))
@@ -285,7 +288,7 @@ class Runtime:
         if pairs:
             foreach_add_([acc for acc, _ in pairs], [g for _, g in pairs])
 
-    def _take(self, store: dict, key, buffer: str) -> list[torch.Tensor]:
+    def _take(self, buffer: str) -> list[torch.Tensor]:
         """A stage's inputs: produced locally, or received into `buffer` (waited for now)."""
         if buffer in self.pending_recvs:
             label, works = self.pending_recvs.pop(buffer)
@@ -293,7 +296,7 @@ class Runtime:
             for work in works:
                 work.wait()
             self.recorder.finish("collective")
-        return store.pop(key)
+        return self.messages.pop(buffer)
 
     def _communicate(self, instructions: list[Instruction]):
         if not instructions:
@@ -306,15 +309,12 @@ class Runtime:
         for a in instructions:
             if a.op == WAIT_SEND:
                 continue
-            if a.op == Kind.SEND_F:
-                tensors = self.acts.pop((a.stage + 1, a.mb))
-            elif a.op == Kind.SEND_B:
-                tensors = self.grads_in.pop((a.stage - 1, a.mb))
-            elif a.op == Kind.RECV_F:
-                tensors = self.acts[(a.stage, a.mb)] = self._empty_like_inputs(a.stage)
-            else:  # RECV_B
-                tensors = self.grads_in[(a.stage, a.mb)] = self._empty_like_outputs(a.stage)
             sends = a.op in (Kind.SEND_F, Kind.SEND_B)
+            if sends:
+                tensors = self.messages.pop(a.reads[0])
+            else:
+                tensors = self.messages[a.writes[0]] = \
+                    self._empty_like_inputs(a.stage) if a.op == Kind.RECV_F else self._empty_like_outputs(a.stage)
             ops += [self.p2p.P2POp(self.p2p.isend if sends else self.p2p.irecv, t, a.peer) for t in tensors]
             posted.append((a, sends, tensors))
         works = self.p2p.batch_isend_irecv(ops) if ops else []
@@ -325,8 +325,7 @@ class Runtime:
             if sends:  # keep the sent tensors alive until their sends are done
                 self.sends[a.reads[0]] = [_Sent(work, t, alone=not batched) for work, t in zip(own, tensors)]
             else:
-                self.pending_recvs[a.writes[0]] = (self.labels[id(a)], own)  # by buffer: a middle stage's
-                # activation and gradient of one microbatch share (stage, mb), and one microbatch posts both at once
+                self.pending_recvs[a.writes[0]] = (self.labels[id(a)], own)
             i += len(tensors)
         for a in instructions:
             if a.op == WAIT_SEND:
