@@ -176,6 +176,14 @@ def _supervise(procs: list[multiprocessing.Process], signals: list[int], watchdo
     # with --exit-signal-handler a rank sent SIGTERM itself stops, saved, with the others: no failure
     orderly = (shutdown.exit_status(signal.SIGTERM),) if deferred else ()
     forwarded, deadline, failure = 0, None, None
+    early = {}
+
+    def ended_early(rank: int) -> str:
+        """`_ended_early`, read once a rank: an ended rank's flight record is final."""
+        if rank not in early:
+            early[rank] = _ended_early(watchdog, rank)
+        return early[rank]
+
     while True:
         alive = [proc.exitcode is None for proc in procs]
         if len(signals) > forwarded:  # the first is passed on; another kills at once
@@ -186,7 +194,7 @@ def _supervise(procs: list[multiprocessing.Process], signals: list[int], watchdo
                 deadline = time.monotonic() + GRACE_S
         if failure is None and not signals:
             failed = [(rank, proc.exitcode) for rank, proc in enumerate(procs)
-                      if proc.exitcode not in (None, 0, *orderly) or proc.exitcode == 0 and _ended_early(watchdog, rank)]
+                      if proc.exitcode not in (None, 0, *orderly) or proc.exitcode == 0 and ended_early(rank)]
             failure = min(failed, key=lambda f: f[1] >= 0, default=None)  # killed by a signal: the cause, not a
             # peer whose collective failed with it
             if failure:
@@ -211,7 +219,7 @@ def _supervise(procs: list[multiprocessing.Process], signals: list[int], watchdo
         return 0
     rank, code = failure
     if code == 0:
-        print(f"{prog}: rank {rank} ended with status 0 while {_ended_early(watchdog, rank)}, before its training "
+        print(f"{prog}: rank {rank} ended with status 0 while {early[rank]}, before its training "
               f"did (a sys.exit or os._exit in a pass or the model?); stopped the others", file=sys.stderr)
         return 1
     if code == 2:  # the rank printed its one-line error
