@@ -23,6 +23,7 @@ def load_object(spec: str, what: str):
     module_name, _, name = spec.rpartition(":")
     try:
         module = _load_file(module_name) if module_name.endswith(".py") else importlib.import_module(module_name)
+        _claim(module)
         return getattr(module, name)
     except FileNotFoundError:
         raise UserCodeError(f"{what} {spec!r} cannot be loaded: no file {module_name}") from None
@@ -42,15 +43,32 @@ def _names_module(error: ModuleNotFoundError, module_name: str) -> bool:
     return error.name is None or module_name == error.name or module_name.startswith(error.name + ".")
 
 
-LIBRARIES = tuple(os.path.join(sysconfig.get_paths()[key], "") for key in ("stdlib", "purelib", "platlib")) + \
-    (os.path.join(os.path.dirname(os.path.abspath(__file__)), ""),)
+OURS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "")
+LIBRARIES = tuple(os.path.join(sysconfig.get_paths()[key], "") for key in ("stdlib", "purelib", "platlib")) + (OURS,)
 """Where frames are not the user's: Python's library, installed packages (torch), and gcompile."""
+CLAIMED: set[str] = set()
+"""Folders (with a trailing separator) and files of the packages `load_object` loaded: the user's, also where
+installed among LIBRARIES (a team's passes, pip-installed)."""
+
+
+def _claim(module) -> None:
+    """Count the package `module` belongs to as the user's code (gcompile's own modules excepted)."""
+    top = sys.modules.get(module.__name__.partition(".")[0], module)
+    path = getattr(top, "__file__", None)
+    if path:
+        path = os.path.abspath(path)
+        root = os.path.join(os.path.dirname(path), "") if os.path.basename(path) == "__init__.py" else path
+        if not root.startswith(OURS):
+            CLAIMED.add(root)
 
 
 def user_frame(frames: traceback.StackSummary) -> traceback.FrameSummary | None:
-    """The innermost of `frames` in the user's code (not in LIBRARIES, not generated code), or None."""
-    return next((f for f in reversed(frames)
-                 if not os.path.abspath(f.filename).startswith(LIBRARIES) and not f.filename.startswith("<")), None)
+    """The innermost of `frames` in the user's code (in a package `load_object` loaded, or outside LIBRARIES;
+    never generated code), or None."""
+    def users(path: str) -> bool:
+        path = os.path.abspath(path)
+        return path.startswith(tuple(CLAIMED)) or not path.startswith(LIBRARIES)
+    return next((f for f in reversed(frames) if not f.filename.startswith("<") and users(f.filename)), None)
 
 
 def failure_line(error: BaseException) -> str:

@@ -14,6 +14,7 @@ import pytest
 from gcompile.check import check_plan
 from gcompile.collectives import collective_nodes
 from gcompile.config import build_config, parse_args
+from gcompile import user_code
 from gcompile.pass_manager import PassError
 from gcompile.world import build_world
 
@@ -124,6 +125,21 @@ def test_a_failing_user_pass_is_named_with_its_rank_and_line():
                                         rf"capture -> tensor_parallel\): KeyError at .*tests/careless_passes.py:"
                                         rf"{line}: 'missing'"):
         build((f"{CARELESS}:fails_on_rank_1",), tp=2)
+
+
+def test_a_failing_pass_from_an_installed_package_is_named_at_its_line(tmp_path, monkeypatch):
+    """A team's passes installed with pip sit among the installed packages: their frames are still the user's."""
+    site = tmp_path / "site-packages"
+    (site / "teampasses").mkdir(parents=True)
+    (site / "teampasses" / "__init__.py").write_text("")
+    (site / "teampasses" / "rules.py").write_text("def fails(program, ctx):\n    return _lookup()\n\n\n"
+                                                   "def _lookup():\n    return {}['missing']\n")
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setattr(user_code, "LIBRARIES", user_code.LIBRARIES + (os.path.join(str(site), ""),))
+    monkeypatch.setattr(user_code, "CLAIMED", set())
+    with pytest.raises(PassError, match=r"'fails' failed on rank 0 .*: KeyError at .*teampasses/rules.py:6: "
+                                        r"'missing'"):
+        build(("teampasses.rules:fails",))
 
 
 def run(*flags, timeout=300):
