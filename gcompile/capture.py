@@ -11,6 +11,7 @@ used by every reader; autograd then sums the gradient contributions as eager doe
 """
 
 import contextlib
+import inspect
 import io
 import logging
 import sys
@@ -44,6 +45,7 @@ def capture(build: Callable[[], nn.Module], batch: tuple[Input, ...], decays: Ca
         except Exception as e:
             raise ConfigError(f"the model could not be built: {failure_line(e)}") from e
         example = tuple(torch.empty(i.shape, dtype=i.dtype) for i in batch)
+    _check_signature(model, [i.role for i in batch])
     printed = io.StringIO()  # what torch prints on the way: the graph traced so far, where export fails
     try:
         with _quiet(SHAPES_LOG), contextlib.redirect_stderr(printed):
@@ -92,6 +94,24 @@ def capture(build: Callable[[], nn.Module], batch: tuple[Input, ...], decays: Ca
     return Program(stages=[stage], history=["capture"])
 
 
+def _check_signature(model: nn.Module, roles: list[str]) -> None:
+    """ConfigError unless forward takes the batch's inputs under their names (idx, targets), then nothing that
+    lacks a default: capture calls forward(idx, targets), and the passes find each input by its name."""
+    try:
+        parameters = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):  # no signature to read (a builtin): export says what it finds
+        return
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [p.name for p in parameters[len(roles):] if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL,
+                                                                                                  p.VAR_KEYWORD)]
+    if [p.name for p in positional[:len(roles)]] != roles or required:
+        given = ", ".join(p.name if p.kind != p.VAR_POSITIONAL else f"*{p.name}" for p in parameters
+                          if p.kind != p.VAR_KEYWORD)
+        raise ConfigError(f"{type(model).__name__}.forward({given}) must take ({', '.join(roles)}): gcompile calls "
+                          f"forward({', '.join(roles)}) with the token ids and the next-token targets, and trains on "
+                          f"the loss it returns; name its inputs so")
+
+
 def _check_loss(graph: torch.fx.GraphModule, model: str) -> None:
     """ConfigError unless forward's (first) output is a floating-point scalar: the loss every pass, the schedule
     and the optimizer step read. A model that returns its logits instead fails later, deep inside autograd."""
@@ -102,7 +122,7 @@ def _check_loss(graph: torch.fx.GraphModule, model: str) -> None:
     first = returned[0] if isinstance(returned, (tuple, list)) and returned else returned
     if held := not_a_loss(first):
         raise ConfigError(f"{model}.forward returns {held}, not the loss: return the scalar loss (the mean over "
-                          f"the batch's tokens) first")
+                          f"the batch's tokens)")
     if (dtype := first.meta["val"].dtype) != torch.float32:
         raise ConfigError(f"{model}.forward returns a {dtype} loss: return it in float32, the dtype its "
                           f"gradient starts backward in (bf16 and fp16 runs compute the loss in float32 too)")

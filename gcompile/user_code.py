@@ -5,6 +5,7 @@ loads (a checkpoint, data, a preset's values) is imported. A name that cannot be
 `UserCodeError` whose one line points into the user's file.
 """
 
+import difflib
 import importlib
 import importlib.util
 import os
@@ -33,9 +34,17 @@ def load_object(spec: str, what: str):
         raise UserCodeError(f"{what} {spec!r} cannot be loaded: {e}; name a module importable from this folder "
                             f"or PYTHONPATH, or give the file: path/to/file.py:{name}") from None
     except AttributeError:
-        raise UserCodeError(f"{what} {spec!r} cannot be loaded: {module_name} has no {name!r}") from None
+        raise UserCodeError(f"{what} {spec!r} cannot be loaded: {module_name} has no {name!r}"
+                            f"{_did_you_mean(name, dir(module))}") from None
     except Exception as e:
         raise UserCodeError(f"{what} {spec!r} cannot be loaded: {failure_line(e)}") from None
+
+
+def _did_you_mean(name: str, names: list[str]) -> str:
+    """"; did you mean 'SPEC'?" for the name `name` was likely meant to be (another case, a typo), or ""."""
+    public = [n for n in names if not n.startswith("_")]
+    close = [n for n in public if n.lower() == name.lower()] or difflib.get_close_matches(name, public, n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 def _names_module(error: ModuleNotFoundError, module_name: str) -> bool:
@@ -85,11 +94,15 @@ def failure_line(error: BaseException) -> str:
 
 
 def _load_file(path: str):
-    """Import a user file by path (once per process)."""
+    """Import a user file by path (once per process). Its folder becomes importable, as a script's is to
+    `python path/to/file.py`: a model file may import the module beside it."""
     name = "gcompile_user_code_" + re.sub(r"\W", "_", os.path.abspath(path))
     if name not in sys.modules:
         if not os.path.isfile(path):
             raise FileNotFoundError(path)
+        folder = os.path.dirname(os.path.abspath(path))
+        if folder not in sys.path:
+            sys.path.append(folder)
         module_spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(module_spec)
         module_spec.loader.exec_module(module)

@@ -39,7 +39,8 @@ CLIS = {"run_gpt": run_gpt.main, "checkpoint": checkpoint.main, "inspect": inspe
 ITERATION = "iter_0000001"
 REFUSED_IN_THE_BUILD = {"pass returning None", "own model returning logits", "own model returning two values",
                         "own model with a float64 loss", "own model with a buffer", "own model branching on values",
-                        "own model ignoring the targets", "own model head narrower than the vocabulary"}
+                        "own model ignoring the targets", "own model head narrower than the vocabulary",
+                        "own model naming its inputs otherwise", "own model without targets"}
 """Cases that only building the program finds: with one rank that happens in this process, after run_ranks
 is called but before any step; every other case is refused before run_ranks."""
 
@@ -221,6 +222,12 @@ IGNORES_TARGETS = SQUARED_MEAN.replace('"squared"', '"untargeted"').replace(
 SMALL_HEAD = SQUARED_MEAN.replace('"squared"', '"narrow"').replace(
     "nn.Linear(config.n_embd, config.vocab_size)", "nn.Linear(config.n_embd, 100)").replace(
     "self.head(y).view(-1, 257)", "self.head(y).view(-1, 100)")
+HF_NAMES = SQUARED_MEAN.replace('"squared"', '"hf_names"').replace(
+    "def forward(self, idx, targets):", "def forward(self, input_ids, labels=None):").replace(
+    "self.embed(idx)", "self.embed(input_ids)").replace("targets.view(-1)", "labels.view(-1)")
+NO_TARGETS = SQUARED_MEAN.replace('"squared"', '"no_targets"').replace(
+    "def forward(self, idx, targets):", "def forward(self, idx):").replace(
+    "F.cross_entropy(self.head(y).view(-1, 257), targets.view(-1)) + ", "")
 NOT_A_MODULE = LOGITS.replace('spec_with_defaults("logits", MaskedConfig, Masked)',
                               'spec_with_defaults("number", MaskedConfig, lambda config: 5)')
 
@@ -354,6 +361,12 @@ CASES = [
     ("own model returning logits", "run_gpt", ["--arch", "{tmp}/logits.py:SPEC"],
      lambda tmp, saved: (tmp / "logits.py").write_text(LOGITS),  # was: a traceback deep inside autograd
      "Masked.forward returns a torch.float32 tensor of shape [2, 16, 257], not the loss: return the scalar loss"),
+    ("own model naming its inputs otherwise", "run_gpt", ["--arch", "{tmp}/hf_names.py:SPEC"],
+     lambda tmp, saved: (tmp / "hf_names.py").write_text(HF_NAMES),  # was: an AssertionError traceback from capture
+     "Masked.forward(input_ids, labels) must take (idx, targets): gcompile calls forward(idx, targets)"),
+    ("own model without targets", "run_gpt", ["--arch", "{tmp}/no_targets.py:SPEC"],
+     lambda tmp, saved: (tmp / "no_targets.py").write_text(NO_TARGETS),  # was: TypeError, too many arguments
+     "Masked.forward(idx) must take (idx, targets)"),
     ("own model returning two values", "run_gpt", ["--arch", "{tmp}/two.py:SPEC"],
      lambda tmp, saved: (tmp / "two.py").write_text(RETURNS_TWO),  # was: a traceback from lowering
      "Masked.forward returns 2 values; return the loss alone"),

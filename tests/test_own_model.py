@@ -40,6 +40,7 @@ def test_parallel_block_model_matches_single_device(parallel):
     ("examples/parallel_block.py:NOPE", "examples/parallel_block.py has no 'NOPE'"),
     ("examples/parallel_block.py:TP_PLAN", "is a tuple, not a ModelSpec"),
     ("examples/missing.py:SPEC", "no file examples/missing.py"),
+    ("examples/parallel_block.py:spec", "has no 'spec'; did you mean 'SPEC'?"),
 ])
 def test_a_model_that_cannot_be_loaded_is_one_line(arch, message, capsys):
     assert run_gpt.main(["--arch", arch, "--train-iters", "1"]) == 2
@@ -52,3 +53,11 @@ def test_a_graph_the_pass_cannot_cut_names_the_node_and_line(capsys):
     assert run_gpt.main(["--arch", ARCH, "--tp", "2", "--tp-plan", "blocks.*.qkv=column", "--check-plan"]) == 2
     err = capsys.readouterr().err
     assert "tensor_parallel" in err and "parallel_block.py" in err and err.count("\n") == 1, err
+
+
+def test_a_model_file_imports_the_module_beside_it(tmp_path, capsys):
+    """As `python path/to/file.py` makes its folder importable: a model split over two files loads by path."""
+    (tmp_path / "block_beside.py").write_text(open("examples/parallel_block.py").read())
+    (tmp_path / "front.py").write_text("from block_beside import SPEC\n")
+    assert run_gpt.main(["--arch", f"{tmp_path}/front.py:SPEC", "--n-layer", "2", "--check-plan"]) == 0, \
+        capsys.readouterr().err

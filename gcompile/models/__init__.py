@@ -46,7 +46,7 @@ def register_user_model(arch: str, reserved: dict[str, str] | None = None) -> st
                             f"arguments that returns one") from None
     if not isinstance(spec, ModelSpec):
         raise UserCodeError(f"model {arch!r} is a {type(spec).__name__}, not a ModelSpec; return one, e.g. "
-                            f"gcompile.models.spec.spec_with_defaults(name, config, module)")
+                            f"gcompile.models.spec.spec_with_defaults(name, Config, build, tp_plan=...)")
     if not (dataclasses.is_dataclass(spec.config) and spec.config.__dataclass_params__.frozen):
         raise UserCodeError(f"model {arch!r}: its config {getattr(spec.config, '__name__', spec.config)!r} is not a "
                             f"frozen dataclass; declare it with @dataclass(frozen=True) (its fields become the "
