@@ -10,9 +10,8 @@ and a rank whose build differs stops before it runs anything, in one line.
 A signature covers every graph's ops and shapes (in any order), its collectives in order (kind, group,
 size), and the instruction list with the peers left out (ranks of one class run it with other peers);
 node names are left out too (the launcher's build shares lowerings between stages alike but for their
-names). A file
-is read only by ranks of the run config it was written for: torchrun's ranks, whose launch wrote none,
-may meet an earlier run's.
+names). A file is read only by the ranks of the launcher that wrote it (LAUNCHED_BY), for the run config it
+was written for: torchrun's ranks, whose launch wrote none, may meet an earlier run's, and compare nothing.
 """
 
 import hashlib
@@ -25,6 +24,8 @@ from gcompile.flight import flight_dir
 from gcompile.rank_program import RankProgram
 
 FILE = "checked_plan.json"
+LAUNCHED_BY = "GCOMPILE_LAUNCHER_PID"
+"""Environment of a rank gcompile.launch started: the launcher's process id, which its file names."""
 
 
 def signature(program: RankProgram) -> str:
@@ -55,7 +56,7 @@ def write(config: RunConfig, programs: dict[int, RankProgram], shared_by: dict[i
     folder = flight_dir(config.log.run_dir)
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, FILE), "w") as f:
-        json.dump({"config": _config_id(config), "ranks": by_rank}, f)
+        json.dump({"launcher": os.getpid(), "config": _config_id(config), "ranks": by_rank}, f)
 
 
 def check_built(config: RunConfig, program: RankProgram) -> None:
@@ -63,8 +64,9 @@ def check_built(config: RunConfig, program: RankProgram) -> None:
     try:
         with open(os.path.join(flight_dir(config.log.run_dir), FILE)) as f:
             checked = json.load(f)
-        expected = checked["ranks"][str(program.coords.rank)] if checked["config"] == _config_id(config) else None
-    except (OSError, ValueError, KeyError, TypeError):  # none written (torchrun), or not for this run
+        ours = str(checked["launcher"]) == os.environ.get(LAUNCHED_BY) and checked["config"] == _config_id(config)
+        expected = checked["ranks"][str(program.coords.rank)] if ours else None
+    except (OSError, ValueError, KeyError, TypeError):  # none written, or not for this run
         return
     if expected is not None and signature(program) != expected:
         raise PlanError(f"rank {program.coords.rank} {program.coords} built another program than the launcher "

@@ -20,6 +20,7 @@ second; when none has moved for --hang-timeout-s it prints `report` and stops th
 
 import mmap
 import os
+import re
 import time
 
 FIELDS = ("progress", "phase", "instruction started", "instruction finished", "collective started",
@@ -27,6 +28,9 @@ FIELDS = ("progress", "phase", "instruction started", "instruction finished", "c
 _LABEL = 22
 _WIDTH = 200
 _LINE = _LABEL + _WIDTH + 1
+
+
+RANK_FILE = re.compile(r"rank\d+\.txt")
 
 
 def rank_file(folder: str, rank: int) -> str:
@@ -106,12 +110,13 @@ class Watchdog:
         self.seen, self.since, self.checked = None, None, 0.0
 
     def clear(self) -> None:
-        """Remove records of an earlier run, so that none is read as this one's."""
-        for rank in range(self.world_size):
-            try:
-                os.remove(rank_file(self.folder, rank))
-            except FileNotFoundError:
-                pass
+        """Remove records of an earlier run, so that none is read as this one's (a larger world's too)."""
+        for name in os.listdir(self.folder) if os.path.isdir(self.folder) else ():
+            if RANK_FILE.fullmatch(name):
+                try:
+                    os.remove(os.path.join(self.folder, name))
+                except FileNotFoundError:
+                    pass
 
     def hung(self) -> bool:
         now = time.monotonic()

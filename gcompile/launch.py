@@ -38,7 +38,7 @@ from multiprocessing import reduction
 import torch
 import torch.distributed as dist
 
-from gcompile import flight, shutdown
+from gcompile import checked_plan, flight, shutdown
 from gcompile.config import ConfigError, RunConfig
 from gcompile.axes import AXES, Coords
 from gcompile.mesh import init_groups
@@ -66,7 +66,8 @@ def spawn_local(world_size: int, argv: list[str], config: RunConfig | None = Non
                           wait_for_workers=False)
     loopback = loopback_interface()
     env = dict(os.environ, WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")  # ranks are clients of `store`
+               MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True",  # ranks are clients of `store`
+               **{checked_plan.LAUNCHED_BY: str(os.getpid())})
     env.setdefault("OMP_NUM_THREADS", str(rank_threads(world_size)))
     env.setdefault("GLOO_SOCKET_IFNAME", loopback)  # gloo's and nccl's own listening sockets on loopback too
     env.setdefault("NCCL_SOCKET_IFNAME", loopback)

@@ -5,16 +5,17 @@ starts ranks) and must fail there, or, where the mistake is made impossible, bui
 program the plan checker accepts.
 """
 
+import dataclasses
 import os
 import subprocess
 import sys
 
 import pytest
 
-from gcompile.check import check_plan
+from gcompile.check import PlanError, check_plan
 from gcompile.collectives import collective_nodes
 from gcompile.config import build_config, parse_args
-from gcompile import user_code
+from gcompile import checked_plan, user_code
 from gcompile.pass_manager import PassError
 from gcompile.world import build_world
 
@@ -140,6 +141,22 @@ def test_a_failing_pass_from_an_installed_package_is_named_at_its_line(tmp_path,
     with pytest.raises(PassError, match=r"'fails' failed on rank 0 .*: KeyError at .*teampasses/rules.py:6: "
                                         r"'missing'"):
         build(("teampasses.rules:fails",))
+
+
+def test_a_checked_plan_binds_only_the_ranks_of_the_launcher_that_wrote_it(tmp_path, monkeypatch):
+    """torchrun's ranks met an earlier launch's file in the run folder and refused a correct run."""
+    checked = dataclasses.replace(config(()), log=dataclasses.replace(config(()).log, run_dir=str(tmp_path)))
+    (program,) = build_world(checked, log=lambda _: None).values()
+    fewer_layers = dataclasses.replace(checked, model=dataclasses.replace(checked.model, n_layer=1))
+    (other,) = build_world(fewer_layers, log=lambda _: None).values()
+    checked_plan.write(checked, {0: other}, {0: (0,)})
+    monkeypatch.delenv(checked_plan.LAUNCHED_BY, raising=False)
+    checked_plan.check_built(checked, program)  # torchrun: no launcher, nothing to compare
+    monkeypatch.setenv(checked_plan.LAUNCHED_BY, str(os.getpid() + 1))
+    checked_plan.check_built(checked, program)  # another launcher's file
+    monkeypatch.setenv(checked_plan.LAUNCHED_BY, str(os.getpid()))
+    with pytest.raises(PlanError, match="rank 0 .* built another program than the launcher checked for it"):
+        checked_plan.check_built(checked, program)
 
 
 def run(*flags, timeout=300):
