@@ -2,6 +2,8 @@
 
 The watchdog that acts on it runs in tests/test_shutdown.py (a stopped rank named)."""
 
+import os
+
 import run_gpt
 from gcompile import flight
 from gcompile.flight import FlightRecorder, Watchdog, rank_file, read, report, running
@@ -33,3 +35,11 @@ def test_report_names_the_rank_that_does_not_wait(tmp_path):
     stopped = report(Watchdog(str(tmp_path), 2, 20), ["(dp0)", "(dp1)"], ["", "process stopped"])
     assert "the stalled rank: 1 (process stopped)" in stopped
     assert "rank 1 (dp1) [process stopped]: iteration 7" in stopped
+
+
+def test_a_launch_clears_every_earlier_record_and_keeps_other_files(tmp_path):
+    """A 2-rank run into a folder a 4-rank run used left rank2.txt and rank3.txt for `cat` to mislead with."""
+    for name in ("rank0.txt", "rank3.txt", "checked_plan.json", "notes.txt"):
+        (tmp_path / name).write_text("x")
+    Watchdog(str(tmp_path), 2, 20).clear()
+    assert sorted(os.listdir(tmp_path)) == ["checked_plan.json", "notes.txt"]
