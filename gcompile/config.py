@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, fields
 from gcompile.arguments import ArgumentParser
 from gcompile.data import DataConfig, DataError, parse_split
 from gcompile.log import counted
-from gcompile.models import CONFIGS, DEFAULT_MODEL, register_user_model, spec_of
+from gcompile.models import CONFIGS, DEFAULT_MODEL, is_users, register_user_model, spec_of
 from gcompile.models.moe_config import MoEConfig
 from gcompile.paths import path_error
 from gcompile.user_code import UserCodeError
@@ -650,7 +650,9 @@ def validate(config: RunConfig) -> None:
         errors.append(f"pipeline_schedule={p.pipeline_schedule!r} must be {', '.join(SCHEDULES[:-1])} "
                       f"or {SCHEDULES[-1]}")
     from gcompile.tp_plan import plan_errors  # builds the model on meta: torch, which --help does without
-    errors += plan_errors(config.model_spec, m, config.tp_plan, p.tp, written=bool(p.tp_plan))
+    # an entry that matches no module is a typo where the user wrote the plan: --tp-plan, or their model's own
+    errors += plan_errors(config.model_spec, m, config.tp_plan, p.tp,
+                          written=bool(p.tp_plan) or is_users(m) and p.tp > 1)
     if p.sequence_parallel and t.seq_length % p.tp:
         errors.append(f"seq_length={t.seq_length} is not divisible by tp={p.tp} (sequence_parallel)")
     if p.overlap_grad_reduce and p.pipeline_schedule in SPLIT_BACKWARD:

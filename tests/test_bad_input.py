@@ -367,6 +367,10 @@ CASES = [
     ("own model without targets", "run_gpt", ["--arch", "{tmp}/no_targets.py:SPEC"],
      lambda tmp, saved: (tmp / "no_targets.py").write_text(NO_TARGETS),  # was: TypeError, too many arguments
      "Masked.forward(idx) must take (idx, targets)"),
+    ("own model's tp plan misspelt", "run_gpt", ["--arch", "{tmp}/typo.py:SPEC", "--tp", "2", "--check-plan"],
+     lambda tmp, saved: (tmp / "typo.py").write_text(open(os.path.join(ROOT, "examples", "parallel_block.py")).read()
+                                                    .replace('"blocks.*.qkv=column"', '"blocks.*.qkvv=column"')),
+     "tp_plan entry 'blocks.*.qkvv=column' matches no module"),  # was: a GraphMismatch at another line
     ("own model returning two values", "run_gpt", ["--arch", "{tmp}/two.py:SPEC"],
      lambda tmp, saved: (tmp / "two.py").write_text(RETURNS_TWO),  # was: a traceback from lowering
      "Masked.forward returns 2 values; return the loss alone"),
