@@ -214,8 +214,22 @@ def _stop_hung_pass(thread: int, what: str, timeout: float) -> None:
 
 
 def _on_rank(spec: str, ctx: PassContext) -> str:
-    """" on rank 1 (pp0 dp0 tp1)" for a user pass (which may act on one rank alone), "" for a built-in one."""
-    return f" on rank {ctx.coords.rank} {ctx.coords}" if ":" in spec else ""
+    """" on rank 1 (pp0 dp0 tp1)" for a user pass (which may act on one rank alone), or " for rank 1 (pp0 dp0
+    tp1) in the launcher" where the launcher builds that rank's program to check the plan; "" for a built-in
+    one."""
+    if ":" not in spec:
+        return ""
+    return f" for rank {ctx.coords.rank} {ctx.coords} in the launcher" if _in_launcher(ctx) else \
+        f" on rank {ctx.coords.rank} {ctx.coords}"
+
+
+def _in_launcher(ctx: PassContext) -> bool:
+    """Whether this process builds ranks' programs for a world it will start (not a rank of it)."""
+    return ctx.config.world_size > 1 and "RANK" not in os.environ
+
+
+RANK_ENVIRONMENT = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+"""What torchrun and gcompile's launcher tell a rank, and the launcher itself lacks."""
 
 
 def _raised(error: BaseException, spec: str) -> str:
@@ -223,7 +237,12 @@ def _raised(error: BaseException, spec: str) -> str:
     (gcompile.user_code.failure_line)."""
     if isinstance(error, SystemExit):
         return f"it called sys.exit({error.code!r}); a pass returns the program, or raises to stop the run"
-    return failure_line(error) if ":" in spec else f"{type(error).__name__}: {error}"
+    if ":" not in spec:
+        return f"{type(error).__name__}: {error}"
+    if isinstance(error, KeyError) and error.args and error.args[0] in RANK_ENVIRONMENT:
+        return f"{failure_line(error)} (the launcher runs every pass before the ranks start, without the ranks' " \
+               f"environment: read the rank from ctx.coords, e.g. ctx.coords.rank)"
+    return failure_line(error)
 
 
 def _holdings(program: RankProgram) -> list:

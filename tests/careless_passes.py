@@ -124,6 +124,13 @@ def drops_a_collective_in_the_ranks(program: RankProgram, ctx: PassContext) -> R
     return replace(program, stages={**program.stages, index: replace(program.stages[index], backward=backward)})
 
 
+def reads_the_rank_environment(program: Program, ctx: PassContext) -> Program:
+    """(g) Reads the rank from the environment, which the launcher, building every rank's program, lacks."""
+    if int(os.environ["RANK"]) == 1:
+        print("rank 1")
+    return program
+
+
 def loops_forever(program: Program, ctx: PassContext) -> Program:
     """(g) Never returns."""
     while True:

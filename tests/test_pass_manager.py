@@ -122,10 +122,18 @@ def test_a_forward_pass_that_breaks_the_loss_or_exits_is_named():
 def test_a_failing_user_pass_is_named_with_its_rank_and_line():
     line = next(i for i, text in enumerate(open(os.path.join(ROOT, "tests", "careless_passes.py")), 1)
                 if 'return {}["missing"]' in text)
-    with pytest.raises(PassError, match=rf"pass 2 'fails_on_rank_1' failed on rank 1 \(pp0 dp0 tp1\) \(after "
+    with pytest.raises(PassError, match=rf"pass 2 'fails_on_rank_1' failed for rank 1 \(pp0 dp0 tp1\) in the launcher \(after "
                                         rf"capture -> tensor_parallel\): KeyError at .*tests/careless_passes.py:"
                                         rf"{line}: 'missing'"):
         build((f"{CARELESS}:fails_on_rank_1",), tp=2)
+
+
+def test_a_pass_reading_the_rank_environment_in_the_launcher_is_told_where_the_rank_is(monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(PassError, match=r"'reads_the_rank_environment' failed for rank 0 \(pp0 dp0 tp0\) in the "
+                                        r"launcher .*: KeyError at .*careless_passes.py:\d+: 'RANK' \(the launcher "
+                                        r"runs every pass .* read the rank from ctx.coords"):
+        build((f"{CARELESS}:reads_the_rank_environment",), tp=2)
 
 
 def test_a_failing_pass_from_an_installed_package_is_named_at_its_line(tmp_path, monkeypatch):
@@ -189,8 +197,8 @@ def test_a_user_pass_that_never_returns_stops_at_the_hang_timeout_with_its_line(
                 if text.strip() == "while True:")
     hung = run("--hang-timeout-s", "3", "--passes", f"{CARELESS}:loops_forever", timeout=120)
     assert hung.returncode == 1
-    assert hung.stderr.splitlines() == [(f"run_gpt.py: error: pass 2 'loops_forever' on rank 0 (pp0 dp0 tp0) has "
-                                            f"run for 3 s (--hang-timeout-s), at {ROOT}/tests/careless_passes.py:"
+    assert hung.stderr.splitlines() == [(f"run_gpt.py: error: pass 2 'loops_forever' for rank 0 (pp0 dp0 tp0) in the "
+                                            f"launcher has run for 3 s (--hang-timeout-s), at {ROOT}/tests/careless_passes.py:"
                                             f"{line} in loops_forever; stopped")], hung.stderr
 
 
