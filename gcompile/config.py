@@ -665,7 +665,7 @@ def validate(config: RunConfig) -> None:
     elif strategy == "no_shard" and p.use_distributed_optimizer:
         errors.append("use_distributed_optimizer (= sharding strategy optim) disagrees with "
                       "data_parallel_sharding_strategy=no_shard; give one of them")
-    if p.sharding == "optim_grads" and p.pipeline_schedule in SPLIT_BACKWARD:
+    if p.sharding == "optim_grads" and p.pipeline_schedule in SPLIT_BACKWARD and p.dp * p.cp > 1:
         errors.append(f"data_parallel_sharding_strategy optim_grads and --pipeline-schedule {p.pipeline_schedule} "
                       f"do not combine yet (the reduce-scatter runs in the last backward, which W splits); "
                       f"use optim or another schedule")

@@ -20,6 +20,9 @@ TINY = ["--config", "configs/tiny.toml"]
     (["--n-layer", "3", "--pp", "3", "--pipeline-schedule", "zb1f1b", "--micro-batch-size", "1",
       "--global-batch-size", "1"], ["capture", "pipeline_split"]),
     (["--dp", "2", "--data-parallel-sharding-strategy", "optim_grads"], ["capture", "sharded_optimizer"]),
+    (["--n-layer", "4", "--pp", "2", "--pipeline-schedule", "zb1f1b", "--data-parallel-sharding-strategy",
+      "optim_grads", "--micro-batch-size", "1", "--global-batch-size", "4"],
+     ["capture", "pipeline_split", "sharded_optimizer"]),  # ZeRO-2 over one dp rank: no reduce-scatter for W to split
     (["--dp", "2", "--data-parallel-sharding-strategy", "optim_grads_params"], ["capture", "fully_sharded"]),
     (["--tp", "2", "--dp", "2", "--micro-batch-size", "2"], ["capture", "tensor_parallel", "tp_comm_overlap",
                                                              "data_parallel"]),  # no weights before dp sync
