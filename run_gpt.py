@@ -146,9 +146,14 @@ def auto_layout(config: RunConfig, flags, argv: list[str]) -> list[str]:
     names = set(best.run_flags()[::2])
     replaced = [arg if "=" in arg or i + 1 == len(kept) or kept[i + 1].startswith("--") else f"{arg} {kept[i + 1]}"
                 for i, arg in enumerate(kept) if canonical_flag(arg.split("=")[0]) in names]
+    given, fields = {canonical_flag(arg.split("=")[0]) for arg in kept}, best.run_fields()
+    from_preset = [f"{key} = {value}" for section in flags.preset.values() for key, value in section.items()
+                   if key in fields and f"--{key.replace('_', '-')}" not in given and value != fields[key]]
+    instead = [f"the given {', '.join(replaced)}"] * bool(replaced) + [f"the preset's {', '.join(from_preset)}"] * \
+        bool(from_preset)
     print(f"--auto-layout: training with {' '.join(best.flags())} ({best.prediction}; "
           f"{best.memory / 2 ** 30:.3f} GiB on its largest rank)"
-          + (f"; in place of the given {', '.join(replaced)}" if replaced else ""))
+          + (f"; in place of {' and '.join(instead)}" if instead else ""))
     return kept + best.run_flags()
 
 

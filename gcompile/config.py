@@ -573,6 +573,7 @@ def parse_args(argv: list[str]) -> tuple[RunConfig, argparse.Namespace]:
     """The run config from `--config` and flags, and the flags that are not config keys."""
     args = parser().parse_args(argv)
     overrides = load_toml(args.config) if "config" in args else {}
+    overrides_of_preset = {section: dict(values) for section, values in overrides.items()}
     index = {f.name: (section, f) for section, f in _field_index().values()}
     for name, value in vars(args).items():
         if name in index:
@@ -581,7 +582,8 @@ def parse_args(argv: list[str]) -> tuple[RunConfig, argparse.Namespace]:
     extras = argparse.Namespace(dump_only=getattr(args, "dump_only", False),
                                 check_plan=getattr(args, "check_plan", False),
                                 auto_layout=getattr(args, "auto_layout", False),
-                                world_size=getattr(args, "world_size", None), machine=getattr(args, "machine", None))
+                                world_size=getattr(args, "world_size", None), machine=getattr(args, "machine", None),
+                                preset=overrides_of_preset)
     if extras.world_size is not None and not extras.auto_layout:
         raise ConfigError("--world-size is what --auto-layout plans for; give both, or give --tp, --pp, --dp")
     if extras.machine is not None and not (extras.auto_layout or extras.check_plan or extras.dump_only):

@@ -97,10 +97,14 @@ class Candidate:
     def flags(self) -> list[str]:
         return layout_flags(self.layout)
 
+    def run_fields(self) -> dict:
+        """The layout and every other field the planner set (its cp, ep and vpp of 1 too)."""
+        return {**self.layout, **{k: v for k, v in PLANNED.items() if k not in self.layout}}
+
     def run_flags(self) -> list[str]:
-        """`flags()` and every other field the planner set, so that a run given them after its own flags (or a
-        preset's keys) is this layout, whatever those said: its cp, ep and vpp of 1 too."""
-        return layout_flags({**self.layout, **{k: v for k, v in PLANNED.items() if k not in self.layout}})
+        """`run_fields()` as flags, so that a run given them after its own flags (or a preset's keys) is this
+        layout, whatever those said."""
+        return layout_flags(self.run_fields())
 
 
 class Refusal(NamedTuple):

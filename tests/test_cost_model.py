@@ -504,6 +504,18 @@ def test_auto_layout_names_the_layout_flags_it_replaces(tmp_path, capsys):
     assert line.endswith("; in place of the given --micro-batch-size 2"), line
 
 
+def test_auto_layout_names_the_preset_values_it_replaces(tmp_path, capsys):
+    """tiny.toml's micro_batch_size = 4 gave way to the planner's 8 unnamed: only flags were listed."""
+    machine = tmp_path / "machine.json"
+    machine_file.save(flat_machine(), str(machine))
+    argv = ["--config", os.path.join(ROOT, "configs", "tiny.toml"), "--global-batch-size", "16", "--auto-layout",
+            "--world-size", "2", "--machine", str(machine)]
+    chosen = run_gpt.auto_layout(*parse_args(argv), argv)
+    assert chosen[chosen.index("--micro-batch-size") + 1] == "8"
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("--auto-layout: training")]
+    assert line.endswith("; in place of the preset's micro_batch_size = 4"), line
+
+
 def test_auto_layout_trains_the_world_it_planned(tmp_path, capsys):
     """A layout names cp, ep and vpp only above 1, yet the run is parsed from the user's flags too: a given
     --context-parallel-size 2 (Megatron's spelling of --cp) must not survive into a run of twice the ranks, nor a
@@ -516,7 +528,8 @@ def test_auto_layout_trains_the_world_it_planned(tmp_path, capsys):
     config, _ = parse_args(chosen)
     assert config.world_size == 1 and (config.parallel.cp, config.parallel.sharding) == (1, "no_shard")
     (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("--auto-layout: training")]
-    assert line.endswith("; in place of the given --context-parallel-size 2, --use-distributed-optimizer"), line
+    assert line.endswith("; in place of the given --context-parallel-size 2, --use-distributed-optimizer and the "
+                         "preset's micro_batch_size = 4"), line
 
 
 def test_an_action_computes_at_the_slowdown_of_the_ranks_computing_while_it_runs():
