@@ -493,26 +493,26 @@ def test_auto_layout_that_finds_none_prints_the_reasons_it_names(tmp_path, capsy
         f"{os.path.join(ROOT, 'configs', 'tiny.toml')} --run-dir {tmp_path / 'run'} --refused 12"]
 
 
-def test_auto_layout_names_the_layout_flags_it_replaces(tmp_path, capsys):
+def auto_layout(tmp_path, capsys, *flags) -> tuple[list[str], list[str], str]:
+    """(the run's flags, the flags --auto-layout makes of them on tiny.toml, its `training with` line)."""
     machine = tmp_path / "machine.json"
     machine_file.save(flat_machine(), str(machine))
-    argv = ["--config", os.path.join(ROOT, "configs", "tiny.toml"), "--micro-batch-size", "2", "--auto-layout",
-            "--world-size", "1", "--machine", str(machine)]
+    argv = ["--config", os.path.join(ROOT, "configs", "tiny.toml"), *flags, "--machine", str(machine)]
     chosen = run_gpt.auto_layout(*parse_args(argv), argv)
-    assert chosen[:4] == argv[:4] and chosen[4:6] == ["--tp", "1"]  # the plan's flags come last: they win
     (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("--auto-layout: training")]
+    return argv, chosen, line
+
+
+def test_auto_layout_names_the_layout_flags_it_replaces(tmp_path, capsys):
+    argv, chosen, line = auto_layout(tmp_path, capsys, "--micro-batch-size", "2", "--auto-layout", "--world-size", "1")
+    assert chosen[:4] == argv[:4] and chosen[4:6] == ["--tp", "1"]  # the plan's flags come last: they win
     assert line.endswith("; in place of the given --micro-batch-size 2"), line
 
 
 def test_auto_layout_names_the_preset_values_it_replaces(tmp_path, capsys):
     """tiny.toml's micro_batch_size = 4 gave way to the planner's 8 unnamed: only flags were listed."""
-    machine = tmp_path / "machine.json"
-    machine_file.save(flat_machine(), str(machine))
-    argv = ["--config", os.path.join(ROOT, "configs", "tiny.toml"), "--global-batch-size", "16", "--auto-layout",
-            "--world-size", "2", "--machine", str(machine)]
-    chosen = run_gpt.auto_layout(*parse_args(argv), argv)
+    _, chosen, line = auto_layout(tmp_path, capsys, "--global-batch-size", "16", "--auto-layout", "--world-size", "2")
     assert chosen[chosen.index("--micro-batch-size") + 1] == "8"
-    (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("--auto-layout: training")]
     assert line.endswith("; in place of the preset's micro_batch_size = 4"), line
 
 
@@ -520,14 +520,10 @@ def test_auto_layout_trains_the_world_it_planned(tmp_path, capsys):
     """A layout names cp, ep and vpp only above 1, yet the run is parsed from the user's flags too: a given
     --context-parallel-size 2 (Megatron's spelling of --cp) must not survive into a run of twice the ranks, nor a
     given --use-distributed-optimizer into one that shards where the planner predicted none."""
-    machine = tmp_path / "machine.json"
-    machine_file.save(flat_machine(), str(machine))
-    argv = ["--config", os.path.join(ROOT, "configs", "tiny.toml"), "--context-parallel-size", "2",
-            "--use-distributed-optimizer", "--auto-layout", "--world-size", "1", "--machine", str(machine)]
-    chosen = run_gpt.auto_layout(*parse_args(argv), argv)
+    _, chosen, line = auto_layout(tmp_path, capsys, "--context-parallel-size", "2", "--use-distributed-optimizer",
+                                  "--auto-layout", "--world-size", "1")
     config, _ = parse_args(chosen)
     assert config.world_size == 1 and (config.parallel.cp, config.parallel.sharding) == (1, "no_shard")
-    (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("--auto-layout: training")]
     assert line.endswith("; in place of the given --context-parallel-size 2, --use-distributed-optimizer and the "
                          "preset's micro_batch_size = 4"), line
 
