@@ -100,8 +100,10 @@ def plan_only(config: RunConfig, dump_only: bool, machine_path: str | None) -> i
         dump_schedule(programs[0].schedule, config.log.run_dir)
     if dump_only:
         dump_text(config.log.dump_graphs, "plan.txt", report + "\n")
-        print(f"{counted(len(programs), 'distinct program')} for {counted(config.world_size, 'rank')} in "
-              f"{config.log.dump_graphs}, "
+        built = f"{counted(len(programs), 'program')}, one a rank (a user pass may read the dp position)," \
+            if config.parallel.passes and len(programs) == config.world_size > 1 else \
+            counted(len(programs), 'distinct program')
+        print(f"{built} for {counted(config.world_size, 'rank')} in {config.log.dump_graphs}, "
               f"index.txt names the ranks of each folder ({time.perf_counter() - start:.1f} s); "
               f"read them with: python -m gcompile.inspect {config.log.dump_graphs}")
     return 0

@@ -40,6 +40,14 @@ def run(*args, **kwargs):
     return subprocess.run([sys.executable, "run_gpt.py", *args], capture_output=True, text=True, cwd=ROOT, **kwargs)
 
 
+def test_dump_only_with_a_user_pass_says_each_rank_is_built(tmp_path, capsys):
+    """It said "4 distinct programs" of tp2 dp2, whose dp pairs are alike: each rank is built, not distinct."""
+    assert run_gpt.main(["--config", "configs/tiny.toml", "--tp", "2", "--dp", "2", "--micro-batch-size", "2",
+                         "--passes", "after:lower=tests.careless_passes:does_nothing", "--dump-only",
+                         "--dump-graphs", str(tmp_path)]) == 0
+    assert "4 programs, one a rank (a user pass may read the dp position), for 4 ranks in" in capsys.readouterr().out
+
+
 def test_dump_only_builds_a_large_world_in_one_process(tmp_path, capsys):
     """128 ranks, 32 distinct programs: a folder each, index.txt for the ranks of each, and inspect reads a
     rank without a folder from its program's."""
@@ -190,7 +198,8 @@ def test_memory_budget():
     programs = build_world(config(dp=2, use_distributed_optimizer=True), log=lambda _: None)
     need = estimate_memory(programs[0]).total / 2 ** 30
     check_plan(programs, memory_budget_gb=need * 1.01)
-    with pytest.raises(PlanError, match=r"rank 0 .* needs about .* GiB \(> --memory-budget-gb"):
+    with pytest.raises(PlanError, match=r"rank 0 .* needs about .* GiB \(> --memory-budget-gb .*; save memory "
+                                        r"\(python -m gcompile.plan --memory-budget-gb .* finds the layouts that fit"):
         check_plan(programs, memory_budget_gb=need * 0.9)
     sharded = estimate_memory(programs[0]).optimizer
     unsharded = estimate_memory(build_world(config(dp=2), log=lambda _: None)[0]).optimizer
