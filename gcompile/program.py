@@ -67,9 +67,13 @@ class Stage:
         return self.graph.graph.output_node()
 
 
+BATCH_ROLES = ("idx", "targets")
+"""The microbatch's inputs, by role: token ids and next-token targets, in forward's order."""
+
+
 def activation_roles(inputs: list[str], rank_constants: dict[str, int]) -> list[str]:
     """The input roles received from the previous stage (not batch data, not rank constants)."""
-    return [r for r in inputs if r not in ("idx", "targets") and r not in rank_constants]
+    return [r for r in inputs if r not in BATCH_ROLES and r not in rank_constants]
 
 
 @dataclass

@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from gcompile.flight import NO_RECORDER, FlightRecorder
 from gcompile.memory import PeakMeter, StepPeak
+from gcompile.program import BATCH_ROLES
 from gcompile.rank_program import RankProgram
 from gcompile.report import is_metric
 from gcompile.instructions import OPT_STEP, OPTIMIZER, WAIT_SEND, Instruction
@@ -221,7 +222,7 @@ class Runtime:
     def _forward(self, a: Instruction, training: bool):
         stage = self.program.stages[a.stage]
         acts = iter(self._take(a.reads[0]) if a.stage > 0 else [])
-        fixed = dict(zip(("idx", "targets"), self.batch[a.mb]), **self.constants[a.stage])
+        fixed = dict(zip(BATCH_ROLES, self.batch[a.mb]), **self.constants[a.stage])
         inputs = [fixed[role] if role in fixed else next(acts) for role in stage.inputs]
         out = self.functions[a.stage].forward(*self.param_args[a.stage], *inputs)
         outputs, saved = out[:len(stage.outputs)], out[len(stage.outputs):]

@@ -49,7 +49,7 @@ import torch.fx as fx
 
 from gcompile import collectives, cp_ops, ring_attention, tp_ops
 from gcompile.pass_manager import PassContext, register_pass
-from gcompile.program import Program, Stage
+from gcompile.program import BATCH_ROLES, Program, Stage
 from gcompile.report import REPORT
 from passes.rewrite import GraphMismatch, insert_call, rank_constant, whole_model_copy
 from passes.sequence_parallel import TOKEN_WISE
@@ -99,7 +99,7 @@ class _Splitter(TokenRows):
     def run(self) -> None:
         graph = self.stage.graph.graph
         for role, node in self.stage.input_nodes().items():
-            if role in ("idx", "targets") and node.users:
+            if role in BATCH_ROLES and node.users:
                 first_use = next(n for n in graph.nodes if n in node.users)  # keeps it in that use's pipeline stage
                 local = self.local(node, 1, first_use)
                 node.replace_all_uses_with(local, delete_user_cb=lambda user: user is not local)

@@ -41,6 +41,9 @@ def test_parallel_block_model_matches_single_device(parallel):
     ("examples/parallel_block.py:TP_PLAN", "is a tuple, not a ModelSpec"),
     ("examples/missing.py:SPEC", "no file examples/missing.py"),
     ("examples/parallel_block.py:spec", "has no 'spec'; did you mean 'SPEC'?"),
+    ("tests.test_models:TINY", "its example batch names forward's inputs tokens, labels; the passes and the "
+                               "runtime feed it idx, targets"),  # a model otherwise right: a StopIteration
+    # traceback from its first forward
 ])
 def test_a_model_that_cannot_be_loaded_is_one_line(arch, message, capsys):
     assert run_gpt.main(["--arch", arch, "--train-iters", "1"]) == 2

@@ -36,6 +36,7 @@ def register_user_model(arch: str, reserved: dict[str, str] | None = None) -> st
     `reserved`: names its config's fields may not have (the run's own keys, by where they live), since the
     flag of that name sets the run's."""
     from gcompile.models.spec import ModelSpec
+    from gcompile.program import BATCH_ROLES
 
     found = load_object(arch, "model")
     try:
@@ -51,6 +52,11 @@ def register_user_model(arch: str, reserved: dict[str, str] | None = None) -> st
         raise UserCodeError(f"model {arch!r}: its config {getattr(spec.config, '__name__', spec.config)!r} is not a "
                             f"frozen dataclass; declare it with @dataclass(frozen=True) (its fields become the "
                             f"[model] keys)")
+    roles = tuple(i.role for i in spec.example_batch(1, 1))
+    if roles != BATCH_ROLES:
+        raise UserCodeError(f"model {arch!r}: its example batch names forward's inputs {', '.join(roles)}; the "
+                            f"passes and the runtime feed it {', '.join(BATCH_ROLES)} (token ids, next-token "
+                            f"targets): leave example_batch to spec_with_defaults, or name them so")
     reserved = reserved or {}
     if clash := [f"{f.name} ({reserved[f.name]})" for f in dataclasses.fields(spec.config) if f.name in reserved]:
         raise UserCodeError(f"model {arch!r}: its config's {', '.join(clash)} {'is' if len(clash) == 1 else 'are'} "

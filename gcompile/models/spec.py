@@ -13,6 +13,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from gcompile.program import BATCH_ROLES
+
 
 @dataclass(frozen=True)
 class Input:
@@ -106,8 +108,7 @@ def default_tp_errors(model: nn.Module, name: str, placement: str, tp: int) -> l
 
 def token_batch(micro_batch_size: int, seq_length: int) -> tuple[Input, ...]:
     """forward(idx, targets): token ids and next-token labels, (micro_batch_size, seq_length) each."""
-    return (Input("idx", (micro_batch_size, seq_length), torch.long),
-            Input("targets", (micro_batch_size, seq_length), torch.long))
+    return tuple(Input(role, (micro_batch_size, seq_length), torch.long) for role in BATCH_ROLES)
 
 
 def spec_with_defaults(name: str, config: type, module: Callable[[Any], nn.Module], **facts) -> ModelSpec:
