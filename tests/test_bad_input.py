@@ -373,7 +373,8 @@ CASES = [
      "Masked.forward(idx) must take (idx, targets)"),
     ("own model's tp plan misspelt", "run_gpt", ["--arch", "{tmp}/typo.py:SPEC", "--tp", "2", "--check-plan"],
      lambda tmp, saved: (tmp / "typo.py").write_text(open(os.path.join(ROOT, "examples", "parallel_block.py")).read()
-                                                    .replace('"blocks.*.qkv=column"', '"blocks.*.qkvv=column"')),
+                                                    .replace('"blocks.*.qkv=column"', '"blocks.*.qkvv=column"')
+                                                    .replace('"parallel_block"', '"misspelt_plan"')),
      "tp_plan entry 'blocks.*.qkvv=column' matches no module"),  # was: a GraphMismatch at another line
     ("own model returning two values", "run_gpt", ["--arch", "{tmp}/two.py:SPEC"],
      lambda tmp, saved: (tmp / "two.py").write_text(RETURNS_TWO),  # was: a traceback from lowering
