@@ -9,6 +9,7 @@ Ranks: tp * pp * dp. Started plainly, this spawns them locally (gloo on CPU,
 nccl on CUDA); under torchrun it joins the given world.
 """
 
+import contextlib
 import os
 import signal
 import sys
@@ -24,7 +25,7 @@ if __name__ == "__main__":
 
 import torch
 
-from gcompile.checkpoint import CheckpointError, check
+from gcompile.checkpoint import CheckpointError, check, claimed
 from gcompile.data import DataError, build_datasets, check_batches, check_token_ids
 from gcompile.check import PlanError, check_fits_machine, check_plan
 from gcompile.mesh import MeshError, check_shm_room
@@ -160,6 +161,11 @@ def auto_layout(config: RunConfig, flags, argv: list[str]) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
+    with contextlib.ExitStack() as held:  # what the run holds until it ends: its --save folder
+        return _run(argv, held)
+
+
+def _run(argv: list[str], held: contextlib.ExitStack) -> int:
     try:
         config, flags = parse_args(argv)
         if flags.auto_layout and not under_launcher():
@@ -184,7 +190,9 @@ def main(argv: list[str]) -> int:
             train_data, valid_data = build_datasets(config.data, t.seq_length, t.seed)  # prepare once, check early
             check_token_ids(config.data, train_data, valid_data, config.model.vocab_size)
             check_batches(config.data, train_data, valid_data, t.global_batch_size, evaluates=t.eval_interval > 0)
-            check(config)  # --save can be written, the checkpoint to --load is whole and fits
+            if config.checkpoint.save:
+                held.enter_context(claimed(config.checkpoint.save))  # until the run ends: no other run saves there
+            check(config)  # the checkpoint to --load is whole and fits
             if config.world_size > 1:
                 check_shm_room(config)
                 device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -39,12 +39,14 @@ it holds, so `generate --model` does.
 
 import contextlib
 import dataclasses
+import fcntl
 import json
 import math
 import os
 import pickle
 import re
 import shutil
+import socket
 import sys
 import warnings
 import zlib
@@ -416,17 +418,44 @@ class Checkpoint:
         return self.files.get(key, "its DCP .metadata")
 
 
+IN_USE = ".in_use"
+"""A file in the --save folder that the run saving there holds locked (and names itself in)."""
+
+
+@contextlib.contextmanager
+def claimed(save: str):
+    """Hold the --save folder for as long as the run lasts: two runs saving into one folder renamed and deleted
+    each other's iter_N.tmp and committed one run's metadata with the other's shards. A second run is refused
+    (CheckpointError) while the first lives; the kernel lets go of the lock when its process ends, however."""
+    try:
+        os.makedirs(save, exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(f"--save {save}: cannot create the folder ({e.strerror})") from None
+    if not os.access(save, os.W_OK | os.X_OK):
+        raise CheckpointError(f"--save {save}: the folder is not writable")
+    try:
+        f = open(os.path.join(save, IN_USE), "a+")
+    except OSError as e:
+        raise CheckpointError(f"--save {save}: cannot write {IN_USE} in it ({e.strerror})") from None
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            raise CheckpointError(f"--save {save} is in use by another run ({holder}); wait for it to end, or "
+                                  f"save to another folder") from None
+        f.truncate(0)
+        f.write(f"process {os.getpid()} on {socket.gethostname()}\n")
+        f.flush()
+        yield
+
+
 def check(config: RunConfig) -> None:
     """Before any rank starts: --save can be written, and the checkpoint --load resumes from (if any) is
-    whole and of this model."""
+    whole and of this model. The caller holds --save (`claimed`) first: two runs could both find it empty."""
     c = config.checkpoint
     if c.save:
-        try:
-            os.makedirs(c.save, exist_ok=True)
-        except OSError as e:
-            raise CheckpointError(f"--save {c.save}: cannot create the folder ({e.strerror})") from None
-        if not os.access(c.save, os.W_OK | os.X_OK):
-            raise CheckpointError(f"--save {c.save}: the folder is not writable")
         resumed = c.load is not None and os.path.realpath(c.load) == os.path.realpath(c.save)
         if not resumed and (other := latest(c.save)) is not None:  # its iter_N would be written over
             raise CheckpointError(f"--save {c.save} holds another run's checkpoint ({os.path.basename(other)}); "

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 
@@ -192,6 +193,20 @@ def test_killed_save_leaves_the_previous_checkpoint(dp2, tmp_path, capsys):
     assert_close(losses(run_dir), losses(dp2["straight"] / "run")[N:], "resumed after a killed save")
     assert (save / TRACKER).read_text().strip() == str(2 * N)
     assert not [name for name in os.listdir(save) if name.endswith(TMP)], "the next save clears leftovers"
+
+
+def test_a_second_run_saving_into_a_folder_in_use_is_refused(tmp_path, capsys):
+    """Two runs saving into one new folder both found it empty, then renamed and deleted each other's iter_N.tmp:
+    one committed a checkpoint of its metadata and the other's shards, and said "saved"."""
+    save = tmp_path / "save"
+    with checkpoint.claimed(str(save)):  # the first run, still going
+        status = run_gpt.main(SMALL + ["--save", str(save), "--run-dir", str(tmp_path / "second")])
+        assert status == 2 and capsys.readouterr().err == (
+            f"run_gpt.py: error: --save {save} is in use by another run (process {os.getpid()} on "
+            f"{socket.gethostname()}); wait for it to end, or save to another folder\n")
+        assert not os.path.exists(tmp_path / "second" / "metrics.jsonl"), "it trained"
+    assert run_gpt.main(SMALL + ["--train-iters", "1", "--save", str(save), "--run-dir", str(tmp_path / "after")]) == 0
+    assert (save / TRACKER).read_text().strip() == "1"
 
 
 @pytest.mark.parametrize("runs", ["dp2", pytest.param("model_parallel", marks=pytest.mark.slow)])
