@@ -65,7 +65,7 @@ from gcompile.flat import Span
 from gcompile.layout import Param, Shard, first_holder, full_value, local_value
 from gcompile.machine import ram_bytes
 from gcompile.axes import ACROSS, AXES, FOLDED, Coords
-from gcompile.models import DEFAULT_MODEL, MODELS, model_spec, spec_of
+from gcompile.models import DEFAULT_MODEL, MODELS, is_users, model_spec, spec_of
 from gcompile.models.spec import ModelSpec
 from gcompile.paths import path_error
 from gcompile.rank_program import RankProgram
@@ -174,7 +174,8 @@ def save(root: str, progress: Progress, config: RunConfig, program: RankProgram,
                             layout=dict(coords.axis_sizes, distributed_optimizer=program.optimizer_shard is not None,
                                         param_dtype=str(program.step_settings.param_dtype).removeprefix("torch."),
                                         main=state.main is not None),
-                            model=config.model_spec.name, config=dataclasses.asdict(config), params=params, keys=keys)
+                            model=config.model_spec.name, config=dataclasses.asdict(config), params=params, keys=keys,
+                            **({"arch": MODELS[config.model_spec.name]} if is_users(config.model) else {}))
                 _write_durably(os.path.join(tmp, METADATA), json.dumps(meta, indent=1))
                 _write_durably(os.path.join(tmp, CHECKSUMS), write_checksums(tmp))
         with together():  # every rank's files are complete
@@ -268,6 +269,10 @@ class Checkpoint:
             self.meta = json.loads(read_checked(folder, METADATA))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{path}: unreadable ({e})") from None
+        if isinstance(self.meta, dict) and isinstance(name := self.meta.get("model"), str) and name not in MODELS:
+            arch = self.meta.get("arch") if isinstance(self.meta.get("arch"), str) else "FILE:SPEC"
+            raise CheckpointError(f"{folder} holds a {name!r} model, your own, which this run has not loaded: give "
+                                  f"the run --arch {arch}, as it was saved (built-in: {', '.join(MODELS)})")
         try:
             _check_meta(self.meta)
             layout = self.meta["layout"]
@@ -330,7 +335,8 @@ class Checkpoint:
         """`model` (a model config) is the model saved here, up to dropout."""
         if spec_of(model) is not self.model_spec:
             raise CheckpointError(f"{self.folder} holds a {self.model_spec.name} model "
-                                  f"(this run: {spec_of(model).name}); give the run its model (--arch)")
+                                  f"(this run: {spec_of(model).name}); give the run its model (--arch "
+                                  f"{self.meta.get('arch', self.model_spec.name)})")
         saved = self.model_config
         diffs = [f"{f.name}={getattr(saved, f.name)} (this run: {getattr(model, f.name)})"
                  for f in dataclasses.fields(saved) if f.name != "dropout"
@@ -704,8 +710,6 @@ def _check_meta(meta) -> None:
                 raise ValueError(f"no {where!r}")
             if not isinstance(record[name], kind) or (isinstance(record[name], bool) and kind is int):
                 raise ValueError(f"{where!r} is {json.dumps(record[name])[:40]}, of the wrong type")
-    if meta["model"] not in MODELS:
-        raise ValueError(f"model {meta['model']!r} is none of {', '.join(MODELS)}")
     config = model_spec(meta["model"]).config
     config(**meta["config"]["model"])  # TypeError: a field this model does not have
     kinds = {f.name: type(f.default) for f in dataclasses.fields(config)

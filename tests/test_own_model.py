@@ -4,6 +4,9 @@ Numerics as everywhere: fp32, relative error at most 1e-5 of losses and grad nor
 final parameters, against single-device eager autograd + AdamW, every rank in this process.
 """
 
+import subprocess
+import sys
+
 import pytest
 
 import run_gpt
@@ -64,3 +67,18 @@ def test_a_model_file_imports_the_module_beside_it(tmp_path, capsys):
     (tmp_path / "front.py").write_text("from block_beside import SPEC\n")
     assert run_gpt.main(["--arch", f"{tmp_path}/front.py:SPEC", "--n-layer", "2", "--check-plan"]) == 0, \
         capsys.readouterr().err
+
+
+def test_a_checkpoint_of_an_own_model_names_the_arch_to_load_it_with(tmp_path, capsys):
+    """It was called damaged ("model 'parallel_block' is none of gpt2, llama ... load an earlier checkpoint")."""
+    small = ["--n-layer", "2", "--train-iters", "1", "--eval-interval", "0"]
+    assert run_gpt.main(["--arch", ARCH, *small, "--save", str(tmp_path / "save"), "--run-dir", str(tmp_path)]) == 0
+    capsys.readouterr()
+    assert run_gpt.main([*small, "--train-iters", "2", "--load", str(tmp_path / "save")]) == 2
+    assert capsys.readouterr().err.endswith(f"holds a parallel_block model (this run: gpt2); give the run its model "
+                                            f"(--arch {ARCH})\n")
+    fresh = subprocess.run([sys.executable, "run_gpt.py", *small, "--load", str(tmp_path / "save")],
+                           capture_output=True, text=True)  # where nothing registered parallel_block
+    assert fresh.returncode == 2 and fresh.stderr.endswith(
+        f"holds a 'parallel_block' model, your own, which this run has not loaded: give the run --arch {ARCH}, as "
+        f"it was saved (built-in: gpt2, llama)\n"), fresh.stderr
