@@ -62,7 +62,7 @@ def read_checked(folder: str, name: str) -> bytes:
         raise CheckpointError(f"{path}: unreadable; the file is damaged") from None
     if zlib.crc32(data) != recorded:
         raise CheckpointError(f"{os.path.join(folder, name)} does not match its checksum in {CHECKSUMS}; "
-                              f"the file is corrupted")
+                              f"one of the two is corrupted")
     return data
 
 
