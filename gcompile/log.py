@@ -31,6 +31,8 @@ class MetricsLog:
             os.replace(path, os.path.join(run_dir, f"metrics.{n}.jsonl"))
             log(f"{path} held another run (up to iteration {last}); kept as metrics.{n}.jsonl, "
                 f"this run starts a fresh one")
+        elif last is not None:
+            _drop_cut_line(path)
         self.jsonl = open(path, "a")
         self.train_iters = train_iters
         self.world_size = world_size
@@ -121,6 +123,17 @@ class MetricsLog:
     def close(self) -> None:
         self.jsonl.close()
         self.tensorboard.close()
+
+
+def _drop_cut_line(path: str) -> None:
+    """Remove a last record a crash cut short: the run that continues the file appended its first record to it,
+    which lost both."""
+    with open(path, "rb+") as f:
+        start = max(0, f.seek(0, os.SEEK_END) - 4096)  # a record is a few hundred bytes
+        f.seek(start)
+        tail = f.read()
+        if tail and not tail.endswith(b"\n"):
+            f.truncate(start + tail.rfind(b"\n") + 1)
 
 
 def last_iteration(path: str) -> int | None:

@@ -137,6 +137,15 @@ def test_a_new_run_starts_its_own_metrics_file_and_a_resume_continues_it(tmp_pat
                      "this run starts a fresh one"]
 
 
+def test_a_resume_after_a_crash_cut_the_last_record_starts_on_a_line_of_its_own(tmp_path):
+    """The resume appended its first record to the cut one, and both were lost to a reader."""
+    write_steps(tmp_path, 0, 3, [])
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"iteration": 4, "consumed_sam')  # the crash, mid-record
+    write_steps(tmp_path, 3, 5, [])
+    assert iterations(tmp_path / "metrics.jsonl") == [1, 2, 3, 4, 5]
+
+
 # --- the schedule picture, and --dump-schedule with --check-plan --------------------------------------
 
 GLYPH = 0.6
