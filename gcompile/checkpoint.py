@@ -756,8 +756,8 @@ def _save_failure(root: str, tmp: str, iteration: int, failure: PhaseFailed, nee
     kept = (f"{TRACKER} still names iteration {open(tracker).read().strip()}" if os.path.isfile(tracker)
             else "no checkpoint was committed before")
     if failure.no_space:
-        why = (f"no space left on the device: the checkpoint needs {size_text(needed)}, "
-               f"{size_text(shutil.disk_usage(root).free)} is free")
+        why = (f"no space left on the device ({size_text(shutil.disk_usage(root).free)} free; the checkpoint's "
+               f"tensors alone take {size_text(needed)}, its files more)")
     else:
         why = f"{failure}"
     return f"--save {root}: saving iteration {iteration} failed, {why}; removed the half-written {os.path.basename(tmp)}; {kept}"
