@@ -46,7 +46,6 @@ import os
 import pickle
 import re
 import shutil
-import socket
 import sys
 import warnings
 import zlib
@@ -424,37 +423,28 @@ class Checkpoint:
         return self.files.get(key, "its DCP .metadata")
 
 
-IN_USE = ".in_use"
-"""A file in the --save folder that the run saving there holds locked (and names itself in)."""
-
-
 @contextlib.contextmanager
 def claimed(save: str):
-    """Hold the --save folder for as long as the run lasts: two runs saving into one folder renamed and deleted
-    each other's iter_N.tmp and committed one run's metadata with the other's shards. A second run is refused
-    (CheckpointError) while the first lives; the kernel lets go of the lock when its process ends, however."""
+    """Hold the --save folder (a lock on the folder itself) for as long as the run lasts: two runs saving into
+    one folder renamed and deleted each other's iter_N.tmp and committed one run's metadata with the other's
+    shards. A second run is refused (CheckpointError) while the first lives; the kernel lets go of the lock when
+    its process ends, however it ends, and nothing is left in the folder."""
     try:
         os.makedirs(save, exist_ok=True)
     except OSError as e:
         raise CheckpointError(f"--save {save}: cannot create the folder ({e.strerror})") from None
     if not os.access(save, os.W_OK | os.X_OK):
         raise CheckpointError(f"--save {save}: the folder is not writable")
+    folder = os.open(save, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        f = open(os.path.join(save, IN_USE), "a+")
-    except OSError as e:
-        raise CheckpointError(f"--save {save}: cannot write {IN_USE} in it ({e.strerror})") from None
-    with f:
         try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(folder, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            f.seek(0)
-            holder = f.read().strip() or "another process"
-            raise CheckpointError(f"--save {save} is in use by another run ({holder}); wait for it to end, or "
+            raise CheckpointError(f"--save {save} is in use: another run is saving there; wait for it to end, or "
                                   f"save to another folder") from None
-        f.truncate(0)
-        f.write(f"process {os.getpid()} on {socket.gethostname()}\n")
-        f.flush()
         yield
+    finally:
+        os.close(folder)
 
 
 def check(config: RunConfig) -> None:

@@ -13,7 +13,7 @@ import subprocess
 import pytest
 
 import run_gpt
-from gcompile.checkpoint import IN_USE, TMP, TRACKER, Checkpoint, iteration_dir
+from gcompile.checkpoint import TMP, TRACKER, Checkpoint, iteration_dir
 from gcompile.stop import PhaseFailed, together
 
 SMALL = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--block-size", "16", "--seq-length", "16",
@@ -53,7 +53,7 @@ def test_full_disk_keeps_the_previous_checkpoint(tmp_path, capsys):
                 "free; the checkpoint's tensors alone take" in err[0]), err
         assert (f"removed the half-written {os.path.basename(iteration_dir(save, 2))}{TMP}; {TRACKER} still names "
                 f"iteration 1") in err[0], err
-        assert sorted(os.listdir(save)) == [IN_USE, os.path.basename(iteration_dir(save, 1)), TRACKER]
+        assert sorted(os.listdir(save)) == [os.path.basename(iteration_dir(save, 1)), TRACKER]
         assert (save / TRACKER).read_text().strip() == "1"
         Checkpoint(iteration_dir(save, 1)).verify()
 
@@ -79,7 +79,7 @@ def test_full_disk_inside_a_shard_write(tmp_path, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert status == 1 and len(err) == 1, err
         assert "saving iteration 1 failed, no space left on the device" in err[0], err
-        assert "no checkpoint was committed before" in err[0] and os.listdir(save) == [IN_USE], err
+        assert "no checkpoint was committed before" in err[0] and os.listdir(save) == [], err
 
 
 @pytest.mark.slow
