@@ -523,7 +523,7 @@ def export(path: str, output: str) -> str:
     # every state-dict key, a tied alias included, as the same tensor as its parameter
     state_dict = {key: weights[names[id(p)]] for key, p in model.state_dict(keep_vars=True).items()}
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-    torch.save(dict(model=state_dict, model_args=dataclasses.asdict(config),
+    torch.save(dict(model=state_dict, model_args=checkpoint.model_spec.export_args(config),
                     iter_num=checkpoint.meta["iteration"]), output)
     return checkpoint.folder
 

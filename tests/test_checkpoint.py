@@ -26,7 +26,7 @@ from gcompile.data import build_datasets
 from gcompile.flat import flat_layout
 from gcompile.layout import Param, Shard
 from gcompile.axes import Coords
-from gcompile.models.gpt2 import GPT, GPT2
+from gcompile.models.gpt2 import GPT, GPT2, NANOGPT_ARGS
 from gcompile.pipeline import build_rank_program
 from gcompile.sample import sample
 from gcompile.state import TrainState
@@ -213,6 +213,7 @@ def test_export_gives_the_distributed_loss(runs, request, tmp_path):
     dirs, output = request.getfixturevalue(runs), tmp_path / "model.pt"
     assert checkpoint.main(["export", str(dirs["cut"] / "save"), "--output", str(output)]) == 0
     exported = torch.load(output, weights_only=True)
+    assert sorted(exported["model_args"]) == sorted(NANOGPT_ARGS), "nanoGPT's GPTConfig(**model_args) takes these"
     cfg = config()
     model = GPT(cfg.model)
     model.load_state_dict(exported["model"])  # strict: every nanoGPT name, lm_head.weight included

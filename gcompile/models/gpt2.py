@@ -6,6 +6,7 @@ pipeline and data parallelism are graph passes over its captured program.
 Names follow nanoGPT so that its checkpoints and ours line up.
 """
 
+import dataclasses
 import math
 import zlib
 
@@ -184,6 +185,18 @@ def num_floating_point_operations(config: GPTConfig, batch_size: int, seq_length
     )
 
 
+NANOGPT_ARGS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size", "dropout")
+"""nanoGPT's GPTConfig fields, all of them: its sample.py builds GPTConfig(**model_args)."""
+
+
+def nanogpt_args(config: GPTConfig) -> dict:
+    """An export's model_args: nanoGPT's fields alone where the model is nanoGPT's (one MLP a block, exact
+    GELU); where it is not, every field, which nanoGPT's GPTConfig then refuses instead of building another
+    model."""
+    args = dataclasses.asdict(config)
+    return {k: args[k] for k in NANOGPT_ARGS} if config.num_experts == 0 and config.activation == "gelu" else args
+
+
 GPT2 = ModelSpec(
     name="gpt2",
     config=GPTConfig,
@@ -196,4 +209,5 @@ GPT2 = ModelSpec(
     decays=decays,
     context_length=lambda config: config.block_size,
     flops=num_floating_point_operations,
+    export_args=nanogpt_args,
 )

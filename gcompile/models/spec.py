@@ -7,6 +7,7 @@ registered by name in gcompile/models/__init__.py.
 
 import zlib
 from collections.abc import Callable
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +55,8 @@ class ModelSpec:
     """Longest sequence the model accepts; sampling keeps this many last tokens."""
     flops: Callable[[Any, int, int], float]
     """(config, global batch, seq length) -> FLOPs of one training step, for the throughput log."""
+    export_args: Callable[[Any], dict] = dataclasses.asdict
+    """config -> the `model_args` of the single-device file `export` writes (what a reader's config class takes)."""
 
     def build(self, config, seed: int, device="cpu", dtype=torch.float32) -> nn.Module:
         """The eager single-device model on its initial weights (`init_value` of every parameter).
