@@ -22,6 +22,7 @@ file fails with a DataError that names it instead of garbage tokens.
 """
 
 import os
+import re
 import struct
 import uuid
 
@@ -52,8 +53,33 @@ def _token_dtype(dtype) -> np.dtype:
 
 
 def temp_name(path: str) -> str:
-    """Unique per writer, so two processes preparing the same files never share one."""
+    """Unique per writer, so two processes preparing the same files never share one. Those a writer that
+    died left (killed, or stopped by a signal, which ends the process without unwinding) go with the next
+    writer of the path (`remove_leftovers`)."""
+    remove_leftovers(path)
     return f"{path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def remove_leftovers(path: str) -> None:
+    """Remove `path`'s temporary files of writers whose process is gone."""
+    folder, name = os.path.split(os.path.abspath(path))
+    for entry in os.listdir(folder) if os.path.isdir(folder) else ():
+        found = re.fullmatch(re.escape(name) + r"\.tmp-(\d+)-[0-9a-f]{8}", entry)
+        if found and not _alive(int(found[1])):
+            try:
+                os.remove(os.path.join(folder, entry))
+            except OSError:  # another writer took it first, or it is not ours to remove
+                pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 class IndexedDatasetWriter:
@@ -78,14 +104,28 @@ class IndexedDatasetWriter:
 
     def add_document(self, tokens) -> None:
         tokens = np.asarray(tokens)
+        if tokens.size and self.dtype.kind in "iu":
+            bounds = np.iinfo(self.dtype)
+            if tokens.min() < bounds.min or tokens.max() > bounds.max:  # astype would wrap them
+                outside = tokens.max() if tokens.max() > bounds.max else tokens.min()
+                raise DataError(f"{self.prefix}.bin: token id {outside} does not fit its {self.dtype.name}; write it "
+                                f"with a wider dtype")
         self._bin.write(tokens.astype(self.dtype, copy=False).tobytes())
         self.lengths.append(len(tokens))
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        self._bin.close()
-        if exc_type is not None:
-            os.remove(self._bin_tmp)
-            return
+        try:
+            self._bin.close()
+            if exc_type is None:
+                self._write_index()
+                os.replace(self._bin_tmp, self.prefix + ".bin")
+                os.replace(self._idx_tmp, self.prefix + ".idx")
+        finally:  # a failure (a full disk, an interrupt) leaves nothing behind
+            for temp in (self._bin_tmp, self._idx_tmp):
+                if os.path.exists(temp):
+                    os.remove(temp)
+
+    def _write_index(self) -> None:
         lengths = np.array(self.lengths, dtype="<i4")
         pointers = np.zeros(len(lengths), dtype="<i8")
         np.cumsum(lengths[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
@@ -93,8 +133,6 @@ class IndexedDatasetWriter:
         with open(self._idx_tmp, "wb") as f:
             f.write(HEADER.pack(MAGIC, 1, self.code, len(lengths), len(documents)))
             f.write(lengths.tobytes() + pointers.tobytes() + documents.tobytes())
-        os.replace(self._bin_tmp, self.prefix + ".bin")
-        os.replace(self._idx_tmp, self.prefix + ".idx")
 
 
 class IndexedDataset:

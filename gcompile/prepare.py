@@ -168,7 +168,7 @@ def prepare(inputs: list[str], output: str, pattern: str = "*", skip_dirs: tuple
         raise DataError(f"--append-eod: {spec.tokenizer_model} has no end-of-document token (no eos_token in a "
                         f"tokenizer_config.json beside it, none of {', '.join(tok.END_OF_DOCUMENT)}); "
                         "add one to the tokenizer or leave out --append-eod")
-    dtype = np.uint16 if tokenizer.vocab_size < 65500 else np.int32  # Megatron's rule
+    dtype = np.uint16 if tokenizer.id_bound < 65500 else np.int32  # Megatron's rule, on the largest id
     progress, largest = Progress(len(files)), -1
     with IndexedDatasetWriter(output, dtype=dtype) as writer:
         for nbytes, ids in _tokenized(files, spec, workers):

@@ -51,7 +51,7 @@ class TokenizerSpec:
 
 
 class ByteLevel:
-    vocab_size, eod = VOCAB_SIZE, EOD
+    vocab_size, eod, id_bound = VOCAB_SIZE, EOD, VOCAB_SIZE
 
     def encode(self, data: bytes) -> np.ndarray:
         return np.frombuffer(data, dtype=np.uint8)
@@ -71,6 +71,8 @@ class HuggingFace:
         self.tokenizer, self.eod = tokenizer, eod
         tokenizer.encode_special_tokens = True
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        self.id_bound = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+        """One above the largest id it can give (its vocab_size counts entries; ids may skip some)."""
 
     def encode(self, data: bytes) -> list[int]:
         return self.tokenizer.encode(data.decode("utf-8", errors="replace")).ids

@@ -8,6 +8,8 @@ decoding the prepared ids must give the text back.
 import json
 import os
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -225,3 +227,34 @@ def test_a_bad_tokenizer_config_is_one_line(corpus, tmp_path, capsys, config, me
                "--tokenizer-model", folder, "--append-eod") == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and re.search(message, err[0]), err
+
+
+def test_a_tokenizer_whose_ids_pass_65535_is_written_wide_enough(corpus, tmp_path):
+    """The file's dtype came from the tokenizer's entry count: an id of 70000 in a 300-entry vocabulary was
+    stored as 70000 - 65536, silently."""
+    assert cli("--input", corpus, "--output", tmp_path / "bpe", "--train-tokenizer", "--vocab-size", 300) == 0
+    spec = json.loads((tmp_path / "bpe.tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    token = next(t for t, i in vocab.items() if i == max(vocab.values()))
+    vocab[token] = 70000  # an id past 65535, the entry count unchanged
+    (tmp_path / "wide.json").write_text(json.dumps(spec))
+    (corpus / "f.txt").write_text(token * 10)
+    assert cli("--input", corpus / "f.txt", "--output", tmp_path / "wide", "--tokenizer-type", "HuggingFaceTokenizer",
+               "--tokenizer-model", tmp_path / "wide.json") == 0
+    assert 70000 in documents(tmp_path / "wide")[0]
+
+
+def test_the_writer_refuses_an_id_its_dtype_cannot_hold_and_leaves_nothing(tmp_path):
+    with pytest.raises(DataError, match=r"narrow.bin: token id 70000 does not fit its uint16; write it with a wider"):
+        with IndexedDatasetWriter(str(tmp_path / "narrow"), np.uint16) as writer:
+            writer.add_document([1, 2, 70000])
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_dead_writers_temporary_files_go_with_the_next_writer(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    left = tmp_path / f"corpus.bin.tmp-{dead.stdout.strip()}-0123abcd"
+    left.write_bytes(b"half")
+    with IndexedDatasetWriter(str(tmp_path / "corpus"), np.uint16) as writer:
+        writer.add_document([1, 2])
+    assert sorted(os.listdir(tmp_path)) == ["corpus.bin", "corpus.idx"]
