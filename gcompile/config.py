@@ -545,9 +545,11 @@ def parser() -> argparse.ArgumentParser:
         elif f.type == tuple[str, ...]:  # given more than once, the entries add up (--passes A --passes B)
             p.add_argument(f"--{flag}", *aliases, dest=f.name, metavar=f.name.upper(), help=help_text,
                            action="append")
-        else:
+        elif f.metadata.get("nargs") == "+":  # given more than once, the words add up (a blend in two flags)
             p.add_argument(f"--{flag}", *aliases, dest=f.name, metavar=f.name.upper(), help=help_text,
-                           nargs=f.metadata.get("nargs"))
+                           nargs="+", action="extend")
+        else:
+            p.add_argument(f"--{flag}", *aliases, dest=f.name, metavar=f.name.upper(), help=help_text)
     return p
 
 

@@ -201,8 +201,11 @@ def check_token_ids(config: DataConfig, train, valid, vocab_size: int) -> None:
     above its largest_id. That covers the unused test part too, so a record over the limit sends the
     check to the parts themselves, which name the part and the id.
     """
-    for name, path, parts in _streams(config, train, valid):
-        record = prepared_record(path)
+    streams = _streams(config, train, valid)
+    records = {path: prepared_record(path) for _, path, _ in streams}
+    _check_one_tokenizer(records)
+    for name, path, parts in streams:
+        record = records[path]
         if record is not None and record["largest_id"] < vocab_size:
             continue
         tokenizer = f" (its tokenizer has {record['vocab_size']})" if record else ""
@@ -220,6 +223,16 @@ def check_token_ids(config: DataConfig, train, valid, vocab_size: int) -> None:
                 at_least = record["vocab_size"] if record else int(largest) + 1
                 raise DataError(f"{where} holds token id {largest}{tokenizer} but vocab_size={vocab_size}; raise "
                                 f"--vocab-size to at least {at_least} or use data made with this model's tokenizer")
+
+
+def _check_one_tokenizer(records: dict[str, dict | None]) -> None:
+    """A blend of streams prepare made with different tokenizers mixes two meanings of each id: refused, where
+    their records say so (their kind, size and end-of-document id)."""
+    kinds = {path: (r.get("tokenizer_type"), r["vocab_size"], r.get("eod")) for path, r in records.items() if r}
+    if len(set(kinds.values())) > 1:
+        named = "; ".join(f"{path}: {kind} of {size} ids" for path, (kind, size, _) in kinds.items())
+        raise DataError(f"--data-path blends data of different tokenizers ({named}); a blend's streams share one "
+                        f"tokenizer: prepare them with the same --tokenizer-type and --tokenizer-model")
 
 
 def check_batches(config: DataConfig, train, valid, global_batch_size: int, evaluates: bool) -> None:

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import run_gpt
+from gcompile import prepare
 from gcompile.blend import BlendedDataset, blend_index, parse_blend
 from gcompile.config import parse_args
 from gcompile.data import DataConfig, DataError, GPTDataset, build_datasets, check_batches, check_token_ids
@@ -122,7 +123,8 @@ def test_data_path_forms(tmp_path):
     toml.write_text('[data]\ndata_path = [0.7, "A", 0.3, "dir/B"]\n')
     from_toml = parse_args(["--config", str(toml)])[0].data.data_path
     from_flags = parse_args(["--data-path", "0.7", "A", "0.3", "dir/B"])[0].data.data_path
-    assert parse_blend(from_toml) == parse_blend(from_flags) == [(0.7, "A"), (0.3, "dir/B")]
+    twice = parse_args(["--data-path", "0.7", "A", "--data-path", "0.3", "dir/B"])[0].data.data_path
+    assert parse_blend(from_toml) == parse_blend(from_flags) == parse_blend(twice) == [(0.7, "A"), (0.3, "dir/B")]
     assert parse_blend(parse_args(["--data-path", "my data/x"])[0].data.data_path) == [(1.0, "my data/x")]
     toml.write_text('[data]\ndata_path = "2 A 1 B"\n')
     assert parse_blend(parse_args(["--config", str(toml)])[0].data.data_path) == [(2.0, "A"), (1.0, "B")]
@@ -164,6 +166,22 @@ def test_data_checks_of_a_blend(tmp_path):
     with pytest.raises(DataError, match=re.escape(f"--data-path {config.data_path}: the train part holds "
                                                   f"{len(train)} samples")):
         check_batches(config, train, valid, len(train) + 1, evaluates=False)
+
+def test_a_blend_of_data_from_two_tokenizers_is_refused(tmp_path):
+    """Each stream's ids meant other text; the blend trained on both without a word."""
+    (tmp_path / "text.py").write_text("def add(x, y):\n    return x + y\n" * 200)
+    prefixes = [str(tmp_path / "bytes"), str(tmp_path / "bpe")]
+    prepare.main(["prepare", "--input", str(tmp_path / "text.py"), "--output", prefixes[0]])
+    prepare.main(["prepare", "--input", str(tmp_path / "text.py"), "--output", prefixes[1], "--train-tokenizer",
+                  "--vocab-size", "300"])
+    config = DataConfig(f"0.5 {prefixes[0]} 0.5 {prefixes[1]}", split="1,1")
+    train, valid = build_datasets(config, seq_length=L, seed=0)
+    with pytest.raises(DataError, match=re.escape(f"--data-path blends data of different tokenizers ({prefixes[0]}: "
+                                                  f"ByteLevel of 257 ids; {prefixes[1]}: HuggingFaceTokenizer of")):
+        check_token_ids(config, train, valid, 300)
+    same = DataConfig(f"0.5 {prefixes[1]} 0.5 {prefixes[1]}", split="1,1")
+    check_token_ids(same, *build_datasets(same, seq_length=L, seed=0), 300)
+
 
 def losses(run_dir):
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
