@@ -64,6 +64,10 @@ def load_tokens(data_path: str) -> np.ndarray:
     if os.path.isfile(prefix + ".bin") and os.path.isfile(prefix + ".idx"):
         return IndexedDataset(prefix).tokens
     if data_path.endswith(".bin") and os.path.isfile(data_path):
+        if os.path.isfile(prefix + META_SUFFIX):  # prepare wrote it with an index, which says its dtype
+            raise DataError(f"--data-path {data_path}: its {prefix}.idx is missing ({prefix}{META_SUFFIX} says "
+                            f"prepare wrote the pair); without it the tokens would be read as raw uint16: restore "
+                            f"the .idx, or prepare the data again")
         size = os.path.getsize(data_path)
         if size % 2:
             raise DataError(f"--data-path {data_path}: {size} bytes, not a whole number of uint16 tokens; "

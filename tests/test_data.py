@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from gcompile import data, tokenizer
+from gcompile import data, prepare, tokenizer
 from gcompile.data import DataConfig, DataError, GPTDataset, build_datasets, load_tokens
 from gcompile.indexed_dataset import IndexedDataset, IndexedDatasetWriter
 
@@ -112,6 +112,15 @@ def test_raw_nanogpt_bin(tmp_path):
     np.testing.assert_array_equal(load_tokens(str(tmp_path / "train.bin")), tokens)
     train, valid = build_datasets(DataConfig(str(tmp_path / "train.bin"), split="9,1"), seq_length=16, seed=0)
     assert len(train) == (900 - 1) // 16 and len(valid) == (100 - 1) // 16
+
+
+def test_a_prepared_bin_without_its_idx_is_not_read_as_raw_tokens(tmp_path):
+    """An int32 pair whose .idx was lost trained as twice as many uint16 halves of each id."""
+    (tmp_path / "text.txt").write_text("hello world\n" * 100)
+    prepare.main(["prepare", "--input", str(tmp_path / "text.txt"), "--output", str(tmp_path / "corpus")])
+    os.remove(tmp_path / "corpus.idx")
+    with pytest.raises(DataError, match=re.escape(f"corpus.bin: its {tmp_path / 'corpus'}.idx is missing")):
+        load_tokens(str(tmp_path / "corpus.bin"))
 
 
 def test_byte_tokenizer():
