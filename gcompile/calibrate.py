@@ -36,6 +36,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
+from gcompile import shutdown
 from gcompile import collectives
 from gcompile import machine as machine_file
 from gcompile import shm_group
@@ -490,4 +491,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    shutdown.install(shutdown.stopper(exit_signal_handler=False))  # Ctrl-C: one line, 130
     sys.exit(main())

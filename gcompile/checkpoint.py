@@ -55,6 +55,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from gcompile import shutdown
 from gcompile import hf
 from gcompile.arguments import ArgumentParser
 from gcompile.checkpoint_files import (CHECKSUMS, GCOMPILE_JSON, CheckpointError, MetadataReader, read_checked,
@@ -771,4 +772,5 @@ def _quiet_dcp():
 
 
 if __name__ == "__main__":
+    shutdown.install(shutdown.stopper(exit_signal_handler=False))  # Ctrl-C: one line, 130
     sys.exit(main())

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from gcompile import shutdown
 from gcompile.blend import BlendedDataset, parse_blend
 from gcompile import paths
 from gcompile.indexed_dataset import DataError, IndexedDataset
@@ -254,4 +255,5 @@ def check_batches(config: DataConfig, train, valid, global_batch_size: int, eval
 
 
 if __name__ == "__main__":
+    shutdown.install(shutdown.stopper(exit_signal_handler=False))  # Ctrl-C: one line, 130
     main()

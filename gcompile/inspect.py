@@ -18,6 +18,7 @@ import os
 import re
 import sys
 
+from gcompile import shutdown
 from gcompile.arguments import ArgumentParser
 from gcompile.log import counted, parse_rank_ranges, rank_ranges
 
@@ -197,4 +198,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    shutdown.install(shutdown.stopper(exit_signal_handler=False))  # Ctrl-C: one line, 130
     sys.exit(main())

@@ -31,12 +31,14 @@ by the same code, is not built again (--fresh builds every one).
 """
 
 import contextlib
+import ctypes
 import dataclasses
 import functools
 import itertools
 import math
 import multiprocessing
 import os
+import signal
 import sys
 import time
 from collections import Counter
@@ -44,6 +46,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from gcompile import shutdown
 from gcompile.arguments import ArgumentParser
 from gcompile.axes import Coords
 from gcompile.check import estimate_memory
@@ -248,7 +251,10 @@ def search(base: RunConfig, world: int, machine: Machine, budget_gb: float | Non
             unknown[family] = members
     workers = min(workers, len(unknown), -(-sum(map(len, unknown.values())) // LAYOUTS_PER_WORKER))
     if workers > 1:
-        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        if QUIET_TRACKER not in sys.warnoptions:  # read when multiprocessing starts its tracker, below
+            sys.warnoptions.append(QUIET_TRACKER)
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                 initializer=_tied_worker) as pool:
             running = {pool.submit(_search_family, base, machine, budget_gb, members, known=known,
                                    machine_text=machine_text): family for family, members in unknown.items()}
             for future in as_completed(running):
@@ -268,6 +274,21 @@ def search(base: RunConfig, world: int, machine: Machine, budget_gb: float | Non
     result.ranked.sort(key=lambda c: c.prediction.step_seconds)
     result.seconds = time.perf_counter() - start
     return result
+
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+QUIET_TRACKER = "ignore::UserWarning:multiprocessing.resource_tracker"
+"""A planner stopped by a signal exits at once (gcompile.shutdown), leaving its pool's semaphores to
+multiprocessing's tracker process, which removes them, as it should, and warns of each, which says nothing
+to the user; the tracker takes its warning filters from the interpreter's -W options."""
+
+
+def _tied_worker() -> None:
+    """A planning worker ignores a terminal's Ctrl-C (the planner says the one line) and ends with the planner,
+    which stops without waiting for its workers (gcompile.shutdown): they would plan on for nothing."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _family(layout: dict) -> tuple:
@@ -528,4 +549,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    shutdown.install(shutdown.stopper(exit_signal_handler=False))  # Ctrl-C: one line, 130
     sys.exit(main())
