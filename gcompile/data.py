@@ -29,9 +29,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gcompile import shutdown
+from gcompile import paths, shutdown
 from gcompile.blend import BlendedDataset, parse_blend
-from gcompile import paths
 from gcompile.indexed_dataset import DataError, IndexedDataset
 from gcompile.prepare import META_SUFFIX, bin_stamp, main, prepare
 
@@ -49,13 +48,26 @@ def default_corpus(cache_dir: str | None = None) -> str:
     writes its own temporary files and renames them into place, and both write
     the same bytes, so it does not matter whose rename lands last.
     """
+    where = f"--cache-dir {cache_dir}" if cache_dir else "the cache folder ($XDG_CACHE_HOME or ~/.cache)"
     cache_dir = cache_dir or os.path.join(paths.cache_home(), "data")
+    try:
+        os.makedirs(cache_dir, exist_ok=True)
+    except OSError as e:
+        raise DataError(f"{where}: cannot make {cache_dir} ({e.strerror}); give a --cache-dir you can write") \
+            from None
     tag = hashlib.sha256(STDLIB.encode()).hexdigest()[:8]
     prefix = os.path.join(cache_dir, f"stdlib-py{platform.python_version()}-{tag}")
-    if not os.path.exists(prefix + ".idx"):
-        print(f"preparing the default corpus ({STDLIB}/**/*.py) into {prefix}.bin/.idx",
-              file=sys.stderr)
+    if os.path.exists(prefix + ".idx"):
+        try:
+            IndexedDataset(prefix)  # the sizes agree: a cut or lost .bin is seen here
+            return prefix
+        except (DataError, OSError):  # our own cache: made again, not handed to the user to mend
+            print(f"the default corpus in {prefix}.bin/.idx is damaged; preparing it again", file=sys.stderr)
+    print(f"preparing the default corpus ({STDLIB}/**/*.py) into {prefix}.bin/.idx", file=sys.stderr)
+    try:
         prepare([STDLIB], prefix, pattern="*.py", skip_dirs=NOT_STDLIB, append_eod=True)
+    except DataError as e:  # prepare words it for its own --output, which the user did not give
+        raise DataError(f"preparing the default corpus in {where}: {e}") from None
     return prefix
 
 
@@ -95,9 +107,10 @@ def parse_split(split: str) -> list[float]:
     except ValueError:
         weights = []
     if (len(weights) not in (2, 3) or not all(math.isfinite(w) and w >= 0 for w in weights)
-            or not (weights[0] > 0 and weights[1] > 0)):
+            or not (weights[0] > 0 and weights[1] > 0) or not math.isfinite(sum(weights))
+            or min(weights[:2]) < sum(weights) * 1e-9):  # a part of a billionth: no corpus fills it
         raise DataError(f"split {split!r}: expected 'train,valid' or 'train,valid,test' finite weights such as "
-                        "'98,2', train and valid above 0")
+                        "'98,2', train and valid above 0 (each at least a billionth of the whole)")
     return weights
 
 
@@ -217,7 +230,8 @@ def check_token_ids(config: DataConfig, train, valid, vocab_size: int) -> None:
         for part, dataset in parts:
             tokens = dataset.tokens
             where = f"{name}: the {part} part"
-            if tokens.dtype.kind == "f" and (fractional := tokens[np.floor(tokens) != tokens]).size:
+            if tokens.dtype.kind == "f" and (fractional := tokens[(np.floor(tokens) != tokens) |
+                                                                  ~np.isfinite(tokens)]).size:
                 raise DataError(f"{where} holds token id {fractional[0]} in a {tokens.dtype.name} index; token "
                                 f"ids are whole numbers: prepare the data again with an integer dtype")
             smallest, largest = tokens.min(), tokens.max()

@@ -154,9 +154,22 @@ def prepare(inputs: list[str], output: str, pattern: str = "*", skip_dirs: tuple
         raise DataError(f"--workers {workers}: give 1 to {MAX_WORKERS} (this machine has {os.cpu_count()} cores)")
     files = find_files(inputs, pattern, skip_dirs)
     workers = min(workers, len(files))  # a process per file at most
-    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+        return _prepare(files, output, spec, append_eod, train_vocab_size, workers)
+    except OSError as e:  # a folder that cannot be made or written, a full disk, a file size limit
+        raise DataError(f"{e.strerror or e}{f': {e.filename}' if e.filename else ''}; --output {output} must be "
+                        f"writable with room (and under the file size limit), the inputs readable") from None
+
+
+def _prepare(files: list[str], output: str, spec: tok.TokenizerSpec, append_eod: bool, train_vocab_size: int | None,
+             workers: int) -> IndexedDataset:
+    """`prepare`'s work, its arguments checked."""
     if train_vocab_size is not None:
         path = os.path.abspath(output + ".tokenizer.json")
+        if os.path.isdir(path):
+            raise DataError(f"--output {output}: {path}, where the trained tokenizer goes, is a folder; move it, "
+                            f"or choose another --output")
         start = time.monotonic()
         size = tok.train_bpe(map(read_file, files), train_vocab_size, path)
         short = f" (the corpus had no more pairs to merge for {train_vocab_size})" if size < train_vocab_size else ""

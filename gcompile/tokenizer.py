@@ -14,6 +14,7 @@ and paths) is what crosses into worker processes; each builds its own tokenizer 
 
 import json
 import os
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -153,6 +154,9 @@ def _eos_from_config(path: str) -> str | None:
     return eos
 
 
+MAX_VOCAB_SIZE = 2 ** 31 - 1
+
+
 def train_bpe(documents, vocab_size: int, path: str) -> int:
     """A byte-level BPE (GPT-2's kind) of up to vocab_size entries, <|endoftext|> included, saved to `path`;
     returns its size, smaller when the corpus runs out of pairs to merge.
@@ -165,10 +169,13 @@ def train_bpe(documents, vocab_size: int, path: str) -> int:
     if vocab_size < VOCAB_SIZE:
         raise TokenizerError(f"--vocab-size {vocab_size}: a byte-level BPE needs at least {VOCAB_SIZE} "
                              "(256 bytes + <|endoftext|>)")
+    if vocab_size > MAX_VOCAB_SIZE:
+        raise TokenizerError(f"--vocab-size {vocab_size}: at most {MAX_VOCAB_SIZE:,} (token ids are int32)")
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"], show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                  show_progress=sys.stderr.isatty(),  # minutes on a large corpus
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train_from_iterator((d.decode("utf-8", errors="replace") for d in documents), trainer)
     tokenizer.save(path)

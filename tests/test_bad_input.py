@@ -289,6 +289,22 @@ CASES = [
      "holds token id -3"),
     ("NaN in a float index", "run_gpt", ["--data-path", "{tmp}/corpus", "--split", "1,1"],
      tokens(np.float32, [5.0] * 100 + [float("nan")] + [5.0] * 99), "holds token id nan in a float32 index"),
+    ("inf in a float index", "run_gpt", ["--data-path", "{tmp}/corpus", "--split", "1,1"],
+     tokens(np.float64, [5.0] * 100 + [float("inf")] + [5.0] * 99),
+     "holds token id inf in a float64 index"),  # was: an OverflowError traceback
+    ("split past a float", "run_gpt", ["--split", "1e308,1e308"], None,
+     "(each at least a billionth of the whole)"),  # was: a ValueError traceback (NaN)
+    ("cache-dir that cannot be made", "run_gpt", ["--cache-dir", "/proc/gcompile-cache"], None,
+     "--cache-dir /proc/gcompile-cache: cannot make /proc/gcompile-cache"),  # was: a FileNotFoundError traceback
+    ("prepare a vocabulary past int32", "data", ["prepare", "--input", "{tmp}/file", "--output", "{tmp}/out",
+                                                 "--train-tokenizer", "--vocab-size", "99999999999999999999"],
+     a_file, "--vocab-size 99999999999999999999: at most 2,147,483,647"),  # was: an OverflowError traceback
+    ("prepare where the tokenizer file is a folder", "data", ["prepare", "--input", "{tmp}/file", "--output",
+                                                              "{tmp}/out", "--train-tokenizer", "--vocab-size", "300"],
+     lambda tmp, saved: (a_file(tmp), (tmp / "out.tokenizer.json").mkdir()),
+     "out.tokenizer.json, where the trained tokenizer goes, is a folder"),  # was: "Exception: Is a directory"
+    ("prepare into /proc", "data", ["prepare", "--input", "{tmp}/file", "--output", "/proc/gcompile-out"], a_file,
+     "--output /proc/gcompile-out must be writable"),  # was: a FileNotFoundError traceback
     ("corpus smaller than a batch", "run_gpt", ["--data-path", "{tmp}/corpus", "--split", "1,1"],
      tokens(np.uint16, list(range(40))), "fewer than one global batch of 2"),
     ("pass with a syntax error", "run_gpt", ["--passes", "{tmp}/user_pass.py:my_pass"], a_pass("def my_pass(:\n"),

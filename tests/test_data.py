@@ -299,3 +299,6 @@ def test_default_corpus_prepared_once_and_reused(tmp_path, monkeypatch):
     assert len(train) == (12 - 1) // 4 and len(valid) == (11 - 1) // 4  # 23 tokens, cut at 12
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))  # without a folder given: the user's cache
     assert data.default_corpus() == str(tmp_path / "xdg" / "gcompile" / "data" / os.path.basename(prefix))
+    os.truncate(prefix + ".bin", 5)  # a cut cache was refused ever after, its fix "prepare it again" the user's
+    assert data.default_corpus(str(cache)) == prefix
+    assert tokenizer.decode(IndexedDataset(prefix).tokens) == "x = 'é'\n\nprint('b')\n\n\n"
