@@ -55,8 +55,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from gcompile import shutdown
-from gcompile import hf
+from gcompile import hf, shutdown
+from gcompile import tokenizer as tok
 from gcompile.arguments import ArgumentParser
 from gcompile.checkpoint_files import (CHECKSUMS, GCOMPILE_JSON, CheckpointError, MetadataReader, read_checked,
                                        write_checksums)
@@ -591,6 +591,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--temperature", type=float, default=0.8, help="above 0; lower = more likely tokens")
     gen.add_argument("--top-k", type=int, default=200, help="sample among the k most likely tokens; 0 = all")
     gen.add_argument("--seed", type=int, default=1337)
+    gen.add_argument("--tokenizer-model", help="the Hugging Face tokenizer.json (or its folder) the model's data was "
+                                               "prepared with (default: the byte tokenizer, 257 ids)")
     args = parser.parse_args(argv)
     try:
         if args.command == "export":
@@ -627,9 +629,15 @@ def main(argv: list[str] | None = None) -> int:
             except UnicodeEncodeError as e:  # bytes that are not UTF-8 reach Python as lone surrogates
                 raise CheckpointError(f"--prompt is not valid UTF-8 (at character {e.start}); give UTF-8 text") from None
             spec = model_spec(args.model_name)
+            tokenizer = _tokenizer(args.tokenizer_model, args.prompt)
             model, model_config = load_exported(args.model, spec)
+            if model_config.vocab_size < tokenizer.id_bound or args.tokenizer_model is None and \
+                    model_config.vocab_size != tokenizer.id_bound:
+                raise CheckpointError(f"{args.model} scores {model_config.vocab_size} token ids, the tokenizer "
+                                      f"gives {tokenizer.id_bound}: give --tokenizer-model, the tokenizer.json its "
+                                      f"data was prepared with")
             print(generate_text(model, spec.context_length(model_config), args.prompt, args.max_new_tokens,
-                                args.temperature, args.top_k or None, args.seed))
+                                args.temperature, args.top_k or None, args.seed, tokenizer))
     except CheckpointError as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return 2
@@ -637,6 +645,19 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # ---------------------------------------------------------------- helpers
+
+def _tokenizer(model: str | None, prompt: str) -> tok.ByteLevel | tok.HuggingFace:
+    """generate's tokenizer: the byte tokenizer, or `model` (--tokenizer-model); CheckpointError where it cannot
+    be read, or where an empty prompt asks for an end-of-document token it lacks."""
+    try:
+        tokenizer = tok.build(tok.TokenizerSpec("HuggingFaceTokenizer", tokenizer_model=model)) if model else \
+            tok.ByteLevel()
+    except tok.TokenizerError as e:
+        raise CheckpointError(str(e)) from None
+    if not prompt and tokenizer.eod is None:
+        raise CheckpointError(f"--tokenizer-model {model} has no end-of-document token to start a document with; "
+                              f"give a --prompt")
+    return tokenizer
 
 
 def _inside(flag: str, output: str, checkpoint: str) -> str | None:

@@ -4,7 +4,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from gcompile.tokenizer import EOD, decode, encode
+from gcompile.tokenizer import ByteLevel, HuggingFace
 
 
 @torch.no_grad()
@@ -25,11 +25,12 @@ def sample(model: nn.Module, context_length: int, ids: torch.Tensor, max_new_tok
 
 
 def generate_text(model: nn.Module, context_length: int, prompt: str, max_new_tokens: int, temperature: float,
-                  top_k: int | None, seed: int) -> str:
-    """The prompt and its continuation. An empty prompt starts a new document (EOD)."""
-    ids = encode(prompt.encode())[:-1] if prompt else [EOD]  # encode ends the document; a prompt goes on
+                  top_k: int | None, seed: int, tokenizer: ByteLevel | HuggingFace = ByteLevel()) -> str:
+    """The prompt and its continuation, in the tokenizer the model's data was prepared with. An empty prompt
+    starts a new document (the tokenizer's EOD)."""
+    ids = [int(i) for i in tokenizer.encode(prompt.encode())] if prompt else [tokenizer.eod]
     device = next(model.parameters()).device
     start = torch.tensor([list(ids)], dtype=torch.long, device=device)  # (1, T)
     generator = torch.Generator(device=device).manual_seed(seed)
     out = sample(model.eval(), context_length, start, max_new_tokens, temperature, top_k, generator)
-    return decode(out[0].tolist()[0 if prompt else 1:])
+    return tokenizer.decode(out[0].tolist()[0 if prompt else 1:])

@@ -5,6 +5,7 @@ Expected ids come from the `tokenizers` library called directly on each file's t
 decoding the prepared ids must give the text back.
 """
 
+import dataclasses
 import json
 import os
 import re
@@ -13,13 +14,16 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 from tokenizers import ByteLevelBPETokenizer, Tokenizer, models, pre_tokenizers, trainers
 
 import run_gpt
-from gcompile import prepare, tokenizer
+from gcompile import checkpoint, prepare, tokenizer
 from gcompile.data import DataConfig, DataError, build_datasets, check_token_ids
 from gcompile.prepare import bin_stamp
 from gcompile.indexed_dataset import IndexedDataset, IndexedDatasetWriter
+from gcompile.models.gpt2 import GPT2
+from gcompile.models.gpt2_config import GPTConfig
 
 TEXTS = {
     "a.py": "def add(x, y):\n    return x + y\n\nprint(add(1, 2))\n",
@@ -258,3 +262,20 @@ def test_a_dead_writers_temporary_files_go_with_the_next_writer(tmp_path):
     with IndexedDatasetWriter(str(tmp_path / "corpus"), np.uint16) as writer:
         writer.add_document([1, 2])
     assert sorted(os.listdir(tmp_path)) == ["corpus.bin", "corpus.idx"]
+
+
+def test_generate_from_a_model_of_a_trained_tokenizer(corpus, tmp_path, capsys):
+    """It crashed (bytes must be in range(0, 256)): generate knew only the byte tokenizer."""
+    assert cli("--input", corpus, "--output", tmp_path / "bpe", "--train-tokenizer", "--vocab-size", 300,
+               "--append-eod") == 0
+    config = GPTConfig(vocab_size=300, n_layer=1, n_head=2, n_embd=16, block_size=32)
+    torch.save(dict(model=GPT2.build(config, seed=0).state_dict(), model_args=dataclasses.asdict(config)),
+               tmp_path / "model.pt")
+    generate = ["generate", str(tmp_path / "model.pt"), "--prompt", "def add", "--max-new-tokens", "8"]
+    capsys.readouterr()
+    assert checkpoint.main(generate) == 2
+    assert capsys.readouterr().err.endswith("model.pt scores 300 token ids, the tokenizer gives 257: give "
+                                            "--tokenizer-model, the tokenizer.json its data was prepared with\n")
+    assert checkpoint.main([*generate, "--tokenizer-model", str(tmp_path / "bpe.tokenizer.json")]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("def add") and len(text) > len("def add\n")
