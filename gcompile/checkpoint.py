@@ -90,6 +90,8 @@ SCALER = ("loss_scale", "growth_tracker", "hysteresis_left")
 class Progress:
     iteration: int
     consumed_samples: int
+    skipped_iterations: int = 0
+    """Steps an fp16 overflow skipped so far, counted on across resumes as the log's total."""
 
 
 def iteration_dir(root: str, iteration: int) -> str:
@@ -168,6 +170,7 @@ def save(root: str, progress: Progress, config: RunConfig, program: RankProgram,
                     params.update(rank_params)
                     keys.update(rank_keys)
                 meta = dict(iteration=progress.iteration, consumed_samples=progress.consumed_samples,
+                            skipped_iterations=progress.skipped_iterations,
                             step=state.step.item(),
                             scaler={n: getattr(state, n).item() for n in SCALER}
                             if state.loss_scale is not None else None,
@@ -495,7 +498,8 @@ def load(folder: str, config: RunConfig, program: RankProgram, state: TrainState
     log(f"loaded {folder}: iteration {meta['iteration']}, consumed samples {meta['consumed_samples']} "
         f"(saved on {checkpoint.describe_layout()}"
         f"{'' if same_ranks else '; on other ranks, so RNG states are not restored'})")
-    return Progress(meta["iteration"], meta["consumed_samples"])
+    skipped = meta.get("skipped_iterations", 0)  # absent: saved before gcompile counted them here
+    return Progress(meta["iteration"], meta["consumed_samples"], skipped if type(skipped) is int else 0)
 
 
 # ---------------------------------------------------------------- export

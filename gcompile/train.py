@@ -125,7 +125,7 @@ def train(config: RunConfig, coords: Coords, device: str = "cpu", log=print) -> 
     metrics = MetricsLog(config.log.run_dir, config.log.tensorboard_dir, t.train_iters, coords.world_size,
                          progress.iteration, log) if logging else None
     flops = config.model_spec.flops(config.model, t.global_batch_size, t.seq_length)
-    records, skipped, consumed = [], 0, progress.consumed_samples
+    records, skipped, consumed = [], progress.skipped_iterations, progress.consumed_samples
     reported = Interval(program, config.num_microbatches, device)  # since the last log line
     c = config.checkpoint
     for iteration in range(progress.iteration + 1, t.train_iters + 1):
@@ -184,7 +184,7 @@ def train(config: RunConfig, coords: Coords, device: str = "cpu", log=print) -> 
                 check_state(iteration, state, report=coords.rank == 0)
             recorder.phase(f"saving the checkpoint of iteration {iteration}")
             started = time.perf_counter()
-            folder = checkpoint.save(c.save, Progress(iteration, consumed), config, program, state)
+            folder = checkpoint.save(c.save, Progress(iteration, consumed, skipped), config, program, state)
             quiet(f"saved checkpoint at iteration {iteration} to {folder} ({time.perf_counter() - started:.2f} s)")
         if exiting:
             quiet(f"exiting at iteration {iteration} (--exit-interval {c.exit_interval})" +

@@ -65,6 +65,17 @@ def test_fp16_skipped_steps_are_not_faults(tmp_path, capsys):
     assert records(run_dir)[-1]["skipped_iterations"] > 0
 
 
+def test_a_resume_counts_skipped_steps_on_from_the_saved_run(tmp_path):
+    """The count restarted from 0 on resume: 1 at iteration 4, where the uninterrupted run had 4."""
+    straight, cut, save = tmp_path / "straight", tmp_path / "cut", tmp_path / "save"
+    fp16 = ["--fp16", "--initial-loss-scale", "1e30", "--train-iters", "4"]
+    assert run_gpt.main(SMALL + fp16 + ["--run-dir", str(straight)]) == 0
+    assert run_gpt.main(SMALL + fp16 + ["--save", str(save), "--exit-interval", "2", "--run-dir", str(cut)]) == 0
+    assert run_gpt.main(SMALL + fp16 + ["--load", str(save), "--run-dir", str(cut)]) == 0
+    skipped = [[r["skipped_iterations"] for r in records(run) if "lm_loss" in r] for run in (straight, cut)]
+    assert skipped[0] == skipped[1] and skipped[0][-1] > 2, skipped
+
+
 def test_non_finite_state_is_not_saved():
     def state(value):
         ones = torch.ones(4)
