@@ -219,11 +219,27 @@ def resume(config: RunConfig, program: RankProgram, state: TrainState, log) -> P
             log(f"no checkpoint in {root}; starting from iteration 0")
         return Progress(0, 0)
     progress = checkpoint.load(folder, config, program, state, log)
-    change = progress.iteration and lr_schedule_change(checkpoint.Checkpoint(folder).meta["config"]["train"],
-                                                       config.train, progress.iteration)
-    if change:  # at iteration 0 (import-hf's checkpoint) no step followed a schedule yet
-        log(change)
+    saved = checkpoint.Checkpoint(folder).meta["config"]
+    if progress.iteration:  # at iteration 0 (import-hf's checkpoint) no step followed a schedule or read data
+        for change in (lr_schedule_change(saved["train"], config.train, progress.iteration),
+                       data_change(saved, config)):
+            if change:
+                log(change)
     return progress
+
+
+DATA_ORDER = (("data", "data_path"), ("data", "split"), ("train", "seed"), ("train", "seq_length"))
+"""What the batches after a resume are drawn from: with any of them changed, they are not the saved run's."""
+
+
+def data_change(saved: dict, config: RunConfig) -> str | None:
+    """A line when this run draws its batches otherwise than the saved run (`saved`, its config) would have:
+    other data, split, seed or sequence length; None when they are the same."""
+    now = dataclasses.asdict(config)
+    changed = [f"{name} {saved.get(section, {}).get(name)} -> {now[section][name]}" for section, name in DATA_ORDER
+               if saved.get(section, {}).get(name) != now[section][name]]
+    return f"the batches differ from the saved run's ({'; '.join(changed)}): training goes on from its consumed " \
+           f"samples, in another order or of other data" if changed else None
 
 
 def lr_schedule_change(saved_train: dict, t: TrainConfig, iteration: int) -> str | None:

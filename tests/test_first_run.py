@@ -21,7 +21,7 @@ from gcompile.axes import Coords
 from gcompile.log import MetricsLog, rank_ranges
 from gcompile.schedule import build_schedule
 from gcompile.schedule_render import render_svg
-from gcompile.train import lr_schedule_change, train
+from gcompile.train import data_change, lr_schedule_change, train
 from gcompile.world import prepare_launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -211,3 +211,16 @@ def test_a_resume_with_another_train_iters_says_so(tmp_path, capsys):
     assert run_gpt.main(SMALL + ["--train-iters", "4", "--load", save, "--run-dir", str(tmp_path / "b")]) == 0
     out = capsys.readouterr().out
     assert "the learning-rate schedule differs from the saved run's (train_iters 2 -> 4): iteration 3" in out, out
+    assert "the batches differ" not in out, out
+
+
+def test_a_resume_drawing_other_batches_says_so():
+    """Another seed, split, sequence length or data went on from the saved run's consumed samples unnoticed."""
+    config, _ = parse_args(SMALL)
+    saved = dataclasses.asdict(config)
+    assert data_change(saved, config) is None
+    assert data_change(saved, parse_args(SMALL + ["--train-iters", "9", "--lr", "1e-2"])[0]) is None
+    other, _ = parse_args(SMALL + ["--seed", "7", "--split", "50,50"])
+    assert data_change(saved, other) == (f"the batches differ from the saved run's (split 98,2 -> 50,50; seed "
+                                         f"{config.train.seed} -> 7): training goes on from its consumed samples, "
+                                         f"in another order or of other data")
