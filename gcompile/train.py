@@ -106,6 +106,9 @@ def train(config: RunConfig, coords: Coords, device: str = "cpu", log=print) -> 
     seed_generators(t.seed, coords)
     recorder.phase("loading the checkpoint")
     progress = resume(config, program, state, log=quiet)  # on the saving layout, restores the generators
+    if progress.iteration >= t.train_iters:
+        quiet(f"the checkpoint is at iteration {progress.iteration}, --train-iters {t.train_iters}: nothing to "
+              f"train (raise --train-iters to go on)")
     runtime = Runtime(program, functions, optimizer_step, state, recorder=recorder)
     train_step = runtime.train_step
     if t.cuda_graphs if t.cuda_graphs is not None else t.compile:

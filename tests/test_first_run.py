@@ -214,6 +214,14 @@ def test_a_resume_with_another_train_iters_says_so(tmp_path, capsys):
     assert "the batches differ" not in out, out
 
 
+def test_a_resume_with_nothing_left_to_train_says_so(tmp_path, capsys):
+    save = str(tmp_path / "save")
+    assert run_gpt.main(SMALL + ["--train-iters", "2", "--save", save, "--run-dir", str(tmp_path / "a")]) == 0
+    capsys.readouterr()
+    assert run_gpt.main(SMALL + ["--train-iters", "2", "--load", save, "--run-dir", str(tmp_path / "b")]) == 0
+    assert "the checkpoint is at iteration 2, --train-iters 2: nothing to train" in capsys.readouterr().out
+
+
 def test_a_resume_drawing_other_batches_says_so():
     """Another seed, split, sequence length or data went on from the saved run's consumed samples unnoticed."""
     config, _ = parse_args(SMALL)
