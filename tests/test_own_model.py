@@ -63,7 +63,8 @@ def test_a_graph_the_pass_cannot_cut_names_the_node_and_line(capsys):
 
 def test_a_model_file_imports_the_module_beside_it(tmp_path, capsys):
     """As `python path/to/file.py` makes its folder importable: a model split over two files loads by path."""
-    (tmp_path / "block_beside.py").write_text(open("examples/parallel_block.py").read())
+    (tmp_path / "block_beside.py").write_text(open("examples/parallel_block.py").read()
+                                              .replace('"parallel_block"', '"block_beside"'))  # a name of its own
     (tmp_path / "front.py").write_text("from block_beside import SPEC\n")
     assert run_gpt.main(["--arch", f"{tmp_path}/front.py:SPEC", "--n-layer", "2", "--check-plan"]) == 0, \
         capsys.readouterr().err
