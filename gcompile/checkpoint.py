@@ -274,8 +274,9 @@ class Checkpoint:
             raise CheckpointError(f"{path}: unreadable ({e})") from None
         if isinstance(self.meta, dict) and isinstance(name := self.meta.get("model"), str) and name not in MODELS:
             arch = self.meta.get("arch") if isinstance(self.meta.get("arch"), str) else "FILE:SPEC"
-            raise CheckpointError(f"{folder} holds a {name!r} model, your own, which this run has not loaded: give "
-                                  f"the run --arch {arch}, as it was saved (built-in: {', '.join(MODELS)})")
+            raise CheckpointError(f"{folder} holds a {name!r} model, your own, which this command has not loaded: "
+                                  f"run_gpt.py --arch {arch} --load resumes it; export, export-hf and generate take "
+                                  f"the built-in models ({', '.join(MODELS)})")
         try:
             _check_meta(self.meta)
             layout = self.meta["layout"]
@@ -797,5 +798,5 @@ def _quiet_dcp():
 
 
 if __name__ == "__main__":
-    shutdown.install(shutdown.stopper(exit_signal_handler=False))  # Ctrl-C: one line, 130
+    shutdown.install(shutdown.stopper(exit_signal_handler=False), "python -m gcompile.checkpoint")  # Ctrl-C: one line
     sys.exit(main())

@@ -86,6 +86,12 @@ def load_tokens(data_path: str) -> np.ndarray:
             raise DataError(f"--data-path {data_path}: {size} bytes, not a whole number of uint16 tokens; "
                             "a raw .bin must be nanoGPT's flat uint16 array")
         return np.memmap(data_path, dtype="<u2", mode="r") if size else np.empty(0, "<u2")
+    if os.path.isfile(prefix + ".bin"):  # a prefix whose .idx is gone
+        if os.path.isfile(prefix + META_SUFFIX):
+            raise DataError(f"--data-path {data_path}: its {prefix}.idx is missing ({prefix}{META_SUFFIX} says "
+                            f"prepare wrote the pair): restore the .idx, or prepare the data again")
+        raise DataError(f"--data-path {data_path}: {prefix}.bin has no {prefix}.idx beside it; restore the .idx, "
+                        f"or give --data-path {prefix}.bin to read it as nanoGPT's raw uint16 tokens")
     raise DataError(f"--data-path {data_path}: no {prefix}.bin / {prefix}.idx found; give the PREFIX "
                     "of a pair made by `python -m gcompile.data prepare` or a nanoGPT .bin file")
 
@@ -269,5 +275,5 @@ def check_batches(config: DataConfig, train, valid, global_batch_size: int, eval
 
 
 if __name__ == "__main__":
-    shutdown.install(shutdown.stopper(exit_signal_handler=False))  # Ctrl-C: one line, 130
+    shutdown.install(shutdown.stopper(exit_signal_handler=False), "python -m gcompile.data")  # Ctrl-C: one line
     main()

@@ -198,5 +198,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    shutdown.install(shutdown.stopper(exit_signal_handler=False))  # Ctrl-C: one line, 130
+    shutdown.install(shutdown.stopper(exit_signal_handler=False), "python -m gcompile.inspect")  # Ctrl-C: one line
     sys.exit(main())

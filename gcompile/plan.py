@@ -459,18 +459,30 @@ def _names(given: str, known: tuple[str, ...], flag: str) -> tuple[str, ...]:
 @contextlib.contextmanager
 def kept_predictions(fresh: bool = False):
     """This user's plan cache (gcompile.plan_cache) for a search, its predictions set aside where `fresh`; what
-    the search added is saved on the way out, an interrupted one's too (its finished families). A file that
-    cannot be read, or written, is a note on stderr: the plan stands."""
+    the search added is saved on the way out, an interrupted one's too (its finished families): a signal's
+    stop (gcompile.shutdown) ends the process at once, so its action saves first. A file that cannot be read,
+    or written, is a note on stderr: the plan stands."""
     kept = PlanCache()
     if kept.unread:
         print(f"note: {kept.unread}", file=sys.stderr)
     if fresh:
         kept.known = {}
+
+    def save() -> None:
+        kept.added = dict(kept.added)  # a copy, whatever the main thread adds meanwhile
+        if note := kept.save():
+            print(f"note: {note}", file=sys.stderr)
+
+    def saved_first(signum: int) -> None:
+        save()
+        if stop is not None:
+            stop(signum)
+    stop = shutdown.set_action(saved_first)
     try:
         yield kept
     finally:
-        if note := kept.save():
-            print(f"note: {note}", file=sys.stderr)
+        shutdown.set_action(stop)
+        save()
 
 
 def cores() -> int:
@@ -549,5 +561,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    shutdown.install(shutdown.stopper(exit_signal_handler=False))  # Ctrl-C: one line, 130
+    shutdown.install(shutdown.stopper(exit_signal_handler=False), "python -m gcompile.plan")  # Ctrl-C: one line
     sys.exit(main())

@@ -33,6 +33,7 @@ LAUNCHER = "GCOMPILE_LAUNCHER_FD"
 requested = threading.Event()
 """SIGTERM arrived with --exit-signal-handler on: stop after this iteration."""
 _action: Callable[[int], None] | None = None
+_program: str | None = None
 _launcher_ended = threading.Event()
 
 
@@ -45,11 +46,12 @@ def name(signum: int) -> str:
     return signal.Signals(signum).name
 
 
-def install(action: Callable[[int], None]) -> None:
+def install(action: Callable[[int], None], program: str | None = None) -> None:
     """Run `action(signum)` on a thread of its own for every SIGINT and SIGTERM from now on.
-    Call once, from the main thread, early; `set_action` changes what is done."""
-    global _action
-    _action = action
+    Call once, from the main thread, early; `set_action` changes what is done. `program` names the process in
+    its line ("python -m gcompile.plan", as its errors do); by default the script's name."""
+    global _action, _program
+    _action, _program = action, program
     read, write = os.pipe()
     os.set_blocking(write, False)
     signal.set_wakeup_fd(write, warn_on_full_buffer=False)
@@ -104,7 +106,7 @@ def stopped(signum: int) -> int:
 
 
 def _line(signum: int) -> str:
-    return f"{os.path.basename(sys.argv[0])}: stopped by {name(signum)}\n"
+    return f"{_program or os.path.basename(sys.argv[0])}: stopped by {name(signum)}\n"
 
 
 def tie_to_launcher() -> None:

@@ -22,10 +22,10 @@ from gcompile.compile import Compiler, compile_rank_program, dump_generated_code
 from gcompile.reported import Interval
 from gcompile.cuda_graphs import GraphedTrainStep, host_reads
 from gcompile.config import RunConfig, TrainConfig
-from gcompile.blend import BlendedDataset
+from gcompile.blend import BlendedDataset, parse_blend
 from gcompile.check import MeasuredMemory, estimate_memory
 from gcompile.checked_plan import check_built
-from gcompile.data import GPTDataset, build_datasets, check_token_ids
+from gcompile.data import DataError, GPTDataset, build_datasets, check_token_ids
 from gcompile.flight import FlightRecorder, flight_dir, rank_file
 from gcompile.log import MetricsLog
 from gcompile.memory import MIB
@@ -235,12 +235,22 @@ DATA_ORDER = (("data", "data_path"), ("data", "split"), ("train", "seed"), ("tra
 """What the batches after a resume are drawn from: with any of them changed, they are not the saved run's."""
 
 
+def _meaning(name: str, value):
+    """A data_path as the files it names (data/x and /abs/data/x are one stream), other values as they are."""
+    if name != "data_path" or not isinstance(value, str) or not value:
+        return value
+    try:
+        return [(weight, os.path.realpath(path)) for weight, path in parse_blend(value)]
+    except DataError:
+        return value
+
+
 def data_change(saved: dict, config: RunConfig) -> str | None:
     """A line when this run draws its batches otherwise than the saved run (`saved`, its config) would have:
     other data, split, seed or sequence length; None when they are the same."""
     now = dataclasses.asdict(config)
     changed = [f"{name} {saved.get(section, {}).get(name)} -> {now[section][name]}" for section, name in DATA_ORDER
-               if saved.get(section, {}).get(name) != now[section][name]]
+               if _meaning(name, saved.get(section, {}).get(name)) != _meaning(name, now[section][name])]
     return f"the batches differ from the saved run's ({'; '.join(changed)}): training goes on from its consumed " \
            f"samples, in another order or of other data" if changed else None
 

@@ -119,8 +119,9 @@ def test_a_prepared_bin_without_its_idx_is_not_read_as_raw_tokens(tmp_path):
     (tmp_path / "text.txt").write_text("hello world\n" * 100)
     prepare.main(["prepare", "--input", str(tmp_path / "text.txt"), "--output", str(tmp_path / "corpus")])
     os.remove(tmp_path / "corpus.idx")
-    with pytest.raises(DataError, match=re.escape(f"corpus.bin: its {tmp_path / 'corpus'}.idx is missing")):
-        load_tokens(str(tmp_path / "corpus.bin"))
+    for given in ("corpus.bin", "corpus"):  # the file, or the prefix
+        with pytest.raises(DataError, match=re.escape(f"{given}: its {tmp_path / 'corpus'}.idx is missing")):
+            load_tokens(str(tmp_path / given))
 
 
 def test_byte_tokenizer():

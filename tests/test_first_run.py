@@ -228,6 +228,9 @@ def test_a_resume_drawing_other_batches_says_so():
     saved = dataclasses.asdict(config)
     assert data_change(saved, config) is None
     assert data_change(saved, parse_args(SMALL + ["--train-iters", "9", "--lr", "1e-2"])[0]) is None
+    moved = dataclasses.replace(config, data=dataclasses.replace(config.data, data_path="corpus"))
+    assert data_change(dataclasses.asdict(moved), parse_args(SMALL + ["--data-path", os.path.abspath("corpus")])[0]) \
+        is None, "one stream, named two ways"
     other, _ = parse_args(SMALL + ["--seed", "7", "--split", "50,50"])
     assert data_change(saved, other) == (f"the batches differ from the saved run's (split 98,2 -> 50,50; seed "
                                          f"{config.train.seed} -> 7): training goes on from its consumed samples, "

@@ -81,5 +81,5 @@ def test_a_checkpoint_of_an_own_model_names_the_arch_to_load_it_with(tmp_path, c
     fresh = subprocess.run([sys.executable, "run_gpt.py", *small, "--load", str(tmp_path / "save")],
                            capture_output=True, text=True)  # where nothing registered parallel_block
     assert fresh.returncode == 2 and fresh.stderr.endswith(
-        f"holds a 'parallel_block' model, your own, which this run has not loaded: give the run --arch {ARCH}, as "
-        f"it was saved (built-in: gpt2, llama)\n"), fresh.stderr
+        f"holds a 'parallel_block' model, your own, which this command has not loaded: run_gpt.py --arch {ARCH} "
+        f"--load resumes it; export, export-hf and generate take the built-in models (gpt2, llama)\n"), fresh.stderr
