@@ -15,10 +15,12 @@ import pytest
 
 import run_gpt
 from gcompile import flight
+from gcompile import machine as machine_file
 from gcompile.checkpoint import TRACKER
 from gcompile.config import parse_args
 from tests.multirank import ROOT, assert_succeeded, launch
 from tests.test_checkpoint import WORKER, losses
+from tests.test_cost_model import flat_machine
 
 TINY = ["--config", os.path.join(ROOT, "configs", "tiny.toml"), "--eval-interval", "0", "--log-interval", "1000",
         "--lr-decay-style", "constant", "--lr-warmup-iters", "0"]  # the learning rate does not depend on train_iters
@@ -185,6 +187,37 @@ def test_ctrl_c_while_torch_loads_is_one_line(tmp_path):
     assert proc.wait(timeout=60) == 130
     stdout, stderr = output(tmp_path)
     assert stderr.splitlines() == ["run_gpt.py: stopped by SIGINT"] and "Traceback" not in stdout
+
+
+def test_ctrl_c_while_planning_is_one_line_keeps_the_plan_and_takes_the_workers_along(tmp_path):
+    """python -m gcompile.plan printed a KeyboardInterrupt traceback, and its workers planned on as orphans."""
+    machine = tmp_path / "machine.json"
+    machine_file.save(flat_machine(), str(machine))
+    proc = subprocess.Popen([sys.executable, "-m", "gcompile.plan", "--config", "configs/tiny.toml", "--world-size",
+                             "8", "--workers", "2", "--machine", str(machine)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)})
+    progress = ""
+    while "/230 layouts" not in progress.removeprefix("planning: 0/230"):  # a family finished
+        progress = proc.stderr.readline()
+        assert progress, "the planner ended before a family finished"
+    workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)  # an orphaned worker would hold the pipes open past it
+    assert proc.returncode == 130 and err.splitlines() == ["python -m gcompile.plan: stopped by SIGINT"], err
+    assert (tmp_path / "gcompile" / "plans.json").is_file(), "what it predicted is kept"
+    deadline = time.monotonic() + 30
+    while (running := [pid for pid in workers if _running(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not running, "its workers end with it"
+
+
+def _running(pid: str) -> bool:
+    """Whether the process lives (a zombie, ended and not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 @pytest.mark.slow
