@@ -76,20 +76,17 @@ def load_tokens(data_path: str) -> np.ndarray:
     prefix = data_path.removesuffix(".bin")
     if os.path.isfile(prefix + ".bin") and os.path.isfile(prefix + ".idx"):
         return IndexedDataset(prefix).tokens
+    if os.path.isfile(prefix + ".bin") and os.path.isfile(prefix + META_SUFFIX):  # prepare wrote an index, which
+        # says the dtype: read raw, an int32 pair would be twice as many halves of its ids
+        raise DataError(f"--data-path {data_path}: its {prefix}.idx is missing ({prefix}{META_SUFFIX} says "
+                        f"prepare wrote the pair): restore the .idx, or prepare the data again")
     if data_path.endswith(".bin") and os.path.isfile(data_path):
-        if os.path.isfile(prefix + META_SUFFIX):  # prepare wrote it with an index, which says its dtype
-            raise DataError(f"--data-path {data_path}: its {prefix}.idx is missing ({prefix}{META_SUFFIX} says "
-                            f"prepare wrote the pair); without it the tokens would be read as raw uint16: restore "
-                            f"the .idx, or prepare the data again")
         size = os.path.getsize(data_path)
         if size % 2:
             raise DataError(f"--data-path {data_path}: {size} bytes, not a whole number of uint16 tokens; "
                             "a raw .bin must be nanoGPT's flat uint16 array")
         return np.memmap(data_path, dtype="<u2", mode="r") if size else np.empty(0, "<u2")
     if os.path.isfile(prefix + ".bin"):  # a prefix whose .idx is gone
-        if os.path.isfile(prefix + META_SUFFIX):
-            raise DataError(f"--data-path {data_path}: its {prefix}.idx is missing ({prefix}{META_SUFFIX} says "
-                            f"prepare wrote the pair): restore the .idx, or prepare the data again")
         raise DataError(f"--data-path {data_path}: {prefix}.bin has no {prefix}.idx beside it; restore the .idx, "
                         f"or give --data-path {prefix}.bin to read it as nanoGPT's raw uint16 tokens")
     raise DataError(f"--data-path {data_path}: no {prefix}.bin / {prefix}.idx found; give the PREFIX "

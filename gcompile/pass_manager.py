@@ -26,6 +26,7 @@ import torch.fx as fx
 
 from gcompile.config import ConfigError, RunConfig
 from gcompile.axes import Coords
+from gcompile.launch import under_launcher
 from gcompile.log import rank_ranges
 from gcompile.program import (Program, broken_convention, diff_counts, dump_text, op_counts, propagate_shapes,
                               refresh_meta)
@@ -225,7 +226,7 @@ def _on_rank(spec: str, ctx: PassContext) -> str:
 
 def _in_launcher(ctx: PassContext) -> bool:
     """Whether this process builds ranks' programs for a world it will start (not a rank of it)."""
-    return ctx.config.world_size > 1 and "RANK" not in os.environ
+    return ctx.config.world_size > 1 and not under_launcher()
 
 
 RANK_ENVIRONMENT = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

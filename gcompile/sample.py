@@ -30,7 +30,7 @@ def generate_text(model: nn.Module, context_length: int, prompt: str, max_new_to
     starts a new document (the tokenizer's EOD)."""
     ids = [int(i) for i in tokenizer.encode(prompt.encode())] if prompt else [tokenizer.eod]
     device = next(model.parameters()).device
-    start = torch.tensor([list(ids)], dtype=torch.long, device=device)  # (1, T)
+    start = torch.tensor([ids], dtype=torch.long, device=device)  # (1, T)
     generator = torch.Generator(device=device).manual_seed(seed)
     out = sample(model.eval(), context_length, start, max_new_tokens, temperature, top_k, generator)
     return tokenizer.decode(out[0].tolist()[0 if prompt else 1:])
