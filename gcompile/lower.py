@@ -41,13 +41,15 @@ from gcompile.program import Stage, ancestors, descendants, drop_dead_nodes
 from gcompile.rank_program import LoweredStage
 
 
-def lower_stage(stage: Stage, recompute: bool = False) -> LoweredStage:
+def lower_stage(stage: Stage, recompute: bool = False, needs_grad: tuple[bool, ...] | None = None) -> LoweredStage:
+    """`needs_grad`: per placeholder, whether backward gives its gradient (default: each floating-point one)."""
     placeholders = stage.placeholders()
     vals = [n.meta["val"] for n in placeholders]
+    needs_grad = needs_grad or tuple(v.dtype.is_floating_point for v in vals)
     fake_mode = vals[0].fake_mode
     with fake_mode:
-        args = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
-                .requires_grad_(v.dtype.is_floating_point) for v in vals]
+        args = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device).requires_grad_(grad)
+                for v, grad in zip(vals, needs_grad)]
     with contextlib.ExitStack() as stack:
         joint = aot_export_joint_with_descriptors(stack, stage.graph, tuple(args)).graph_module
     _check_joint_convention(joint, len(args), stage.outputs, stage.index,
@@ -61,7 +63,7 @@ def lower_stage(stage: Stage, recompute: bool = False) -> LoweredStage:
     num_saved = _drop_dead_code(forward, backward, len(stage.outputs))
     if stage.recompute_from_params:
         _gather_one_ahead(backward)
-    _wait_one_behind(backward)
+    wait_one_behind(backward)
     for gm in (forward, backward):
         for node in gm.graph.find_nodes(op="placeholder"):
             if not isinstance(node.meta.get("val"), torch.Tensor):
@@ -129,7 +131,7 @@ def _gather_one_ahead(gm: fx.GraphModule) -> None:
     gm.recompile()
 
 
-def _wait_one_behind(gm: fx.GraphModule) -> None:
+def wait_one_behind(gm: fx.GraphModule) -> None:
     """Wait for a gradient reduce-scatter (one whose result is only divided, cut into gradients, and maybe
     all-reduced on) after the next one is issued, so each runs while backward computes the layer before
     it; at most two are in flight, so at most two layers' unreduced gradients are held."""
@@ -156,7 +158,7 @@ _ops = torch.ops._c10d_functional
 _GRADIENT_TAIL = {torch.ops.aten.div.Tensor, torch.ops.aten.slice.Tensor, torch.ops.aten.view.default,
                   torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default, _ops.all_reduce.default,
                   _ops.wait_tensor.default}
-"""What may follow a gradient reduce-scatter's wait for `_wait_one_behind` to move it: no compute."""
+"""What may follow a gradient reduce-scatter's wait for `wait_one_behind` to move it: no compute."""
 
 
 def _move_after(anchor: fx.Node, nodes: set[fx.Node], order: list[fx.Node]) -> None:

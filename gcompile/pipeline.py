@@ -30,6 +30,7 @@ from gcompile.capture import capture
 from gcompile.comm_summary import format_summary
 from gcompile.config import POINTS, RunConfig
 from gcompile.lower import lower_stage, split_lowered
+from gcompile.lower_pieces import lower_by_pieces
 from gcompile.lowering_line import Lines
 from gcompile.axes import Coords
 from gcompile.flat import flat_layout
@@ -130,6 +131,9 @@ class BuildCache:
     lines: Lines | None = None
     """Where given (the planner), a stage on the line of two lowered ones is not lowered but derived from
     them (gcompile.lowering_line): its program is costed, never run."""
+    by_pieces: bool = False
+    """Where set (the planner), a stage is lowered from its blocks' lowerings (gcompile.lower_pieces): its
+    program is costed, never run."""
 
 
 def build_rank_program(config: RunConfig, coords: Coords, device: str = "cpu",
@@ -257,6 +261,28 @@ UNREAD_BY_FORWARD = {"parallel": ("pipeline_schedule", "data_parallel_sharding_s
 how dp shards is the rank passes' business)."""
 
 
+def _lowered(stage: Stage, key: tuple, cache: BuildCache, log: Callable[[str], None], what: str,
+             recompute: bool = False, needs_grad: tuple[bool, ...] | None = None) -> LoweredStage:
+    """`stage` lowered, or derived from two lowerings on its line, kept under `key` (its structure_key, then what
+    else its lowering depends on)."""
+    if key not in cache.lowered:
+        start = time.perf_counter()
+        derived = cache.lines and cache.lines.derive(stage, key[1:])
+        cache.lowered[key] = derived or lower_stage(stage, recompute, needs_grad)
+        seconds = time.perf_counter() - start
+        cache.seconds["derived" if derived else "lowering"] += seconds
+        if cache.lines is not None and not derived:
+            cache.lines.add(stage, key[1:], cache.lowered[key])
+        log(f"derived {what} from two lowerings on its line in {seconds:.1f} s" if derived else
+            f"lowered {what} with autograd (forward and backward graphs) in {seconds:.1f} s")
+    return cache.lowered[key]
+
+
+def _lower_piece(piece: Stage, needs_grad: tuple[bool, ...], cache: BuildCache,
+                 log: Callable[[str], None]) -> LoweredStage:
+    return _lowered(piece, (structure_key(piece.graph), needs_grad), cache, log, "a piece", needs_grad=needs_grad)
+
+
 def _lower(stage: Stage, recompute: bool, split: bool, cache: BuildCache, log: Callable[[str], None]) -> LoweredStage:
     """Lower a stage, or reuse the lowering of an identical one (the same ops over the same input values, the
     names aside: a pipeline's middle stages); its backward split for zero bubble is a copy of the whole
@@ -264,15 +290,9 @@ def _lower(stage: Stage, recompute: bool, split: bool, cache: BuildCache, log: C
     whole = (structure_key(stage.graph), recompute, stage.recompute_from_params)
     key = (*whole, "split") if split else whole
     if whole not in cache.lowered:
-        start = time.perf_counter()
-        derived = cache.lines and cache.lines.derive(stage, whole[1:])
-        cache.lowered[whole] = derived or lower_stage(stage, recompute)
-        seconds = time.perf_counter() - start
-        cache.seconds["derived" if derived else "lowering"] += seconds
-        if cache.lines is not None and not derived:
-            cache.lines.add(stage, whole[1:], cache.lowered[whole])
-        log(f"derived stage {stage.index} from two lowerings on its line in {seconds:.1f} s" if derived else
-            f"lowered stage {stage.index} with autograd (forward and backward graphs) in {seconds:.1f} s")
+        stitched = cache.by_pieces and not recompute and \
+            lower_by_pieces(stage, functools.partial(_lower_piece, cache=cache, log=log))
+        cache.lowered[whole] = stitched or _lowered(stage, whole, cache, log, f"stage {stage.index}", recompute)
     if key not in cache.lowered:
         cache.lowered[key] = split_lowered(cache.lowered[whole])
     return replace(cache.lowered[key], index=stage.index, params=list(stage.params), inputs=list(stage.inputs),

@@ -20,7 +20,8 @@ line is the refusal; a pass that cannot rewrite it, GraphMismatch, refuses it to
 then built: one program per pipeline rank (ranks that
 differ only in tp, cp or dp position cost the same). Candidates share what they
 can (gcompile.pipeline.BuildCache: captures, the forward passes' results,
-lowerings); a stage graph on the line of two lowered ones (the same stage at other
+lowerings). A stage is lowered block by block, each distinct block once, and stitched
+(gcompile.lower_pieces); a piece on the line of two lowered ones (the same piece at other
 micro-batch sizes) is derived from them, not lowered (gcompile.lowering_line).
 Families of candidates (same tp, cp, ep and pp) are built in --workers processes.
 Its memory is gcompile.check.estimate_memory's largest rank, over the budget is a
@@ -260,7 +261,7 @@ def search(base: RunConfig, world: int, machine: Machine, budget_gb: float | Non
             for future in as_completed(running):
                 finished(running[future], *future.result())
     else:
-        cache = cache or BuildCache(lines=Lines())
+        cache = cache or _process_cache()
         for family, members in unknown.items():
             finished(family, *_search_family(base, machine, budget_gb, members, cache, known, machine_text))
     tried = {family: iter(found) for family, found in outcomes.items()}
@@ -383,7 +384,7 @@ def _try(base: RunConfig, machine: Machine, budget_gb: float | None, tried: dict
 @functools.cache
 def _process_cache() -> BuildCache:
     """A planning process's builds, kept from one family to the next (captures are shared across them)."""
-    return BuildCache(lines=Lines())
+    return BuildCache(lines=Lines(), by_pieces=True)
 
 
 def format_search(found: Search, world: int, top: int, refused: int) -> str:

@@ -66,16 +66,23 @@ def pipeline_split_pass(program: Program, ctx: PassContext) -> Program:
                    history=list(program.history))
 
 
+def block_of(node: fx.Node) -> tuple[str, int] | None:
+    """(module list, block index) of the outermost `<list>.<i>` module `node` ran in; None outside blocks."""
+    for path, _ in (node.meta.get("nn_module_stack") or {}).values():
+        match = _BLOCK.fullmatch(path)
+        if match:
+            return match["list"], int(match["index"])
+    return None
+
+
 def _blocks(stage: Stage) -> dict[fx.Node, int]:
-    """Block index of every node inside a block, from the outermost `<list>.<i>` module it ran in."""
+    """Block index of every node inside a block."""
     owner, lists = {}, set()
     for node in stage.graph.graph.nodes:
-        for path, _ in (node.meta.get("nn_module_stack") or {}).values():
-            match = _BLOCK.fullmatch(path)
-            if match:
-                owner[node] = int(match["index"])
-                lists.add(match["list"])
-                break
+        block = block_of(node)
+        if block is not None:
+            lists.add(block[0])
+            owner[node] = block[1]
     found = sorted(set(owner.values()))
     if len(lists) != 1 or found != list(range(len(found))):
         raise ValueError(f"expected the blocks <list>.0 .. <list>.N-1 of one module list in "
