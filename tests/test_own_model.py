@@ -6,12 +6,17 @@ final parameters, against single-device eager autograd + AdamW, every rank in th
 
 import subprocess
 import sys
+from dataclasses import dataclass
 
 import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
 import run_gpt
 from gcompile import harness
 from gcompile.config import build_config
+from gcompile.models.spec import spec_with_defaults
 from tests.reference import ADAM_EPS, random_batches, reference_run, rel_err
 
 ARCH = "examples/parallel_block.py:SPEC"
@@ -83,3 +88,44 @@ def test_a_checkpoint_of_an_own_model_names_the_arch_to_load_it_with(tmp_path, c
     assert fresh.returncode == 2 and fresh.stderr.endswith(
         f"holds a 'parallel_block' model, your own, which this command has not loaded: run_gpt.py --arch {ARCH} "
         f"--load resumes it; export, export-hf and generate take the built-in models (gpt2, llama)\n"), fresh.stderr
+
+
+@dataclass(frozen=True)
+class ScaledConfig:
+    vocab_size: int = 16
+    block_size: int = 8
+    n_layer: int = 2
+    n_embd: int = 8
+
+
+class Scaled(nn.Module):
+    """Parameters GPT-2's rule does not know (a gain per block, a layer scale, a 0-d temperature) beside ones it
+    does (a norm's weight, a Linear's weight and bias, an embedding)."""
+
+    def __init__(self, config: ScaledConfig):
+        super().__init__()
+        self.embed = nn.Embedding(config.vocab_size, config.n_embd)
+        self.blocks = nn.ModuleList([nn.Linear(config.n_embd, config.n_embd) for _ in range(config.n_layer)])
+        self.gains = nn.ParameterList([nn.Parameter(torch.ones(config.n_embd)) for _ in range(config.n_layer)])
+        self.layer_scale = nn.Parameter(torch.full((config.n_layer,), 0.1))
+        self.temperature = nn.Parameter(torch.tensor(0.5))
+        self.norm = nn.LayerNorm(config.n_embd)
+
+    def forward(self, idx, targets):
+        x = self.embed(idx)
+        for i, block in enumerate(self.blocks):
+            x = x + block(x) * self.gains[i] * self.layer_scale[i]
+        logits = self.norm(x) @ self.embed.weight.t() / self.temperature
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def test_an_own_model_keeps_its_values_for_parameters_gpt2s_rule_does_not_know():
+    """GPT-2's rule zeroed `gains.0` as if a bias (the model never trained: every step the same loss, grad norm
+    0) and drew the 0-d temperature as a matrix."""
+    model = spec_with_defaults("scaled", ScaledConfig, Scaled).build(ScaledConfig(), seed=3)
+    assert all(torch.equal(g, torch.ones(8)) for g in model.gains)
+    assert torch.equal(model.layer_scale, torch.full((2,), 0.1))
+    assert model.temperature.item() == 0.5
+    assert torch.equal(model.norm.weight, torch.ones(8)) and torch.equal(model.norm.bias, torch.zeros(8))
+    assert torch.equal(model.blocks[0].bias, torch.zeros(8))
+    assert 0.01 < model.blocks[0].weight.std().item() < 0.04  # N(0, 0.02), not torch's own init

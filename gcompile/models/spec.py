@@ -5,6 +5,7 @@ A spec lives beside its model (gcompile/models/gpt2.py holds GPT-2's) and is
 registered by name in gcompile/models/__init__.py.
 """
 
+import functools
 import zlib
 from collections.abc import Callable
 import dataclasses
@@ -102,6 +103,35 @@ def default_init(name: str, shape: tuple[int, ...], config, seed: int) -> torch.
     return torch.randn(shape, generator=generator) * 0.02
 
 
+def named_by_default_init(name: str, shape: tuple[int, ...]) -> bool:
+    """Whether GPT-2's rule (`default_init`) knows what the parameter is: a matrix or embedding, or by its name
+    a norm's gain (`weight`) or a bias."""
+    return len(shape) >= 2 or name.endswith(("weight", "bias"))
+
+
+def own_init(module: Callable[[Any], nn.Module]) -> Callable[[str, tuple[int, ...], Any, int], torch.Tensor]:
+    """`default_init` where it knows the parameter; any other (a gain or layer scale: `gains.0`, `alpha`)
+    starts at the value `module` gives it, built once per process on the CPU with the run's seed. The rule
+    would zero a 1-D gain of ones, and a model scaled by it never trains."""
+
+    def init_value(name: str, shape: tuple[int, ...], config, seed: int) -> torch.Tensor:
+        if named_by_default_init(name, shape):
+            return default_init(name, shape, config, seed)
+        return _unnamed_values(module, config, seed)[name].clone()
+
+    return init_value
+
+
+@functools.lru_cache(maxsize=2)
+def _unnamed_values(module: Callable[[Any], nn.Module], config, seed: int) -> dict[str, torch.Tensor]:
+    """The parameters GPT-2's rule does not know, as `module(config)` makes them with `seed`."""
+    with torch.random.fork_rng(devices=[]), torch.device("cpu"):
+        torch.manual_seed(seed)
+        model = module(config)
+    return {name: p.detach().float() for name, p in model.named_parameters()
+            if not named_by_default_init(name, tuple(p.shape))}
+
+
 def default_tp_errors(model: nn.Module, name: str, placement: str, tp: int) -> list[str]:
     """A column-parallel Linear needs its output features, a row-parallel one its input features, to divide."""
     linear = model.get_submodule(name)
@@ -117,7 +147,8 @@ def token_batch(micro_batch_size: int, seq_length: int) -> tuple[Input, ...]:
 def spec_with_defaults(name: str, config: type, module: Callable[[Any], nn.Module], **facts) -> ModelSpec:
     """A ModelSpec for your own model: `module(config)` returns an nn.Module whose forward(idx, targets)
     returns the mean loss (and the logits without targets). Every other fact has a default a keyword
-    replaces: GPT-2's initialisation, no tensor-parallel plan (give `tp_plan` to cut), decay on
+    replaces: GPT-2's initialisation where it knows the parameter, the module's own value elsewhere
+    (`own_init`), no tensor-parallel plan (give `tp_plan` to cut), decay on
     matrices, the context length `config.block_size`, 6 FLOPs per parameter per token."""
 
     def flops(config_value, batch_size: int, seq_length: int) -> float:
@@ -125,7 +156,7 @@ def spec_with_defaults(name: str, config: type, module: Callable[[Any], nn.Modul
             params = sum(p.numel() for p in module(config_value).parameters())
         return 6.0 * params * batch_size * seq_length
 
-    defaults = dict(init_value=default_init, example_batch=token_batch, tp_plan=(), tp_errors=default_tp_errors,
+    defaults = dict(init_value=own_init(module), example_batch=token_batch, tp_plan=(), tp_errors=default_tp_errors,
                     config_errors=lambda config_value: [], decays=lambda _, shape: len(shape) >= 2,
                     context_length=lambda config_value: config_value.block_size, flops=flops)
     return ModelSpec(name=name, config=config, module=module, **dict(defaults, **facts))
