@@ -33,7 +33,8 @@ from gcompile.harness import World
 from gcompile.layout import local_value
 from gcompile.pass_manager import PassError
 from gcompile.axes import REPLICAS, group_members, world_axes_of
-from gcompile.pipeline import GRAD_SYNC, BuildCache, pass_lists
+from gcompile.pipeline import GRAD_SYNC, BuildCache, captured_program, pass_lists
+from gcompile.program import node_origin, random_draws
 from gcompile.reference import EagerStep, eager_step
 from gcompile.train import split_microbatches
 from gcompile.world import build_world
@@ -97,10 +98,14 @@ def unsplit(config: RunConfig) -> RunConfig:
 def bisect(config: RunConfig, tol: float = TOL, log: Callable[[str], None] = print) -> PassReport | None:
     """Check the program after every pass; the report of the first over `tol`, or None."""
     t = config.train
-    with torch.device("meta"):
-        draws_dropout = config.model_spec.module(config.model).training  # the mode capture traces
-    if t.bf16 or t.fp16 or draws_dropout:
-        raise ConfigError("bisect compares fp32 runs without dropout; drop --bf16 / --fp16 / --dropout")
+    if t.bf16 or t.fp16:
+        raise ConfigError("bisect compares fp32 runs; drop --bf16 / --fp16")
+    cache = BuildCache()
+    draws = random_draws(captured_program(config, cache, log=lambda _: None).stages[0].graph)
+    if draws:  # each layout draws its own masks: no two runs agree but in distribution
+        raise ConfigError(f"bisect compares runs without dropout, but the model draws random numbers at "
+                          f"{node_origin(draws[0])}; set --dropout 0 (your own model: build it in eval mode or "
+                          f"with no dropout)")
     if config.parallel.cp > 1:  # a cp rank's gradient is its tokens' share until the reduction over cp: bisect
         # compared it with the whole share's and named context_parallel for every cp layout
         raise ConfigError("bisect does not compare context-parallel layouts yet; check one with a short run against "
@@ -109,7 +114,6 @@ def bisect(config: RunConfig, tol: float = TOL, log: Callable[[str], None] = pri
                            generator=torch.Generator().manual_seed(t.seed))
     eager = eager_step(config, tokens, t.lr)
     forward_passes, rank_passes = pass_lists(config)
-    cache = BuildCache()
     for number, name in enumerate(["capture", *forward_passes, *rank_passes]):
         is_rank_pass = number > len(forward_passes)
         split = "pipeline_split" in forward_passes[:number]

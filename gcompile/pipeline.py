@@ -158,16 +158,9 @@ def _build_rank_program(config: RunConfig, coords: Coords, device: str, dump_roo
         forward_passes, rank_passes = passes_until(forward_passes, rank_passes, stop_after)
 
     key = (config.model, t.micro_batch_size, t.seq_length, device, config.param_dtype)
-    if key not in cache.captured:
-        spec, start = config.model_spec, time.perf_counter()
-        cache.captured[key] = capture(functools.partial(spec.module, config.model),
-                                      spec.example_batch(t.micro_batch_size, t.seq_length), spec.decays,
-                                      device, config.param_dtype, config.model.vocab_size)
-        seconds = time.perf_counter() - start
-        cache.seconds["capture"] += seconds
-        log(f"captured {spec.name} with torch.export in {seconds:.1f} s")
+    captured = captured_program(config, cache, device, log)
     start = time.perf_counter()
-    program, reports = _forward_program(cache.captured[key], forward_passes, ctx, cache, key, log)
+    program, reports = _forward_program(captured, forward_passes, ctx, cache, key, log)
     cache.seconds["passes"] += time.perf_counter() - start
     key = (p.pipeline_schedule, p.pp, p.virtual_pipeline_size, config.num_microbatches)
     if key not in cache.schedules:
@@ -210,6 +203,22 @@ def _build_rank_program(config: RunConfig, coords: Coords, device: str, dump_roo
         dump_text(dump_dir, "schedule.txt", rank_program.format_instructions() + "\n")
         dump_text(dump_dir, "summary.txt", format_summary(rank_program))
     return rank_program
+
+
+def captured_program(config: RunConfig, cache: BuildCache, device: str = "cpu",
+                     log: Callable[[str], None] = print) -> Program:
+    """The model captured for the run's micro-batch, once per cache."""
+    t, spec = config.train, config.model_spec
+    key = (config.model, t.micro_batch_size, t.seq_length, device, config.param_dtype)
+    if key not in cache.captured:
+        start = time.perf_counter()
+        cache.captured[key] = capture(functools.partial(spec.module, config.model),
+                                      spec.example_batch(t.micro_batch_size, t.seq_length), spec.decays,
+                                      device, config.param_dtype, config.model.vocab_size)
+        seconds = time.perf_counter() - start
+        cache.seconds["capture"] += seconds
+        log(f"captured {spec.name} with torch.export in {seconds:.1f} s")
+    return cache.captured[key]
 
 
 def _forward_program(captured: Program, forward_passes: list[str], ctx: PassContext, cache: BuildCache,

@@ -252,6 +252,21 @@ def format_stage(stage: Stage) -> str:
     return "\n".join(lines)
 
 
+def random_draws(gm: fx.GraphModule) -> list[fx.Node]:
+    """The nodes that draw random numbers: random ops, dropout (attention's too) at a rate above 0 in training."""
+    found = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
+            continue
+        schema = node.target._schema.arguments
+        given = {a.name: a.default_value for a in schema if a.has_default_value()}
+        given |= {a.name: v for a, v in zip(schema, node.args)} | node.kwargs
+        rate = given.get("p", given.get("dropout_p"))
+        if rate is None or rate and given.get("train") is not False:
+            found.append(node)
+    return found
+
+
 def node_origin(node: fx.Node) -> str:
     """`add_4 (aten.add.Tensor) at gcompile/models/gpt2.py:89: x = x + ...`, what an error about a node says.
 
@@ -263,7 +278,8 @@ def node_origin(node: fx.Node) -> str:
     if not ours:
         return f"{node.name} ({target}), no source line recorded"
     path, line, code = ours[-1]
-    return f"{node.name} ({target}) at {os.path.relpath(path)}:{line}: {code.strip()}"
+    shown = os.path.relpath(path)
+    return f"{node.name} ({target}) at {path if shown.startswith('..') else shown}:{line}: {code.strip()}"
 
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in [^\n]*\n([^\n]*)')

@@ -54,3 +54,18 @@ def test_help_lists_the_tolerance(capsys):
     assert inspect.main(["bisect", "--help"]) == 0
     out = capsys.readouterr().out
     assert "--tol TOL" in out and "run_gpt.py --help" in out, out
+
+
+def test_a_model_that_draws_dropout_is_refused_naming_where(capsys):
+    assert inspect.main(["bisect", *TINY, "--dropout", "0.1"]) == 2
+    err = capsys.readouterr().err
+    assert "draws random numbers at " in err and "gpt2.py" in err and "--dropout 0" in err and err.count("\n") == 1, err
+
+
+def test_an_own_model_in_training_mode_without_dropout_is_bisected(tmp_path, capsys):
+    """nn.Module's default mode: it was refused, told to drop a --dropout never given."""
+    (tmp_path / "training_mode.py").write_text(open("examples/parallel_block.py").read()
+                                               .replace('"parallel_block"', '"training_mode"')
+                                               .replace("ParallelBlockModel(config).eval()", "ParallelBlockModel(config)"))
+    assert inspect.main(["bisect", "--arch", f"{tmp_path}/training_mode.py:SPEC", "--n-layer", "2", "--tp", "2"]) == 0, \
+        capsys.readouterr().err
