@@ -53,8 +53,8 @@ from gcompile.program import BATCH_ROLES, Program, Stage
 from gcompile.report import REPORT
 from passes.rewrite import GraphMismatch, insert_call, rank_constant, whole_model_copy
 from passes.sequence_parallel import TOKEN_WISE
-from passes.tensor_parallel import BROADCASTING, SHAPE_PRESERVING, VIEWS, full_shape
-from passes.token_rows import ALONG, GROUPED_MM, ROUTING, TokenRows, is_elementwise
+from passes.tensor_parallel import BROADCASTING, SHAPE_PRESERVING, VIEWS, full_shape, is_elementwise
+from passes.token_rows import ALONG, GROUPED_MM, ROUTING, TokenRows
 
 NAME = "context_parallel"
 aten = torch.ops.aten

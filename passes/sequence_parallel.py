@@ -41,8 +41,8 @@ from gcompile import tp_ops
 from gcompile.pass_manager import PassContext, register_pass
 from gcompile.program import Program, Stage
 from passes.rewrite import GraphMismatch, insert_call, rank_constant
-from passes.tensor_parallel import VIEWS
-from passes.token_rows import ALONG, GROUPED_MM, ROUTING, TokenRows, is_elementwise
+from passes.tensor_parallel import VIEWS, is_elementwise
+from passes.token_rows import ALONG, GROUPED_MM, ROUTING, TokenRows
 
 NAME = "sequence_parallel"
 SEQ_DIM = 1

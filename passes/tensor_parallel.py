@@ -44,6 +44,7 @@ from gcompile.layout import Shard
 from gcompile.pass_manager import PassContext, register_pass
 from gcompile.program import Program, Stage
 from gcompile.tp_plan import Plan, module_of, padded_vocab_size, parse_plan
+from gcompile.torch_api import is_op_overload
 from passes.rewrite import GraphMismatch, fake_like, insert_call, rank_constant
 
 NAME = "tensor_parallel"
@@ -58,6 +59,12 @@ BROADCASTING = (aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tens
 """Element-wise ops over several tensors: cut inputs must be cut alike, the others broadcast over the cut dim
 (RoPE's q * cos, SwiGLU's silu(gate) * up)."""
 VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+
+
+def is_elementwise(target) -> bool:
+    """Ops that compute each entry from the entries at its place (broadcasting), so from its token and feature
+    alone: torch's pointwise ops, and floor_divide (a routed copy's token), which torch does not tag."""
+    return target is aten.floor_divide.default or is_op_overload(target) and torch.Tag.pointwise in target.tags
 
 
 @dataclass(frozen=True)
@@ -215,7 +222,7 @@ class _Sharder:
             self.split(node, cut)
         elif node.target in VIEWS and cut is not None:
             self.view(node, cut)
-        elif node.target in BROADCASTING:
+        elif node.target in BROADCASTING or is_elementwise(node.target):
             self.broadcast(node)
         elif node.target is aten.slice.Tensor and cut is not None:
             self.slice(node, cut)
@@ -239,9 +246,12 @@ class _Sharder:
                                             f"replicates its weight; make it row-parallel in tp_plan")
         else:
             source = next(self.cuts[a].source for a in node.all_input_nodes if a in self.cuts)
+            attention = node.target in (aten.matmul.default, aten.bmm.default, aten.softmax.int, aten._softmax.default)
             raise GraphMismatch(NAME, node, f"reads a tensor cut by {source}, but the pass only knows how to carry a "
                                             f"cut through split, view, transpose, slice, cat, expand, attention and "
-                                            f"elementwise ops into a row-parallel linear or the loss")
+                                            f"elementwise ops into a row-parallel linear or the loss" +
+                                (" (attention written as matmul and softmax: call F.scaled_dot_product_attention, "
+                                 "which the pass cuts by heads)" if attention else ""))
 
     def split(self, node: fx.Node, cut: Cut) -> None:
         x, size, *rest = node.args

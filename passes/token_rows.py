@@ -28,9 +28,8 @@ import torch.fx as fx
 from gcompile import collectives
 from gcompile.models import moe  # noqa: F401  registers gcompile::grouped_mm, the experts' op
 from gcompile.report import REPORT
-from gcompile.torch_api import is_op_overload
 from passes.rewrite import GraphMismatch, insert_call
-from passes.tensor_parallel import full_shape
+from passes.tensor_parallel import full_shape, is_elementwise
 
 aten = torch.ops.aten
 
@@ -173,9 +172,3 @@ class TokenRows:
     def is_reduction_of_tokens(self, node: fx.Node, dim: int | None) -> bool:
         return node.target in (aten.sum.dim_IntList, aten.mean.dim) and dim is not None and \
             any(d % len(full_shape(node.args[0])) == dim for d in node.args[1])
-
-
-def is_elementwise(target) -> bool:
-    """Ops that compute each entry from the entries at its place (broadcasting), so from its token alone: torch's
-    pointwise ops, and floor_divide (a routed copy's token), which torch does not tag."""
-    return target is aten.floor_divide.default or is_op_overload(target) and torch.Tag.pointwise in target.tags

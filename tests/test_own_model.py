@@ -6,7 +6,7 @@ final parameters, against single-device eager autograd + AdamW, every rank in th
 
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -129,3 +129,22 @@ def test_an_own_model_keeps_its_values_for_parameters_gpt2s_rule_does_not_know()
     assert torch.equal(model.norm.weight, torch.ones(8)) and torch.equal(model.norm.bias, torch.zeros(8))
     assert torch.equal(model.blocks[0].bias, torch.zeros(8))
     assert 0.01 < model.blocks[0].weight.std().item() < 0.04  # N(0, 0.02), not torch's own init
+
+
+def test_any_pointwise_op_carries_a_tensor_parallel_cut(tmp_path):
+    """`square`, `sigmoid`, `clamp` (torch's pointwise ops, not only a listed few) between a column- and a
+    row-parallel linear: they were refused as ops the pass could not carry a cut through."""
+    (tmp_path / "pointwise_mlp.py").write_text(
+        open("examples/parallel_block.py").read().replace('"parallel_block"', '"pointwise_mlp"')
+        .replace("F.relu(self.up(h)) ** 2", "F.relu(self.up(h)).square() * torch.sigmoid(self.up(h)).clamp(max=0.9)"))
+    arch = f"{tmp_path}/pointwise_mlp.py:SPEC"
+    cfg = build_config({"model": dict(arch=arch, n_layer=2, n_head=4, n_embd=64, block_size=32),
+                        "train": dict(micro_batch_size=2, global_batch_size=4, seq_length=32, lr=1e-3,
+                                      adam_eps=ADAM_EPS)})
+    batches = random_batches(cfg, len(LRS))
+    reference = reference_run(cfg, batches, LRS)
+    (result,) = harness.run_layouts([replace(cfg, parallel=replace(cfg.parallel, tp=2))], batches, LRS)
+    for step, ref in enumerate(reference):
+        assert abs(result.losses[step] - ref.loss) / ref.loss < 1e-5, f"step {step} loss"
+    for name, value in reference[-1].params.items():
+        assert rel_err(result.params[name], value) < 1e-5, name
