@@ -128,12 +128,13 @@ def auto_layout(config: RunConfig, flags, argv: list[str]) -> list[str]:
     if flags.world_size is None or flags.world_size < 1:
         raise ConfigError("--auto-layout plans for --world-size N ranks; give N (at least 1)")
     kept, skip = [], False
-    for arg in argv:  # the planner's flags replace these: the ranks must not plan again
-        if skip:
+    dropped = ("--world-size",) if flags.check_plan or flags.dump_only else ("--world-size", "--machine")
+    for arg in argv:  # the planner's flags replace these: the ranks must not plan again (a check predicts with
+        if skip:  # the machine file the plan did; a run reads none)
             skip = False
-        elif arg in ("--world-size", "--machine"):
+        elif arg in dropped:
             skip = True
-        elif arg != "--auto-layout" and not arg.startswith(("--world-size=", "--machine=")):
+        elif arg != "--auto-layout" and not arg.startswith(tuple(f"{flag}=" for flag in dropped)):
             kept.append(arg)
     machine = load_machine(flags.machine, flags.world_size)
     with kept_predictions() as kept_before:
@@ -154,7 +155,8 @@ def auto_layout(config: RunConfig, flags, argv: list[str]) -> list[str]:
                    if key in fields and f"--{key.replace('_', '-')}" not in given and value != fields[key]]
     instead = [f"the given {', '.join(replaced)}"] * bool(replaced) + [f"the preset's {', '.join(from_preset)}"] * \
         bool(from_preset)
-    print(f"--auto-layout: training with {' '.join(best.flags())} ({best.prediction}; "
+    doing = "checking the plan of" if flags.check_plan else "dumping" if flags.dump_only else "training with"
+    print(f"--auto-layout: {doing} {' '.join(best.flags())} ({best.prediction}; "
           f"{best.memory / 2 ** 30:.3f} GiB on its largest rank)"
           + (f"; in place of {' and '.join(instead)}" if instead else ""))
     return kept + best.run_flags()

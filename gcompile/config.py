@@ -571,8 +571,17 @@ def answer_help(argv: list[str]) -> None:
         parser().parse_known_args(argv)
 
 
-def parse_args(argv: list[str]) -> tuple[RunConfig, argparse.Namespace]:
-    """The run config from `--config` and flags, and the flags that are not config keys."""
+PLANNER_CHOOSES = {"parallel": ("tp", "cp", "pp", "dp", "ep", "pipeline_schedule", "virtual_pipeline_size",
+                               "num_layers_per_virtual_pipeline_stage", "data_parallel_sharding_strategy",
+                               "use_distributed_optimizer"),
+                   "train": ("micro_batch_size",)}
+"""The keys a layout is made of: the planner sets them, whatever a preset or a flag said."""
+
+
+def parse_args(argv: list[str], planned: bool = False) -> tuple[RunConfig, argparse.Namespace]:
+    """The run config from `--config` and flags, and the flags that are not config keys. `planned` (or
+    --auto-layout): the config the planner starts from, its PLANNER_CHOOSES keys left at their defaults (a
+    preset's pp and a flag's dp are replaced, not checked)."""
     args = parser().parse_args(argv)
     overrides = load_toml(args.config) if "config" in args else {}
     overrides_of_preset = {section: dict(values) for section, values in overrides.items()}
@@ -586,6 +595,10 @@ def parse_args(argv: list[str]) -> tuple[RunConfig, argparse.Namespace]:
                                 auto_layout=getattr(args, "auto_layout", False),
                                 world_size=getattr(args, "world_size", None), machine=getattr(args, "machine", None),
                                 preset=overrides_of_preset)
+    if planned or extras.auto_layout:
+        for section, keys in PLANNER_CHOOSES.items():
+            for key in keys:
+                overrides.get(section, {}).pop(key, None)
     if extras.world_size is not None and not extras.auto_layout:
         raise ConfigError("--world-size is what --auto-layout plans for; give both, or give --tp, --pp, --dp")
     if extras.machine is not None and not (extras.auto_layout or extras.check_plan or extras.dump_only):

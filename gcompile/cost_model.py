@@ -28,6 +28,7 @@ its gradient-norm all-reduce lines the ranks up).
 
 import bisect
 import dataclasses
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -95,12 +96,18 @@ def rates_for(machine: Machine, world_size: int, threads: int, shm_tp: bool) -> 
 
 
 def rates_of(config: RunConfig, machine: Machine) -> Rates:
-    """What each rank of `config`'s world gets, launched here as run_gpt.py launches it."""
+    """What each rank of `config`'s world gets, launched as run_gpt.py launches it on the file's machine."""
+    return rates_for(machine, config.world_size, *launched(config, machine))
+
+
+def launched(config: RunConfig, machine: Machine) -> tuple[int, bool]:
+    """(CPU threads a rank gets, whether tp runs over shared memory): what a prediction reads besides the
+    machine file and the programs. The threads are the file's cores shared evenly, as the launcher shares a
+    host's (OMP_NUM_THREADS wins where set)."""
     from gcompile import shm_group
-    from gcompile.launch import rank_threads
     p = config.parallel
-    shm_tp = p.tp > 1 and p.tp_comm_backend != "gloo" and shm_group.available()
-    return rates_for(machine, config.world_size, rank_threads(config.world_size), shm_tp)
+    threads = int(os.environ.get("OMP_NUM_THREADS", max(1, machine.cores // config.world_size)))
+    return threads, p.tp > 1 and p.tp_comm_backend != "gloo" and shm_group.available()
 
 
 @dataclass(frozen=True)

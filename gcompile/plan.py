@@ -53,7 +53,7 @@ from gcompile.axes import Coords
 from gcompile.check import estimate_memory
 from gcompile.config import CP_COMM_TYPES, ConfigError, RunConfig, parse_args, validate
 from gcompile.models.moe_config import MoEConfig
-from gcompile.cost_model import Prediction, StepTime, predict, rates_of
+from gcompile.cost_model import Prediction, StepTime, launched, predict, rates_of
 from gcompile.machine import Machine, MachineError
 from gcompile import machine as machine_file
 from gcompile.log import counted
@@ -342,10 +342,11 @@ def _over(budget_gb: float | None) -> str:
 
 def _changes_nothing(base: RunConfig, layout: dict, saver: dict) -> bool:
     """Whether `saver` leaves this layout as it is: nothing to shard over (sequence parallel at tp 1, a dp
-    sharding strategy over one dp x cp rank), or the run planned for does it already where the layout leaves it
-    (a config with recompute on, say)."""
+    sharding strategy over one dp x cp rank, ZeRO-3's weights over one dp rank), or the run planned for does it
+    already where the layout leaves it (a config with recompute on, say)."""
+    strategy = saver.get("data_parallel_sharding_strategy")
     nothing_to_shard = "sequence_parallel" in saver and layout["tp"] == 1 or \
-        "data_parallel_sharding_strategy" in saver and layout["dp"] * layout.get("cp", 1) == 1
+        strategy and layout["dp"] * layout.get("cp", 1) == 1 or strategy == "optim_grads_params" and layout["dp"] == 1
     return nothing_to_shard or any(
         key not in layout and getattr(base.train if key in TRAIN_FIELDS else base.parallel, key) == value
         for key, value in saver.items())
@@ -359,7 +360,7 @@ def _try(base: RunConfig, machine: Machine, budget_gb: float | None, tried: dict
         config = configure(base, tried)
     except ConfigError as e:
         return (False, Refusal(tried, str(e), e.reasons)), False
-    key = layout_key(config, machine_text)
+    key = layout_key(config, machine_text, launched(config, machine))
     if key in known:
         step, memory = known[key]
     elif not build:
@@ -536,7 +537,7 @@ def main(argv: list[str] | None = None) -> int:
             if value < 0:
                 raise ConfigError(f"{flag} {value} must be 0 or more")
         schedules, sizes, comms = search_space(args.schedules, args.micro_batch_sizes, args.cp_comm_types)
-        base, actions = parse_args(rest)
+        base, actions = parse_args(rest, planned=True)
         if asked := [f"--{name.replace('_', '-')}" for name in ("check_plan", "dump_only", "auto_layout")
                      if getattr(actions, name)]:
             raise ConfigError(f"{' '.join(asked)}: run_gpt.py's, not the planner's; it plans only (python run_gpt.py "

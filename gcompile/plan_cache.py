@@ -58,12 +58,13 @@ UNREAD = {"train": ("train_iters", "lr", "min_lr", "lr_warmup_iters", "lr_decay_
 length, learning rate or budget takes the same predictions."""
 
 
-def layout_key(config: RunConfig, machine_text: str) -> str | None:
-    """The key of a candidate's prediction on the machine file `machine_text`; None for the user's own code."""
+def layout_key(config: RunConfig, machine_text: str, launched: tuple) -> str | None:
+    """The key of a candidate's prediction on the machine file `machine_text`, its ranks launched so
+    (gcompile.cost_model.launched: threads, shared-memory tp); None for the user's own code."""
     if is_users(config.model) or config.parallel.passes:
         return None
     decides = config.without(UNREAD)
-    decides = repr((decides.model, decides.parallel, decides.train))
+    decides = repr((decides.model, decides.parallel, decides.train, launched))
     return hashlib.sha256(f"{decides}\n{machine_text}".encode()).hexdigest()
 
 

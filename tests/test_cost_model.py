@@ -320,6 +320,9 @@ def test_a_second_plan_takes_every_prediction_from_the_first_and_builds_nothing(
         longer = dataclasses.replace(base, train=dataclasses.replace(base.train, train_iters=7, lr=0.5, seed=3))
         assert search(longer, 2, machine, kept=PlanCache(path), **space).reused == 6
     assert search(base, 2, flat_machine(cores=32), kept=PlanCache(path), **space).reused == 0
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")  # each rank's threads: another prediction (it kept 2's)
+    assert search(base, 2, machine, kept=PlanCache(path), **space).reused == 0
+    monkeypatch.delenv("OMP_NUM_THREADS")
     monkeypatch.setattr(plan_cache, "code_version", lambda: "another version")
     assert PlanCache(path).known == {}
 
@@ -421,8 +424,8 @@ def test_a_plan_of_the_users_own_code_is_never_kept():
                                       block_size=32), "train": dict(seq_length=32)})
     with_pass = build_config({"parallel": dict(passes=("after:lower=examples.all_reduce_split:"
                                                        "all_reduce_as_reduce_scatter_all_gather",))})
-    assert layout_key(tiny(), "machine") is not None
-    assert layout_key(own, "machine") is None and layout_key(with_pass, "machine") is None
+    assert layout_key(tiny(), "machine", (2, False)) is not None
+    assert layout_key(own, "machine", (2, False)) is None and layout_key(with_pass, "machine", (2, False)) is None
 
 
 def test_a_world_beyond_what_the_machine_measured_is_noted():
@@ -494,12 +497,12 @@ def test_auto_layout_that_finds_none_prints_the_reasons_it_names(tmp_path, capsy
 
 
 def auto_layout(tmp_path, capsys, *flags) -> tuple[list[str], list[str], str]:
-    """(the run's flags, the flags --auto-layout makes of them on tiny.toml, its `training with` line)."""
+    """(the run's flags, the flags --auto-layout makes of them on tiny.toml, its `training with` line: what it does)."""
     machine = tmp_path / "machine.json"
     machine_file.save(flat_machine(), str(machine))
     argv = ["--config", os.path.join(ROOT, "configs", "tiny.toml"), *flags, "--machine", str(machine)]
     chosen = run_gpt.auto_layout(*parse_args(argv), argv)
-    (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("--auto-layout: training")]
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("--auto-layout: ")]
     return argv, chosen, line
 
 
@@ -681,3 +684,18 @@ def test_check_plan_with_no_usable_machine_file_checks_the_plan_and_says_why_it_
         out = capsys.readouterr().out
         assert "plan checked: 2 ranks agree" in out and "predicted time: none, " in out, out
         assert why in out.split("predicted time: none, ")[1], out
+
+
+def test_auto_layout_replaces_a_layout_the_flags_could_not_run(tmp_path, capsys):
+    """--dp 4 of 8 samples at tiny.toml's micro-batch size 4 was refused before planning, as if it would run."""
+    _, chosen, _ = auto_layout(tmp_path, capsys, "--dp", "4", "--pipeline-schedule", "interleaved", "--auto-layout",
+                               "--world-size", "2")
+    config, _ = parse_args(chosen)
+    assert config.world_size == 2 and config.parallel.pipeline_schedule != "interleaved"
+
+
+def test_auto_layout_checks_its_plan_on_the_machine_it_planned_with(tmp_path, capsys):
+    """--check-plan predicted on this machine's file after a plan on --machine's, and said `training with`."""
+    argv, chosen, line = auto_layout(tmp_path, capsys, "--check-plan", "--auto-layout", "--world-size", "1")
+    assert chosen[chosen.index("--machine") + 1] == argv[argv.index("--machine") + 1]
+    assert line.startswith("--auto-layout: checking the plan of --tp 1"), line
