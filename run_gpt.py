@@ -147,9 +147,14 @@ def auto_layout(config: RunConfig, flags, argv: list[str]) -> list[str]:
                         f"reason: python -m gcompile.plan --world-size {flags.world_size} {' '.join(kept)} "
                         f"--refused {len(found.refused)}")
     best = found.ranked[0]
-    names = set(best.run_flags()[::2])
-    replaced = [arg if "=" in arg or i + 1 == len(kept) or kept[i + 1].startswith("--") else f"{arg} {kept[i + 1]}"
-                for i, arg in enumerate(kept) if canonical_flag(arg.split("=")[0]) in names]
+    chosen = dict(zip(best.run_flags()[::2], best.run_flags()[1::2]))
+    replaced = []
+    for i, arg in enumerate(kept):  # a layout flag given another value than the plan's
+        flag, _, value = arg.partition("=")
+        following = i + 1 < len(kept) and not kept[i + 1].startswith("--") and not value
+        value = kept[i + 1] if following else value or "true"
+        if canonical_flag(flag) in chosen and chosen[canonical_flag(flag)] != value:
+            replaced.append(f"{arg} {value}" if following else arg)
     given, fields = {canonical_flag(arg.split("=")[0]) for arg in kept}, best.run_fields()
     from_preset = [f"{key} = {value}" for section in flags.preset.values() for key, value in section.items()
                    if key in fields and f"--{key.replace('_', '-')}" not in given and value != fields[key]]
@@ -170,7 +175,10 @@ def main(argv: list[str]) -> int:
 def _run(argv: list[str], held: contextlib.ExitStack) -> int:
     try:
         config, flags = parse_args(argv)
-        if flags.auto_layout and not under_launcher():
+        if flags.auto_layout and under_launcher():
+            raise ConfigError("--auto-layout plans and starts the ranks itself; run python run_gpt.py ... "
+                              "--auto-layout without a launcher, or give the launcher the layout flags it chose")
+        if flags.auto_layout:
             argv = auto_layout(config, flags, argv)
             config, flags = parse_args(argv)
         if not under_launcher():

@@ -208,6 +208,8 @@ def _check(raw) -> None:
     threads, ranks = _Counts(1, "gpu"), _Counts(1)
     curves = functools.partial(_table, keys=None, check=_curve)
     _table(raw["matmul"], "matmul", threads, curves)
+    if lacking := [key for key, by_dtype in raw["matmul"].items() if "float32" not in by_dtype]:
+        raise _Unfit(f"matmul.{lacking[0]} has no float32 curve (what other dtypes fall back on)")
     _table(raw["attention"], "attention", threads, _curve)
     for name in ("bandwidth", "inplace_bandwidth"):
         _table(raw[name], name, threads, _positive)

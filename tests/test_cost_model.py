@@ -167,6 +167,7 @@ def test_machine_file_rates_and_links():
     ({"bandwidth": {"1": 0}}, "bandwidth.1 is 0, not a positive finite number"),
     ({"matmul": {"1": {"float32": [[1.0, float("nan")]]}}}, "matmul.1.float32[0][1] is nan, not a positive"),
     ({"matmul": {"1": {"float32": []}}}, "matmul.1.float32 is not a list of [FLOPs, FLOP/s] points"),
+    ({"matmul": {"1": {"bfloat16": [[1.0, 1e9]]}}}, "matmul.1 has no float32 curve"),  # a KeyError traceback
     ({"contention": {}}, "contention is {}, not a non-empty object"),
     ({"contention": {"two": 1.0}}, 'contention has the key "two", which is not a count of at least 1'),
     ({"cores": "2"}, 'cores is "2", not a whole number of at least 1'),
@@ -696,6 +697,17 @@ def test_auto_layout_replaces_a_layout_the_flags_could_not_run(tmp_path, capsys)
 
 def test_auto_layout_checks_its_plan_on_the_machine_it_planned_with(tmp_path, capsys):
     """--check-plan predicted on this machine's file after a plan on --machine's, and said `training with`."""
-    argv, chosen, line = auto_layout(tmp_path, capsys, "--check-plan", "--auto-layout", "--world-size", "1")
+    argv, chosen, line = auto_layout(tmp_path, capsys, "--check-plan", "--tp", "1", "--auto-layout", "--world-size",
+                                     "1")
     assert chosen[chosen.index("--machine") + 1] == argv[argv.index("--machine") + 1]
     assert line.startswith("--auto-layout: checking the plan of --tp 1"), line
+    assert "--tp 1" not in line.partition("in place of")[2], line  # the value it chose too: nothing replaced
+
+
+def test_auto_layout_under_a_launcher_is_refused(monkeypatch, capsys):
+    """torchrun's ranks ignored it, each running a layout of one rank."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert run_gpt.main(["--config", os.path.join(ROOT, "configs", "tiny.toml"), "--auto-layout", "--world-size",
+                         "2"]) == 2
+    assert "--auto-layout plans and starts the ranks itself" in capsys.readouterr().err
