@@ -571,17 +571,31 @@ def answer_help(argv: list[str]) -> None:
         parser().parse_known_args(argv)
 
 
-PLANNER_CHOOSES = {"parallel": ("tp", "cp", "pp", "dp", "ep", "pipeline_schedule", "virtual_pipeline_size",
-                               "num_layers_per_virtual_pipeline_stage", "data_parallel_sharding_strategy",
-                               "use_distributed_optimizer"),
-                   "train": ("micro_batch_size",)}
-"""The keys a layout is made of: the planner sets them, whatever a preset or a flag said."""
+def _load_named_model(argv: list[str]) -> None:
+    """Register the user's model that --arch (or the preset's [model] arch) names before the flags are read:
+    its config's fields are flags too."""
+    early = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    early.add_argument("--arch")
+    early.add_argument("--config")
+    known, _ = early.parse_known_args(argv)
+    arch = known.arch or known.config and load_toml(known.config).get("model", {}).get("arch")
+    if isinstance(arch, str) and ":" in arch:
+        _family(arch)
+
+
+PLANNED_FROM = {"parallel": dict(tp=1, cp=1, pp=1, dp=1, ep=1, pipeline_schedule="1f1b", virtual_pipeline_size=1,
+                                 num_layers_per_virtual_pipeline_stage=None,
+                                 data_parallel_sharding_strategy="no_shard", use_distributed_optimizer=False),
+                "train": dict(micro_batch_size=1)}
+"""The keys a layout is made of, at values any run can take: the planner starts from these and sets its own,
+whatever a preset or a flag said."""
 
 
 def parse_args(argv: list[str], planned: bool = False) -> tuple[RunConfig, argparse.Namespace]:
     """The run config from `--config` and flags, and the flags that are not config keys. `planned` (or
-    --auto-layout): the config the planner starts from, its PLANNER_CHOOSES keys left at their defaults (a
-    preset's pp and a flag's dp are replaced, not checked)."""
+    --auto-layout): the config the planner starts from, its layout at PLANNED_FROM (a preset's pp and a flag's
+    dp are replaced, not checked)."""
+    _load_named_model(argv)
     args = parser().parse_args(argv)
     overrides = load_toml(args.config) if "config" in args else {}
     overrides_of_preset = {section: dict(values) for section, values in overrides.items()}
@@ -596,9 +610,8 @@ def parse_args(argv: list[str], planned: bool = False) -> tuple[RunConfig, argpa
                                 world_size=getattr(args, "world_size", None), machine=getattr(args, "machine", None),
                                 preset=overrides_of_preset)
     if planned or extras.auto_layout:
-        for section, keys in PLANNER_CHOOSES.items():
-            for key in keys:
-                overrides.get(section, {}).pop(key, None)
+        for section, values in PLANNED_FROM.items():
+            overrides.setdefault(section, {}).update(values)
     if extras.world_size is not None and not extras.auto_layout:
         raise ConfigError("--world-size is what --auto-layout plans for; give both, or give --tp, --pp, --dp")
     if extras.machine is not None and not (extras.auto_layout or extras.check_plan or extras.dump_only):

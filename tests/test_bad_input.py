@@ -521,8 +521,8 @@ CASES = [
     ("plan no world size", "plan", [], None, "the following arguments are required: --world-size"),
     ("plan cp comm type unknown", "plan", ["--world-size", "2", "--cp-comm-types", "p2p,ring"], None,
      "--cp-comm-types 'p2p,ring': choose from all_gather, p2p, a2a"),
-    ("plan run flag is not a prefix of a plan flag", "plan", ["--world-size", "2", "--micro-batch-size", "0"], None,
-     "micro-batch-size=0 must be at least 1"),  # not --micro-batch-sizes: flags are never abbreviated
+    ("plan run flag is not a prefix of a plan flag", "plan", ["--world-size", "2", "--micro-batch-size", "abc"], None,
+     "--micro-batch-size='abc' is not a valid int"),  # not --micro-batch-sizes: flags are never abbreviated
     ("calibrate unknown flag", "calibrate", ["--bogus"], None, "unrecognized arguments: --bogus"),
     ("inspect no folder", "inspect", [], None, "the following arguments are required: dir"),
     ("export no output", "checkpoint", ["export", "{tmp}"], None,

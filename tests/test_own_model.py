@@ -148,3 +148,11 @@ def test_any_pointwise_op_carries_a_tensor_parallel_cut(tmp_path):
         assert abs(result.losses[step] - ref.loss) / ref.loss < 1e-5, f"step {step} loss"
     for name, value in reference[-1].params.items():
         assert rel_err(result.params[name], value) < 1e-5, name
+
+
+def test_an_own_models_config_fields_are_flags(tmp_path, capsys):
+    """As its [model] keys are: --width was an unrecognized argument, the model unloaded when flags were read."""
+    (tmp_path / "wide.py").write_text(open("examples/parallel_block.py").read().replace('"parallel_block"', '"wide"')
+                                      .replace('    """Hidden size."""\n', '    """Hidden size."""\n    width: int = 3\n'))
+    assert run_gpt.main(["--arch", f"{tmp_path}/wide.py:SPEC", "--width", "5", "--n-layer", "2", "--check-plan"]) == 0, \
+        capsys.readouterr().err
