@@ -34,6 +34,7 @@ from gcompile.log import counted
 from gcompile.machine import ram_bytes
 from gcompile.axes import group_members
 from gcompile.log import rank_ranges
+from gcompile.program import descendants
 from gcompile.report import is_metric
 from gcompile.rank_program import RankProgram
 from gcompile.state import TrainState
@@ -257,6 +258,7 @@ def _held_at_peak(program: RankProgram) -> tuple[int, int]:
     compute that makes it until its WAIT_SEND (or the step's end)."""
     saved = {s: _saved_bytes(stage) for s, stage in program.stages.items()}
     for_w = {s: _weight_bytes(stage) for s, stage in program.stages.items()}
+    remade = {s: _recomputed_bytes(stage) for s, stage in program.stages.items()}
     sends, recvs = pipeline_messages(program)
     to_send = {m.what: message_bytes(m) for m in sends}
     recvs = iter(recvs)
@@ -268,6 +270,9 @@ def _held_at_peak(program: RankProgram) -> tuple[int, int]:
         if op == Kind.F:
             activations += saved[s]
         elif op == Kind.B:
+            during = activations + remade[s] + sent + sum(held.values())  # inside it, before it lets go
+            if during > peak:
+                peak, peak_activations, peak_messages = during, activations + remade[s], sent + sum(held.values())
             activations += for_w[s] - saved[s]  # for_w: 0 where the backward is whole
         elif op == Kind.W:
             activations -= for_w[s]
@@ -305,6 +310,29 @@ def _gathered_bytes(stage) -> int:
 def _saved_bytes(stage) -> int:
     """Bytes a forward saves for its backward, not counting weights it passes through."""
     return _held_bytes(stage, _saved(stage))
+
+
+def _recomputed_bytes(stage) -> int:
+    """Most bytes a full-recompute backward holds at once of what it makes again before any gradient (forward's
+    activations): each made where it is computed (a view holds nothing more), let go after its last reader."""
+    if not stage.recomputed:
+        return 0
+    graph = stage.backward.graph
+    tangents = list(graph.find_nodes(op="placeholder"))[stage.num_saved:]
+    gradients = set().union(*(descendants(t) for t in tangents))
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    remade = [n for n in graph.nodes if n.op == "call_function" and n not in gradients and
+              isinstance(n.meta.get("val"), torch.Tensor) and _base(n) is n]
+    last_read = {n: max((order[u] for u in n.users), default=order[n]) for n in remade}
+    ends = sorted((last_read[n], _nbytes(n)) for n in remade)
+    live = freed = most = 0
+    for node in remade:
+        live += _nbytes(node)
+        while ends[freed][0] < order[node]:
+            live -= ends[freed][1]
+            freed += 1
+        most = max(most, live)
+    return most
 
 
 def _weight_bytes(stage) -> int:

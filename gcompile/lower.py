@@ -71,7 +71,7 @@ def lower_stage(stage: Stage, recompute: bool = False, needs_grad: tuple[bool, .
                                           f"(dynamic shapes are not supported)")
     return LoweredStage(index=stage.index, forward=forward, backward=backward, params=list(stage.params),
                         inputs=list(stage.inputs), outputs=list(stage.outputs), num_saved=num_saved,
-                        rank_constants=dict(stage.rank_constants))
+                        rank_constants=dict(stage.rank_constants), recomputed=recompute)
 
 
 def split_lowered(lowered: LoweredStage) -> LoweredStage:

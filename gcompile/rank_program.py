@@ -91,6 +91,8 @@ class LoweredStage:
     """Indices into backward's inputs that backward_weight reads (saved activations, output gradients)."""
     num_stash: int = 0
     """Tensors backward returns last, for backward_weight."""
+    recomputed: bool = False
+    """Lowered for full recompute: backward makes forward's activations again, and holds them while it runs."""
 
     def activation_inputs(self) -> list[str]:
         return activation_roles(self.inputs, self.rank_constants)

@@ -2,11 +2,16 @@
 saved activations the schedule keeps in flight, the estimate's activation figure agrees with it, and
 a run logs it after its first step and writes it to metrics.jsonl."""
 
+import dataclasses
 import json
 import re
+from types import SimpleNamespace
+
+import torch
+import torch.fx as fx
 
 from gcompile.axes import Coords
-from gcompile.check import MemoryEstimate, estimate_memory
+from gcompile.check import MemoryEstimate, _recomputed_bytes, _saved_bytes, estimate_memory
 from gcompile.config import build_config, parse_args
 from gcompile.harness import World
 from gcompile.pipeline import BuildCache
@@ -121,3 +126,34 @@ def test_an_estimate_reads_unpadded_in_a_sentence_and_lines_up_in_the_checkers_r
     parts = "MiB = weights 1.000 + grads 0.000 + optimizer 0.000 + activations 1.500"
     assert str(estimate) == f"2.500 {parts}"  # "rank 0 memory: ...; estimated 2.500 MiB = ..."
     assert f"{estimate:10}" == f"     2.500 {parts}"  # the plan checker's column
+
+
+def test_a_full_recompute_backward_holds_what_it_makes_again_until_its_last_reader():
+    """By hand: `a` and `b` remade from the saved input, each 1 KiB, alive together until the gradient reads them;
+    `sin`, remade after both are let go, alone; a view holds nothing more; gradients are not counted (as a
+    backward without recompute's are not). Full recompute counted nothing: the planner took it as free."""
+    aten, graph = torch.ops.aten, fx.Graph()
+    x, tangent = graph.placeholder("x"), graph.placeholder("tangent")
+    a = graph.call_function(aten.relu.default, (x,))
+    b = graph.call_function(aten.mul.Tensor, (a, 2))
+    flat = graph.call_function(aten.view.default, (b, [-1]))
+    grad = graph.call_function(aten.mul.Tensor, (graph.call_function(aten.mul.Tensor, (tangent, flat)), a))
+    late = graph.call_function(aten.sin.default, (x,))
+    graph.output((grad, late))
+    for node in graph.nodes:
+        if node.op != "output":
+            node.meta["val"] = torch.zeros(256) if node is not flat else torch.zeros(256).view(-1)
+    stage = SimpleNamespace(backward=fx.GraphModule(torch.nn.Module(), graph), num_saved=1, recomputed=True)
+    assert _recomputed_bytes(stage) == 2 * 1024
+    assert _recomputed_bytes(SimpleNamespace(**{**vars(stage), "recomputed": False})) == 0
+
+
+def test_a_rank_under_full_recompute_peaks_inside_a_backward():
+    """One stage, microbatches one after another: the peak is a backward's, holding its own microbatch's saved
+    inputs and what it makes again."""
+    cfg = config()
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, recompute_activations=True))
+    (program,) = build_world(cfg, log=lambda _: None).values()
+    (stage,) = program.stages.values()
+    assert _recomputed_bytes(stage) > 0
+    assert estimate_memory(program).activations == _recomputed_bytes(stage) + _saved_bytes(stage)
