@@ -30,13 +30,17 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 
+from gcompile import shutdown
+
+if __name__ == "__main__":  # before the imports below load torch (seconds): a Ctrl-C then is one line too
+    shutdown.install(shutdown.stopper(exit_signal_handler=False), "python -m gcompile.calibrate")
+
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
-from gcompile import shutdown
 from gcompile import collectives
 from gcompile import machine as machine_file
 from gcompile import shm_group
@@ -491,5 +495,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    shutdown.install(shutdown.stopper(exit_signal_handler=False), "python -m gcompile.calibrate")  # Ctrl-C: one line
     sys.exit(main())

@@ -48,6 +48,10 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from gcompile import shutdown
+
+if __name__ == "__main__":  # before the imports below load torch (seconds): a Ctrl-C then is one line too
+    shutdown.install(shutdown.stopper(exit_signal_handler=False), "python -m gcompile.plan")
+
 from gcompile.arguments import ArgumentParser
 from gcompile.axes import Coords
 from gcompile.check import estimate_memory
@@ -563,5 +567,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    shutdown.install(shutdown.stopper(exit_signal_handler=False), "python -m gcompile.plan")  # Ctrl-C: one line
     sys.exit(main())

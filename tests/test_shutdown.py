@@ -189,6 +189,22 @@ def test_ctrl_c_while_torch_loads_is_one_line(tmp_path):
     assert stderr.splitlines() == ["run_gpt.py: stopped by SIGINT"] and "Traceback" not in stdout
 
 
+@pytest.mark.parametrize("module, flags", [("plan", ["--config", "configs/tiny.toml", "--world-size", "1024"]),
+                                           ("calibrate", ["--out", "{tmp}/machine.json"])])
+def test_ctrl_c_while_a_tool_loads_torch_is_one_line(module, flags, tmp_path):
+    """python -m gcompile.plan and calibrate installed their handler after their imports: a traceback. (Were the
+    imports done already, a Ctrl-C while it works is one line too.)"""
+    flags = [flag.format(tmp=tmp_path) for flag in flags]
+    proc = subprocess.Popen([sys.executable, "-m", f"gcompile.{module}", *flags], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONPATH=ROOT, XDG_CACHE_HOME=str(tmp_path)))
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and stderr.splitlines() == [f"python -m gcompile.{module}: stopped by SIGINT"], \
+        stderr
+
+
 def test_ctrl_c_while_planning_is_one_line_keeps_the_plan_and_takes_the_workers_along(tmp_path):
     """python -m gcompile.plan printed a KeyboardInterrupt traceback, and its workers planned on as orphans."""
     machine = tmp_path / "machine.json"
