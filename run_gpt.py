@@ -36,7 +36,7 @@ from gcompile.pass_manager import PassError, clear_stale_dumps, rank_dump_dir
 from gcompile.cost_model import format_rank_time, pipeline_column, predict, rates_of
 from gcompile.machine import MachineError
 from gcompile.pipeline import load_passes
-from gcompile.plan import cores, format_search, kept_predictions, load_machine, no_layout, search
+from gcompile.plan import MAX_WORLD, cores, format_search, kept_predictions, load_machine, no_layout, search
 from gcompile.program import dump_text
 from gcompile.stop import RunStopped
 from gcompile.train import dump_schedule, train
@@ -125,8 +125,8 @@ def make_folders(folders: dict[str, str | None]) -> None:
 def auto_layout(config: RunConfig, flags, argv: list[str]) -> list[str]:
     """--auto-layout: the planner's fastest layout of --world-size ranks that fits --memory-budget-gb, as the
     flags the run (and every rank it starts) is then parsed from."""
-    if flags.world_size is None or flags.world_size < 1:
-        raise ConfigError("--auto-layout plans for --world-size N ranks; give N (at least 1)")
+    if flags.world_size is None or not 1 <= flags.world_size <= MAX_WORLD:
+        raise ConfigError(f"--auto-layout plans for --world-size N ranks; give N from 1 to {MAX_WORLD:,}")
     kept, skip = [], False
     dropped = ("--world-size",) if flags.check_plan or flags.dump_only else ("--world-size", "--machine")
     for arg in argv:  # the planner's flags replace these: the ranks must not plan again (a check predicts with

@@ -87,6 +87,8 @@ PLANNED = dict(cp=1, ep=1, virtual_pipeline_size=1, use_distributed_optimizer=Fa
                num_layers_per_virtual_pipeline_stage=None)
 """[parallel] fields every candidate sets, where its layout does not name them (a layout names cp, ep and vpp
 only above 1; how dp shards it names by the sharding strategy, interleaving by vpp)."""
+MAX_WORLD = 2 ** 40
+"""Ranks a plan may be for: its divisors are found in a blink (up to the square root), where 10^23 ranks ran on."""
 LAYOUTS_PER_WORKER = 10
 """A worker process starts only for this many layouts: each imports torch and captures the model again first,
 seconds that a small search does not win back (tiny on 2 ranks here: 8 layouts, one process 10.2 s, two
@@ -531,8 +533,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="refused layouts to print, each with its reason (default: 5)")
     args, rest = p.parse_known_args(argv)
     try:
-        if args.world_size < 1:
-            raise ConfigError(f"--world-size {args.world_size} must be at least 1")
+        if not 1 <= args.world_size <= MAX_WORLD:
+            raise ConfigError(f"--world-size {args.world_size} must be from 1 to {MAX_WORLD:,}")
         if args.workers < 1:
             raise ConfigError(f"--workers {args.workers} must be at least 1")
         if args.memory_budget_gb is not None and not 0 < args.memory_budget_gb < math.inf:

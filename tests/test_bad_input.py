@@ -514,7 +514,9 @@ CASES = [
      "--auto-layout plans for --world-size N ranks"),
     ("auto-layout machine missing", "run_gpt", ["--auto-layout", "--world-size", "2", "--machine", "{tmp}/m.json"],
      None, "no machine file {tmp}/m.json; make one with: python -m gcompile.calibrate --out {tmp}/m.json"),
-    ("plan world-size 0", "plan", ["--world-size", "0"], None, "--world-size 0 must be at least 1"),
+    ("plan world-size 0", "plan", ["--world-size", "0"], None, "--world-size 0 must be from 1 to 1,099,511,627,776"),
+    ("plan world-size 10^23", "plan", ["--world-size", str(10 ** 23)], None,
+     f"--world-size {10 ** 23} must be from 1 to 1,099,511,627,776"),  # its divisors were sought for minutes
     ("plan workers 0", "plan", ["--world-size", "2", "--workers", "0"], None, "--workers 0 must be at least 1"),
     ("plan workers not a number", "plan", ["--world-size", "2", "--workers", "two"], None,
      "argument --workers: invalid int value: 'two' (python -m gcompile.plan --help lists the flags)"),
