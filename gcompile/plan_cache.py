@@ -64,7 +64,8 @@ def layout_key(config: RunConfig, machine_text: str, launched: tuple) -> str | N
     if is_users(config.model) or config.parallel.passes:
         return None
     decides = config.without(UNREAD)
-    decides = repr((decides.model, decides.parallel, decides.train, launched))
+    parallel = decides.parallel if decides.parallel.cp > 1 else dataclasses.replace(decides.parallel, cp_comm_type="")
+    decides = repr((decides.model, parallel, decides.train, launched))  # cp 1 has no comm type: any is the same
     return hashlib.sha256(f"{decides}\n{machine_text}".encode()).hexdigest()
 
 

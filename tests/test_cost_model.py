@@ -320,6 +320,9 @@ def test_a_second_plan_takes_every_prediction_from_the_first_and_builds_nothing(
         patched.setattr(plan, "evaluate", None)
         longer = dataclasses.replace(base, train=dataclasses.replace(base.train, train_iters=7, lr=0.5, seed=3))
         assert search(longer, 2, machine, kept=PlanCache(path), **space).reused == 6
+    other_comm = dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, cp_comm_type="all_gather"))
+    assert search(other_comm, 2, machine, kept=PlanCache(path), **space).reused == \
+        sum(c.config.parallel.cp == 1 for c in first.ranked) > 0  # cp 1 layouts have no comm type to differ in
     assert search(base, 2, flat_machine(cores=32), kept=PlanCache(path), **space).reused == 0
     monkeypatch.setenv("OMP_NUM_THREADS", "7")  # each rank's threads: another prediction (it kept 2's)
     assert search(base, 2, machine, kept=PlanCache(path), **space).reused == 0
