@@ -438,7 +438,8 @@ def something_to_try(base: RunConfig, world: int, schedules: tuple[str, ...], mi
 
 def no_layout(found: Search, world: int) -> str:
     if found.refused:
-        return f"no layout of {counted(world, 'rank')} can run this config; the reasons above say what to change"
+        return (f"no layout of {counted(world, 'rank')} can run this config; the reasons above say what to change "
+                f"(a dp size --global-batch-size cannot be split over is not tried: a multiple of it is)")
     return (f"no layout of {counted(world, 'rank')} to try: no --micro-batch-sizes entry times a dp size divides "
             f"--global-batch-size")
 

@@ -496,7 +496,8 @@ def test_auto_layout_that_finds_none_prints_the_reasons_it_names(tmp_path, capsy
     assert "refused (" in out and "x n_layer=2 cannot be split into pp 3" in out, out
     assert err.strip().splitlines() == [  # refused: pp 3 x 3 schedules x 4 micro-batch sizes
         "run_gpt.py: error: --auto-layout: no layout of 3 ranks can run this config; the reasons above say what to "
-        f"change; each refused layout with its reason: python -m gcompile.plan --world-size 3 --config "
+        "change (a dp size --global-batch-size cannot be split over is not tried: a multiple of it is); each "
+        f"refused layout with its reason: python -m gcompile.plan --world-size 3 --config "
         f"{os.path.join(ROOT, 'configs', 'tiny.toml')} --run-dir {tmp_path / 'run'} --refused 12"]
 
 
