@@ -124,7 +124,8 @@ def _boundaries(stage: Stage, placed: dict[fx.Node, frozenset[int]], num_stages:
                     where = "the output" if node.op == "output" else node_origin(node)
                     raise ValueError(f"stage {here} reads a tensor made on stage {source}, but a stage can only "
                                      f"read what the stage right before it made; reader {where}; "
-                                     f"tensor {node_origin(p)}")
+                                     f"tensor {node_origin(p)}; use fewer stages (--pp, --virtual-pipeline-size) "
+                                     f"or --pipeline-layers that put the two on neighbouring stages")
                 val = p.meta.get("val")
                 if not isinstance(val, torch.Tensor) or not val.dtype.is_floating_point:
                     raise ValueError(f"a {getattr(val, 'dtype', type(val).__name__)} value crosses from stage "

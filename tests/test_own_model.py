@@ -156,3 +156,19 @@ def test_an_own_models_config_fields_are_flags(tmp_path, capsys):
                                       .replace('    """Hidden size."""\n', '    """Hidden size."""\n    width: int = 3\n'))
     assert run_gpt.main(["--arch", f"{tmp_path}/wide.py:SPEC", "--width", "5", "--n-layer", "2", "--check-plan"]) == 0, \
         capsys.readouterr().err
+
+
+def test_a_skip_over_several_stages_is_refused_with_the_fix(tmp_path, capsys):
+    """The first block's output added after the last block: at pp 4 the last stage reads the first's tensor."""
+    (tmp_path / "long_skip.py").write_text(
+        open("examples/parallel_block.py").read().replace('"parallel_block"', '"long_skip"')
+        .replace("        for block in self.blocks:\n            x = block(x)\n",
+                 "        first = x = self.blocks[0](x)\n        for block in self.blocks[1:]:\n            x = block(x)\n"
+                 "        x = x + first\n"))
+    argv = ["--arch", f"{tmp_path}/long_skip.py:SPEC", "--micro-batch-size", "1", "--global-batch-size", "4"]
+    assert run_gpt.main([*argv, "--pp", "2", "--check-plan"]) == 0, capsys.readouterr().err
+    assert run_gpt.main([*argv, "--pp", "4", "--check-plan"]) == 2
+    err = capsys.readouterr().err
+    assert "stage 3 reads a tensor made on stage 0" in err and err.endswith(
+        "use fewer stages (--pp, --virtual-pipeline-size) or --pipeline-layers that put the two on neighbouring "
+        "stages\n"), err
