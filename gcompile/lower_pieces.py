@@ -86,7 +86,8 @@ def _place(stage: Stage) -> tuple[dict[fx.Node, int], set[fx.Node]] | None:
     after the last block; a node between blocks outside them runs with the latest piece it reads. A node made
     of parameters alone (a cast, a pass's wrapper), or between blocks of placeholders alone, runs with the first
     piece that reads it. A constant (made of no input: rotary tables) is in none: each piece that reads it
-    makes it. None where the blocks are not of one module list, or a node would read a later piece."""
+    makes it. None where the blocks are not of one module list, a node would read a later piece, or the stage
+    returns what no piece makes."""
     nodes = [n for n in stage.graph.graph.nodes if n.op not in ("placeholder", "output")]
     constants = _constants(stage.graph, _rank_constants(stage))
     nodes = [n for n in nodes if n not in constants]
@@ -116,7 +117,7 @@ def _place(stage: Stage) -> tuple[dict[fx.Node, int], set[fx.Node]] | None:
     for node in reversed(floating):
         placed[node] = min((placed[u] for u in node.users if u.op != "output"), default=after)
     if any(placed[p] > placed[n] for n in nodes for p in n.all_input_nodes if p in placed) or \
-            not constants.isdisjoint(stage.output_node().all_input_nodes):
+            not set(stage.output_node().all_input_nodes) <= placed.keys():  # a constant or an input returned
         return None
     return placed, constants
 
