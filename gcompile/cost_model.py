@@ -28,7 +28,6 @@ its gradient-norm all-reduce lines the ranks up).
 
 import bisect
 import dataclasses
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -105,9 +104,10 @@ def launched(config: RunConfig, machine: Machine) -> tuple[int, bool]:
     machine file and the programs. The threads are the file's cores shared evenly, as the launcher shares a
     host's (OMP_NUM_THREADS wins where set)."""
     from gcompile import shm_group
+    from gcompile.launch import rank_threads
     p = config.parallel
-    threads = int(os.environ.get("OMP_NUM_THREADS", max(1, machine.cores // config.world_size)))
-    return threads, p.tp > 1 and p.tp_comm_backend != "gloo" and shm_group.available()
+    return rank_threads(config.world_size, machine.cores), p.tp > 1 and p.tp_comm_backend != "gloo" and \
+        shm_group.available()
 
 
 @dataclass(frozen=True)

@@ -49,9 +49,10 @@ def under_launcher() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def rank_threads(world_size: int) -> int:
-    """CPU threads per locally spawned rank: the cores shared evenly (OMP_NUM_THREADS wins if set)."""
-    return int(os.environ.get("OMP_NUM_THREADS", max(1, (os.cpu_count() or 1) // world_size)))
+def rank_threads(world_size: int, cores: int | None = None) -> int:
+    """CPU threads per locally spawned rank: this host's cores (or `cores`) shared evenly (OMP_NUM_THREADS wins
+    if set)."""
+    return int(os.environ.get("OMP_NUM_THREADS", max(1, (cores or os.cpu_count() or 1) // world_size)))
 
 
 def spawn_local(world_size: int, argv: list[str], config: RunConfig | None = None) -> int:

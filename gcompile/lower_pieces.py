@@ -28,7 +28,7 @@ import torch.fx as fx
 
 from gcompile.lower import wait_one_behind
 from gcompile.pass_manager import PassError
-from gcompile.program import Stage, ancestors
+from gcompile.program import Stage, ancestors, draws_random
 from gcompile.rank_program import LoweredStage
 from gcompile.report import PREFIX, is_metric
 from gcompile.torch_api import graph_module
@@ -122,10 +122,6 @@ def _place(stage: Stage) -> tuple[dict[fx.Node, int], set[fx.Node]] | None:
     return placed, constants
 
 
-def _random(node: fx.Node) -> bool:
-    return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
-
-
 def _rank_constants(stage: Stage) -> set[fx.Node]:
     return {node for role, node in stage.input_nodes().items() if role in stage.rank_constants}
 
@@ -134,7 +130,8 @@ def _constants(gm: fx.GraphModule, sources: set[fx.Node]) -> set[fx.Node]:
     """The call nodes made of no input but `sources` (rotary tables; a cp rank's positions), random ones aside."""
     found = set()
     for node in gm.graph.nodes:
-        if node.op == "call_function" and all(p in found or p in sources for p in node.all_input_nodes) and not _random(node):
+        if node.op == "call_function" and not draws_random(node) and \
+                all(p in found or p in sources for p in node.all_input_nodes):
             found.add(node)
     return found
 

@@ -55,7 +55,7 @@ if __name__ == "__main__":  # before the imports below load torch (seconds): a C
 from gcompile.arguments import ArgumentParser
 from gcompile.axes import Coords
 from gcompile.check import estimate_memory
-from gcompile.config import CP_COMM_TYPES, ConfigError, RunConfig, parse_args, validate
+from gcompile.config import CP_COMM_TYPES, PLANNED_FROM, ConfigError, RunConfig, parse_args, validate
 from gcompile.models.moe_config import MoEConfig
 from gcompile.cost_model import Prediction, StepTime, launched, predict, rates_of
 from gcompile.machine import Machine, MachineError
@@ -83,8 +83,7 @@ SAVING = tuple(filter(None, (tuple({k: v for saver in chosen for k, v in saver.i
 saver of a tier is tried and each that fits is ranked; the next tier only where none did. Sequence parallel
 shards the activations tp does not (norms, residuals, dropout masks) for collectives of the same volume, which
 is why Megatron pairs it with every tp > 1; ZeRO-2 shards the gradients, ZeRO-3 the weights too."""
-PLANNED = dict(cp=1, ep=1, virtual_pipeline_size=1, use_distributed_optimizer=False,
-               num_layers_per_virtual_pipeline_stage=None)
+PLANNED = PLANNED_FROM["parallel"]
 """[parallel] fields every candidate sets, where its layout does not name them (a layout names cp, ep and vpp
 only above 1; how dp shards it names by the sharding strategy, interleaving by vpp)."""
 MAX_WORLD = 2 ** 40

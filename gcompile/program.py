@@ -253,18 +253,18 @@ def format_stage(stage: Stage) -> str:
 
 
 def random_draws(gm: fx.GraphModule) -> list[fx.Node]:
-    """The nodes that draw random numbers: random ops, dropout (attention's too) at a rate above 0 in training."""
-    found = []
-    for node in gm.graph.nodes:
-        if node.op != "call_function" or torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
-            continue
-        schema = node.target._schema.arguments
-        given = {a.name: a.default_value for a in schema if a.has_default_value()}
-        given |= {a.name: v for a, v in zip(schema, node.args)} | node.kwargs
-        rate = given.get("p", given.get("dropout_p"))
-        if rate is None or rate and given.get("train") is not False:
-            found.append(node)
-    return found
+    return [node for node in gm.graph.nodes if draws_random(node)]
+
+
+def draws_random(node: fx.Node) -> bool:
+    """A random op, or dropout (attention's too) at a rate above 0 in training."""
+    if node.op != "call_function" or torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
+        return False
+    schema = node.target._schema.arguments
+    given = {a.name: a.default_value for a in schema if a.has_default_value()}
+    given |= {a.name: v for a, v in zip(schema, node.args)} | node.kwargs
+    rate = given.get("p", given.get("dropout_p"))
+    return rate is None or bool(rate) and given.get("train") is not False
 
 
 def node_origin(node: fx.Node) -> str:
