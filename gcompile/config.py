@@ -757,7 +757,7 @@ def _context_parallel_errors(config: RunConfig) -> list[str]:
     if p.sharding == "optim_grads_params" and p.dp == 1:  # its pass shards over dp alone: cp's gradients went
         # unsummed, and the run trained on each cp rank's tokens
         errors.append(f"data_parallel_sharding_strategy optim_grads_params shards the weights over dp, which is 1 "
-                      f"(cp={p.cp} ranks hold them whole); use no_shard or optim at dp 1, or dp above 1")
+                      f"(cp={p.cp} ranks hold them whole); use no_shard at dp 1, or dp above 1")
     return errors
 
 

@@ -93,7 +93,7 @@ def plan_errors(spec: ModelSpec, config, entries: tuple[str, ...], tp: int, writ
             errors += spec.tp_errors(model, name, placement, tp)
     if tp > 1 and not errors and all(plan.placement(name) == "replicate" for name in owners):
         errors.append(f"tp={tp}, but the tp plan of {spec.name} cuts none of its parameters: each tp rank would "
-                      f"compute the whole model; give --tp-plan (e.g. \"blocks.*.up=column\", \"blocks.*.down=row\") "
+                      f"compute the whole model; give --tp-plan (e.g. \"blocks.*.up=column,blocks.*.down=row\") "
                       f"or --tp 1")
     return tuple(dict.fromkeys(errors))
 
