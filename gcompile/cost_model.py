@@ -28,8 +28,10 @@ its gradient-norm all-reduce lines the ranks up).
 
 import bisect
 import dataclasses
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.fx as fx
@@ -120,25 +122,56 @@ class GraphTime:
     """Seconds of collectives, overlapped or not."""
 
 
-def node_seconds(node: fx.Node, rates: Rates) -> float:
-    """Compute time of one node (zero for placeholders and outputs; collectives are costed apart)."""
+@dataclass(frozen=True)
+class Work:
+    """What one node asks of the machine, whatever the rates: `kind` matmul (`amount` FLOPs, of `dtype`),
+    attention (FLOPs at the causal rate), pointwise or inplace (bytes read and written), call (a host call
+    alone: views, placeholders at zero)."""
+
+    kind: str
+    amount: float = 0.0
+    dtype: str = ""
+
+
+NOTHING = Work("nothing")
+
+
+def node_work(node: fx.Node) -> Work:
+    """What `node` computes (NOTHING for placeholders and outputs; collectives are costed apart)."""
     if node.op != "call_function":
-        return 0.0
-    machine, threads = rates.machine, rates.threads
+        return NOTHING
     name = getattr(node.target, "__name__", str(node.target)).split(".")[0]
     packet = getattr(node.target, "overloadpacket", None)
-    flops, call = node_flops(node), machine.op_seconds * rates.host_slowdown
+    flops = node_flops(node)
     if flops is not None:
-        dtype = str(_tensors(node.meta["val"])[0].dtype).removeprefix("torch.")
         if SAME_FLOPS_AS.get(packet, packet) in ATTENTION:
-            work = flops if _causal(node) else 2 * flops  # the rate is causal attention's, which skips half
-            return call + machine.attention_seconds(work, threads) * rates.slowdown
-        return call + machine.matmul_seconds(flops, dtype, threads) * rates.slowdown
+            return Work("attention", flops if _causal(node) else 2 * flops)  # the rate is causal attention's,
+            # which skips half
+        return Work("matmul", flops, str(_tensors(node.meta["val"])[0].dtype).removeprefix("torch."))
     if name in FREE:
-        return call
+        return Work("call")
     moved = sum(t.numel() * t.element_size() for t in _tensors(node.meta.get("val")))
     moved += sum(t.numel() * t.element_size() for a in node.all_input_nodes for t in _tensors(a.meta.get("val")))
-    return call + machine.pointwise_seconds(moved, threads, inplace=name.endswith("_")) * rates.slowdown
+    return Work("inplace" if name.endswith("_") else "pointwise", moved)
+
+
+def work_seconds(work: Work, rates: Rates) -> float:
+    if work.kind == "nothing":
+        return 0.0
+    machine, threads = rates.machine, rates.threads
+    call = machine.op_seconds * rates.host_slowdown
+    if work.kind == "attention":
+        return call + machine.attention_seconds(work.amount, threads) * rates.slowdown
+    if work.kind == "matmul":
+        return call + machine.matmul_seconds(work.amount, work.dtype, threads) * rates.slowdown
+    if work.kind == "call":
+        return call
+    return call + machine.pointwise_seconds(work.amount, threads, inplace=work.kind == "inplace") * rates.slowdown
+
+
+def node_seconds(node: fx.Node, rates: Rates) -> float:
+    """Compute time of one node (zero for placeholders and outputs; collectives are costed apart)."""
+    return work_seconds(node_work(node), rates)
 
 
 def _causal(node: fx.Node) -> bool:
@@ -174,24 +207,58 @@ def message_seconds(nbytes: int, group: str, rates: Rates) -> float:
 
 def graph_time(gm: fx.GraphModule, rates: Rates, group_sizes: dict[str, int]) -> GraphTime:
     """One run of `gm` (nodes need meta["val"], as lowered graphs have); `group_sizes`: ranks per group role."""
-    issued = {node: (op, args) for node, op, args in collective_nodes(gm)}
     clock = compute = communication = channel = 0.0
-    done = {}  # collective node -> when its result is there
-    for node in gm.graph.nodes:
-        if node in issued:
-            op, args = issued[node]
-            group = args.get("group_name", "?")
-            seconds = collective_seconds(op, group, collective_bytes(node), group_sizes.get(group, 1), rates)
+    done = {}  # step index of a collective -> when its result is there
+    for i, step in enumerate(_steps(gm)):
+        if isinstance(step, Issue):
+            seconds = collective_seconds(step.op, step.group, step.nbytes, group_sizes.get(step.group, 1), rates)
             channel = max(clock, channel) + seconds
-            done[node] = channel
+            done[i] = channel
             communication += seconds
-        elif node.op == "call_function" and is_collective(node.target):  # wait_tensor
-            clock = max(clock, done.get(node.args[0], clock))
+        elif isinstance(step, Wait):
+            clock = max(clock, done.get(step.issued, clock))
         else:
-            seconds = node_seconds(node, rates)
+            seconds = work_seconds(step, rates)
             clock += seconds
             compute += seconds
     return GraphTime(clock, compute, communication)
+
+
+class Issue(NamedTuple):
+    """A collective started: `nbytes` over the ranks of `group` (a role)."""
+
+    op: str
+    group: str
+    nbytes: int
+
+
+class Wait(NamedTuple):
+    issued: int
+    """The step that started what is waited for (-1: a value no collective of this graph made)."""
+
+
+_STEPS = weakref.WeakKeyDictionary()
+"""Graph -> `_steps`: the planner predicts each shared graph (a lowering, an optimizer step) for many
+candidates at many rates, and its nodes' FLOPs and bytes are the same every time (a graph is not changed
+once built: builds copy a shared graph before rewriting it)."""
+
+
+def _steps(gm: fx.GraphModule) -> list[Issue | Wait | Work]:
+    """`gm`'s nodes in order, as what each asks of the machine."""
+    if gm not in _STEPS:
+        issued = {node: (op, args) for node, op, args in collective_nodes(gm)}
+        index, steps = {}, []
+        for node in gm.graph.nodes:
+            index[node] = len(steps)
+            if node in issued:
+                op, args = issued[node]
+                steps.append(Issue(op, args.get("group_name", "?"), collective_bytes(node)))
+            elif node.op == "call_function" and is_collective(node.target):  # wait_tensor
+                steps.append(Wait(index.get(node.args[0], -1) if node.args[0] in issued else -1))
+            else:
+                steps.append(node_work(node))
+        _STEPS[gm] = steps
+    return _STEPS[gm]
 
 
 def group_sizes_of(program: RankProgram) -> dict[str, int]:
