@@ -32,9 +32,9 @@ import torch.fx as fx
 
 from gcompile.axes import role_size
 from gcompile.pass_manager import PassContext, register_pass
-from gcompile.rank_program import OptimizerGraph, RankProgram
+from gcompile.rank_program import RankProgram
 from passes.bucket_overlap import overlap_buckets, overlappable_buckets, slice_of
-from passes.optimizer_rewrite import editable, finished, reduce_gradient
+from passes.optimizer_rewrite import finished, reduce_gradient, rewritten
 
 NAME = "data_parallel"
 GROUP = "dp_cp"
@@ -59,8 +59,10 @@ def data_parallel_pass(program: RankProgram, ctx: PassContext) -> RankProgram:
     if ctx.config.parallel.overlap_grad_reduce:
         overlapped = overlappable_buckets(program)
         program = overlap_buckets(program, overlapped, start, finish, lambda i, b: ("grads", b.start, b.end))
-    gm = editable(program)
-    reduce_gradient(gm, program.layout, start, finish, overlapped,
-                    ready=lambda graph, grad, i: slice_of(graph, grad, program.layout.buckets[i].start,
-                                                          program.layout.buckets[i].end))
-    return replace(program, optimizer=OptimizerGraph(finished(gm, NAME), program.optimizer.inputs))
+
+    def rewrite(gm: fx.GraphModule) -> tuple[fx.GraphModule, tuple[str, ...]]:
+        reduce_gradient(gm, program.layout, start, finish, overlapped,
+                        ready=lambda graph, grad, i: slice_of(graph, grad, program.layout.buckets[i].start,
+                                                              program.layout.buckets[i].end))
+        return finished(gm, NAME), program.optimizer.inputs
+    return replace(program, optimizer=rewritten(program, (NAME, program.layout, ctx.coords.sizes, overlapped), rewrite))

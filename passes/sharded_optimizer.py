@@ -45,9 +45,9 @@ import torch.fx as fx
 from gcompile.flat import FlatLayout
 from gcompile.optimizer import FOUND_INF, GRAD, NORM_SQ, WRITE_BACK, marked
 from gcompile.pass_manager import PassContext, register_pass
-from gcompile.rank_program import OptimizerGraph, RankProgram
+from gcompile.rank_program import RankProgram
 from passes.bucket_overlap import overlap_buckets, overlappable_buckets, slice_of
-from passes.optimizer_rewrite import drop_unread, editable, finished, reduce_gradient, reduce_over, required, wait
+from passes.optimizer_rewrite import drop_unread, finished, reduce_gradient, reduce_over, required, rewritten, wait
 
 NAME = "sharded_optimizer"
 SHARDED_STATE = ("main", "exp_avg", "exp_avg_sq", "flags")
@@ -81,34 +81,38 @@ def sharded_optimizer_pass(program: RankProgram, ctx: PassContext) -> RankProgra
         overlapped = overlappable_buckets(program)
         program = overlap_buckets(program, overlapped, start, finish,
                                   lambda i, b: ("reduced_grads", offsets[i], offsets[i + 1]), every_microbatch=shard_grads)
-    gm = editable(program)
-    inputs = program.optimizer.inputs
-    placeholders = dict(zip(inputs, gm.graph.find_nodes(op="placeholder"), strict=True))
-    for name in SHARDED_STATE:
-        placeholders[name].meta["val"] = _shard_sized(placeholders[name].meta["val"], layout)
-    reduced_grads = None
-    if overlapped:
-        with gm.graph.inserting_after(placeholders[inputs[-1]]):
-            reduced_grads = gm.graph.placeholder("reduced_grads")
-        reduced_grads.meta["val"] = _shard_sized(placeholders["exp_avg"].meta["val"], layout)
-        reduced_grads.meta["pass"] = NAME
-        inputs += ("reduced_grads",)
-    full_grad = required(gm, GRAD)
-    reduce_gradient(gm, layout, start, finish, overlapped,
-                    ready=lambda graph, grad, i: slice_of(graph, reduced_grads, offsets[i], offsets[i + 1]))
-    drop_unread(gm, full_grad)  # every bucket overlapped: the step copies no full gradient
-    if not program.grad_accumulator:  # and zeroes none: the runtime never allocates it
-        for node in list(placeholders["grads"].users):
-            gm.graph.erase_node(node)
-        with placeholders["grads"].meta["val"].fake_mode:
-            placeholders["grads"].meta["val"] = torch.empty(0, device=placeholders["grads"].meta["val"].device)
-    if ctx.coords.world_size > 1:
-        for mark, op in ((NORM_SQ, "sum"), (FOUND_INF, "max")):
-            if (node := marked(gm, mark)) is not None:
-                reduce_over(gm, node, op, "world", NAME)
-    _gather_write_back(gm, required(gm, WRITE_BACK), offsets, layout)
-    return replace(program, optimizer=OptimizerGraph(finished(gm, NAME), inputs), optimizer_shard="dp",
-                   norm_group="world" if ctx.coords.world_size > 1 else None, grads_between_steps=not shard_grads)
+    world = ctx.coords.world_size
+
+    def rewrite(gm: fx.GraphModule) -> tuple[fx.GraphModule, tuple[str, ...]]:
+        inputs = program.optimizer.inputs
+        placeholders = dict(zip(inputs, gm.graph.find_nodes(op="placeholder"), strict=True))
+        for name in SHARDED_STATE:
+            placeholders[name].meta["val"] = _shard_sized(placeholders[name].meta["val"], layout)
+        reduced_grads = None
+        if overlapped:
+            with gm.graph.inserting_after(placeholders[inputs[-1]]):
+                reduced_grads = gm.graph.placeholder("reduced_grads")
+            reduced_grads.meta["val"] = _shard_sized(placeholders["exp_avg"].meta["val"], layout)
+            reduced_grads.meta["pass"] = NAME
+            inputs += ("reduced_grads",)
+        full_grad = required(gm, GRAD)
+        reduce_gradient(gm, layout, start, finish, overlapped,
+                        ready=lambda graph, grad, i: slice_of(graph, reduced_grads, offsets[i], offsets[i + 1]))
+        drop_unread(gm, full_grad)  # every bucket overlapped: the step copies no full gradient
+        if not program.grad_accumulator:  # and zeroes none: the runtime never allocates it
+            for node in list(placeholders["grads"].users):
+                gm.graph.erase_node(node)
+            with placeholders["grads"].meta["val"].fake_mode:
+                placeholders["grads"].meta["val"] = torch.empty(0, device=placeholders["grads"].meta["val"].device)
+        if world > 1:
+            for mark, op in ((NORM_SQ, "sum"), (FOUND_INF, "max")):
+                if (node := marked(gm, mark)) is not None:
+                    reduce_over(gm, node, op, "world", NAME)
+        _gather_write_back(gm, required(gm, WRITE_BACK), offsets, layout)
+        return finished(gm, NAME), inputs
+    reads = (NAME, layout, ctx.coords.sizes, overlapped, program.grad_accumulator)
+    return replace(program, optimizer=rewritten(program, reads, rewrite), optimizer_shard="dp",
+                   norm_group="world" if world > 1 else None, grads_between_steps=not shard_grads)
 
 
 def _gather_write_back(gm: fx.GraphModule, write_back: fx.Node, offsets: list[int], layout: FlatLayout) -> None:
