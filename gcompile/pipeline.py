@@ -242,15 +242,17 @@ def _forward_program(captured: Program, forward_passes: list[str], ctx: PassCont
 
 def _forward_passes(captured: Program, forward_passes: list[str], ctx: PassContext, cache: BuildCache,
                     captured_key: tuple, log: Callable[[str], None]) -> Program:
-    """Run the forward passes. The built-in ones before pipeline_split see the whole model and read no pp
-    position, so ranks that differ only in pp share their result and its dumps (a 16-stage world runs them
-    once per 16 ranks); a user pass may read it, so with user passes every rank runs them all."""
+    """Run the forward passes. The built-in ones before pipeline_split see the whole model and read only the
+    tp, cp and ep axes (WHOLE_MODEL_AXES), so ranks that differ only in their pp or dp position share their
+    result and its dumps (a 16-stage world runs them once per 16 ranks), and so do the planner's layouts that
+    differ only in pp, dp and vpp (gpt2-small on 8 ranks: a third of its planning time); a user pass may read
+    anything, so with user passes every rank runs them all."""
     split = forward_passes.index("pipeline_split") if "pipeline_split" in forward_passes else 0
     whole, per_rank = forward_passes[:split], forward_passes[split:]
     if not whole or ctx.config.parallel.passes:
         return run_passes(captured.clone(), forward_passes, ctx, log)
-    key = (captured_key, ctx.config.without(UNREAD_BY_FORWARD), ctx.coords.moved(pp=0), tuple(whole),
-           ctx.dump_dir is not None)
+    axes = tuple((axis, ctx.coords.size(axis), ctx.coords.axis_rank(axis)) for axis in WHOLE_MODEL_AXES)
+    key = (captured_key, ctx.config.without(UNREAD_BY_WHOLE_MODEL), axes, tuple(whole), ctx.dump_dir is not None)
     if key not in cache.whole_model:
         program = run_passes(captured.clone(), whole, ctx, log)
         dumped = {} if ctx.dump_dir is None else {  # what it wrote into the folder build_rank_program cleared
@@ -268,6 +270,12 @@ UNREAD_BY_FORWARD = {"parallel": ("pipeline_schedule", "data_parallel_sharding_s
                      "train": ("recompute_activations", "global_batch_size")}
 """Config fields only the schedule, lowering and the rank's program read (the microbatch count among them;
 how dp shards is the rank passes' business)."""
+UNREAD_BY_WHOLE_MODEL = {**UNREAD_BY_FORWARD,
+                         "parallel": (*UNREAD_BY_FORWARD["parallel"], "pp", "virtual_pipeline_size", "dp")}
+"""Config fields the built-in passes before pipeline_split do not read either: how the stages are cut, and
+how many replicas there are."""
+WHOLE_MODEL_AXES = ("tp", "cp", "ep")
+"""The mesh axes (size and this rank's position) the built-in passes before pipeline_split read."""
 
 
 def _lowered(stage: Stage, key: tuple, cache: BuildCache, log: Callable[[str], None], what: str,

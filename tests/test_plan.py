@@ -15,7 +15,7 @@ from gcompile.compile import graph_key, named_graphs
 from gcompile.config import build_config, parse_args
 from gcompile.flops import graph_flops
 from gcompile.log import rank_ranges
-from gcompile.pipeline import build_rank_program
+from gcompile.pipeline import BuildCache, build_rank_program
 from gcompile.rank_program import RankProgram
 from gcompile.axes import Coords
 from gcompile.schedule import Kind
@@ -143,6 +143,23 @@ def test_ranks_of_a_world_share_the_whole_model_passes_as_if_built_alone(tmp_pat
         assert program_up_to_coords(alone) == program_up_to_coords(world[rank]), rank
         files = filecmp.dircmp(tmp_path / "world" / f"rank{rank}", tmp_path / "alone" / f"rank{rank}")
         assert files.left_list == files.right_list and not files.diff_files, rank
+
+
+def test_layouts_that_differ_in_pp_dp_and_vpp_share_the_whole_model_passes_as_if_built_alone():
+    """The planner's candidates of one tp and cp share the passes before pipeline_split, whatever their pp, dp
+    and vpp (BuildCache.whole_model): each rank's program is the one built with nothing shared."""
+    layouts = [["--pp", "2"], ["--pp", "4"], ["--pp", "2", "--dp", "2"],
+               ["--pp", "2", "--virtual-pipeline-size", "2", "--pipeline-schedule", "interleaved"]]
+    shared = BuildCache()
+    for layout in layouts:
+        cfg, _ = parse_args(["--config", "configs/tiny.toml", "--n-layer", "4", "--micro-batch-size", "1",
+                             "--global-batch-size", "4", "--tp", "2", *layout])
+        for rank in (0, cfg.world_size - 1):  # the first rank (tp 0, pp 0), and the last (tp 1, pp last)
+            coords = Coords.from_rank(rank, cfg.mesh_sizes)
+            alone = build_rank_program(cfg, coords, log=lambda _: None)
+            assert program_up_to_coords(build_rank_program(cfg, coords, log=lambda _: None, cache=shared)) == \
+                program_up_to_coords(alone), (layout, rank)
+    assert len(shared.whole_model) == 2  # one per tp rank
 
 
 def test_with_a_user_pass_every_rank_stands_for_itself():
