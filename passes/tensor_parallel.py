@@ -233,6 +233,8 @@ class _Sharder:
             self.cuts[node] = _moved(cut, cut.dim + (d <= cut.dim))
         elif node.target is aten.expand.default and cut is not None:
             self.expand(node, cut)
+        elif node.target is aten.repeat_interleave.self_int and cut is not None:
+            self.repeat_interleave(node, cut)
         elif node.target is aten.transpose.int and cut is not None:
             ndim = len(x.meta["val"].shape)
             d0, d1 = _dim(node.args[1], ndim), _dim(node.args[2], ndim)
@@ -248,8 +250,8 @@ class _Sharder:
             source = next(self.cuts[a].source for a in node.all_input_nodes if a in self.cuts)
             attention = node.target in (aten.matmul.default, aten.bmm.default, aten.softmax.int, aten._softmax.default)
             raise GraphMismatch(NAME, node, f"reads a tensor cut by {source}, but the pass only knows how to carry a "
-                                            f"cut through split, view, transpose, slice, cat, expand, attention and "
-                                            f"elementwise ops into a row-parallel linear or the loss" +
+                                            f"cut through split, view, transpose, slice, cat, expand, repeat_interleave, "
+                                            f"attention and elementwise ops into a row-parallel linear or the loss" +
                                 (" (attention written as matmul and softmax: call F.scaled_dot_product_attention, "
                                  "which the pass cuts by heads)" if attention else ""))
 
@@ -322,6 +324,23 @@ class _Sharder:
         at = cut.dim + len(sizes) - len(full_shape(x))
         node.args = (x, [cut.local if d == at else n for d, n in enumerate(sizes)], *node.args[2:])
         self.cuts[node] = _moved(cut, at)
+
+    def repeat_interleave(self, node: fx.Node, cut: Cut) -> None:
+        """Each entry repeated in place along one dim (GQA's kv heads, repeated for the query heads they serve):
+        a rank's contiguous share of the cut dim repeated is its share of the result."""
+        x, repeats, dim = (*node.args, None)[:3]
+        if dim is None:
+            raise GraphMismatch(NAME, node, f"repeats a tensor cut by {cut.source} flattened (no dim); repeat "
+                                            f"along a dim")
+        if _dim(dim, len(full_shape(x))) != cut.dim:
+            self.cuts[node] = cut
+            return
+        if cut.blocks != 1 or cut.local * self.tp != cut.full:
+            raise GraphMismatch(NAME, node, f"repeats dim {cut.dim}, which {cut.source} cut into {cut.blocks} "
+                                            f"fused part(s) or padded; repeat a tensor cut into whole heads")
+        if node.kwargs.get("output_size") is not None:
+            node.kwargs = {**node.kwargs, "output_size": cut.local * repeats}
+        self.cuts[node] = Cut(cut.dim, cut.local * repeats, cut.full * repeats, cut.source)
 
     def attention(self, node: fx.Node) -> None:
         q, k, v, *rest = node.args
