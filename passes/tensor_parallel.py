@@ -9,8 +9,8 @@ Requires: stage graphs as capture makes them: linears are `aten.linear`,
   embeddings `aten.embedding` and the loss `aten.cross_entropy_loss`, each taking
   parameter placeholders directly; every tensor a column-parallel (or vocab) linear
   produces reaches a row-parallel linear or the loss through ops this pass knows
-  (split, view, transpose, attention, activations). Anything else is refused with
-  the node, its op and its source line.
+  (split, view, transpose, attention: SDPA or batched matmuls and softmax over the
+  heads, activations). Anything else is refused with the node, its op and its source line.
 Ensures: parameter placeholders hold the local shape (`meta["val"]`) and their
   `Param.shards` say how the full tensor was cut; the graph text is the same on
   every tp rank (the rank comes in as the rank constant `tp_rank`); each node
@@ -55,10 +55,11 @@ SHAPE_PRESERVING = (aten.gelu.default, aten.relu.default, aten.silu.default, ate
                     aten.dropout.default, aten.clone.default, aten.contiguous.default, aten.to.dtype,
                     aten._to_copy.default)
 """Ops that act element by element on one tensor: the cut passes through them unchanged."""
-BROADCASTING = (aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor)
+BROADCASTING = (aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.masked_fill.Tensor)
 """Element-wise ops over several tensors: cut inputs must be cut alike, the others broadcast over the cut dim
 (RoPE's q * cos, SwiGLU's silu(gate) * up)."""
 VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+SOFTMAX = (aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default)
 
 
 def is_elementwise(target) -> bool:
@@ -241,6 +242,10 @@ class _Sharder:
             self.cuts[node] = _moved(cut, {d0: d1, d1: d0}.get(cut.dim, cut.dim))
         elif node.target is aten.scaled_dot_product_attention.default:
             self.attention(node)
+        elif node.target is aten.matmul.default:
+            self.batched_matmul(node)
+        elif node.target in SOFTMAX and cut is not None:
+            self.softmax(node, cut)
         elif node.target is aten.cross_entropy_loss.default and cut is not None:
             self.cross_entropy(node, cut)
         elif node.target is aten.linear.default and cut is not None:
@@ -248,12 +253,10 @@ class _Sharder:
                                             f"replicates its weight; make it row-parallel in tp_plan")
         else:
             source = next(self.cuts[a].source for a in node.all_input_nodes if a in self.cuts)
-            attention = node.target in (aten.matmul.default, aten.bmm.default, aten.softmax.int, aten._softmax.default)
             raise GraphMismatch(NAME, node, f"reads a tensor cut by {source}, but the pass only knows how to carry a "
                                             f"cut through split, view, transpose, slice, cat, expand, repeat_interleave, "
-                                            f"attention and elementwise ops into a row-parallel linear or the loss" +
-                                (" (attention written as matmul and softmax: call F.scaled_dot_product_attention, "
-                                 "which the pass cuts by heads)" if attention else ""))
+                                            f"attention (SDPA, or matmuls and softmax over a batch dim such as heads) "
+                                            f"and elementwise ops into a row-parallel linear or the loss")
 
     def split(self, node: fx.Node, cut: Cut) -> None:
         x, size, *rest = node.args
@@ -341,6 +344,28 @@ class _Sharder:
         if node.kwargs.get("output_size") is not None:
             node.kwargs = {**node.kwargs, "output_size": cut.local * repeats}
         self.cuts[node] = Cut(cut.dim, cut.local * repeats, cut.full * repeats, cut.source)
+
+    def batched_matmul(self, node: fx.Node) -> None:
+        """Attention written by hand (q @ k^T, then the weights @ v): a product whose operands are cut alike on a
+        batch dim (the heads) is that dim's products, each on the rank that holds it; a cut of the two matrix
+        dims would be a contraction over ranks, which only a row-parallel linear makes."""
+        ndim = len(full_shape(node))
+        tensors = node.args[:2]
+        if any(len(full_shape(t)) < 3 for t in tensors):
+            raise GraphMismatch(NAME, node, "multiplies a cut tensor as a vector or matrix; only a batched "
+                                            "product over a cut batch dim (heads) can be cut")
+        cuts = [_moved(self.cuts[t], self.cuts[t].dim + ndim - len(full_shape(t))) for t in tensors if t in self.cuts]
+        if cuts[0].dim >= ndim - 2:
+            raise GraphMismatch(NAME, node, f"multiplies over dim {cuts[0].dim}, which {cuts[0].source} cut over "
+                                            f"the tp ranks; only a batch dim (heads) of a product can be cut")
+        self.broadcast(node)
+
+    def softmax(self, node: fx.Node, cut: Cut) -> None:
+        """Along another dim than the cut one, each rank's entries are normalised over what it holds."""
+        if _dim(node.args[1], len(full_shape(node))) == cut.dim:
+            raise GraphMismatch(NAME, node, f"normalises over dim {cut.dim}, which {cut.source} cut over the tp "
+                                            f"ranks")
+        self.cuts[node] = cut
 
     def attention(self, node: fx.Node) -> None:
         q, k, v, *rest = node.args

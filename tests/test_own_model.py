@@ -150,24 +150,38 @@ def test_any_pointwise_op_carries_a_tensor_parallel_cut(tmp_path):
         assert rel_err(result.params[name], value) < 1e-5, name
 
 
-def test_gqa_by_repeat_interleave_is_cut_by_kv_heads(tmp_path):
-    """Grouped-query attention whose kv heads are repeated with `repeat_interleave` (not expand and reshape):
-    each tp rank repeats its own kv heads for its query heads. The pass refused the op."""
-    block = open("examples/parallel_block.py").read().replace('"parallel_block"', '"gqa_repeat"')
-    block = block.replace("""        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd)""",
-                          """        self.q = nn.Linear(config.n_embd, config.n_embd, bias=False)
-        self.kv = nn.Linear(config.n_embd, config.n_embd, bias=False)  # 2 x half the heads""")
-    # no bias, as Llama's: a key's bias shifts every score of a query alike, which softmax ignores, so its
-    # gradient is rounding noise that Adam turns into whole steps (relative error 1.3e-5 on 1e-3 values)
-    block = block.replace(
-        """        q, k, v = (t.view(B, T, self.n_head, -1).transpose(1, 2) for t in self.qkv(h).split(C, dim=2))""",
-        """        q = self.q(h).view(B, T, self.n_head, -1).transpose(1, 2)
-        k, v = (t.view(B, T, self.n_head // 2, -1).transpose(1, 2).repeat_interleave(2, dim=1)
-                for t in self.kv(h).split(C // 2, dim=2))""")
-    block = block.replace('"blocks.*.qkv=column"', '"blocks.*.q=column", "blocks.*.kv=column"')
-    assert "repeat_interleave" in block and "blocks.*.kv=column" in block
-    (tmp_path / "gqa_repeat.py").write_text(block)
-    cfg = build_config({"model": dict(arch=f"{tmp_path}/gqa_repeat.py:SPEC", n_layer=2, n_head=8, n_embd=64,
+QKV = "        q, k, v = (t.view(B, T, self.n_head, -1).transpose(1, 2) for t in self.qkv(h).split(C, dim=2))"
+SDPA = "        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, C)"
+ATTENTION_FORMS = {
+    # grouped kv heads repeated with repeat_interleave (not expand and reshape); q and kv without bias, as
+    # Llama's: a key's bias shifts every score of a query alike, which softmax ignores, so its gradient is
+    # rounding noise that Adam turns into whole steps (relative error 1.3e-5 on 1e-3 values)
+    "gqa-repeat-interleave": [
+        ("        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd)",
+         "        self.q = nn.Linear(config.n_embd, config.n_embd, bias=False)\n"
+         "        self.kv = nn.Linear(config.n_embd, config.n_embd, bias=False)  # 2 x half the heads"),
+        (QKV, "        q = self.q(h).view(B, T, self.n_head, -1).transpose(1, 2)\n"
+              "        k, v = (t.view(B, T, self.n_head // 2, -1).transpose(1, 2).repeat_interleave(2, dim=1)\n"
+              "                for t in self.kv(h).split(C // 2, dim=2))"),
+        ('"blocks.*.qkv=column"', '"blocks.*.q=column", "blocks.*.kv=column"')],
+    # nanoGPT's attention without flash: matmuls, a causal mask, softmax
+    "matmul-softmax": [
+        (SDPA, "        att = (q @ k.transpose(-2, -1)) / k.size(-1) ** 0.5\n"
+               "        mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()\n"
+               "        att = F.softmax(att.masked_fill(~mask, float('-inf')), dim=-1)\n"
+               "        y = (att @ v).transpose(1, 2).reshape(B, T, C)")],
+}
+
+
+@pytest.mark.parametrize("form", ATTENTION_FORMS)
+def test_attention_written_other_ways_is_cut_by_heads(form, tmp_path):
+    """Attention forms the tensor-parallel pass refused, each cut by heads at tp 2 as on one device."""
+    source = open("examples/parallel_block.py").read().replace('"parallel_block"', f'"{form}"')
+    for old, new in ATTENTION_FORMS[form]:
+        assert old in source, old
+        source = source.replace(old, new)
+    (tmp_path / "model.py").write_text(source)
+    cfg = build_config({"model": dict(arch=f"{tmp_path}/model.py:SPEC", n_layer=2, n_head=8, n_embd=64,
                                       block_size=32),
                         "train": dict(micro_batch_size=2, global_batch_size=4, seq_length=32, lr=1e-3,
                                       adam_eps=ADAM_EPS)})
