@@ -400,10 +400,12 @@ def format_search(found: Search, world: int, top: int, refused: int) -> str:
     tried = f"{counted(found.layouts, 'layout')} of {counted(world, 'rank')}" + \
         (f" and {retries} retries with memory savers" if retries else "")
     reused = f", {found.reused} predicted by earlier runs" if found.reused else ""
-    lines = [f"{tried}: {len(found.ranked)} fit, {len(found.refused)} refused ({found.seconds:.1f} s{reused}); "
-             f"fastest first:",
-             f"{'#':>3} {'ms/iter':>9} {'GiB/rank':>9} {'bubble':>7}  layout (run_gpt.py flags)"]
-    for i, c in enumerate(found.ranked[:top]):
+    rows = found.ranked[:top]
+    lines = [f"{tried}: {len(found.ranked)} fit, {len(found.refused)} refused ({found.seconds:.1f} s{reused})" +
+             ("; fastest first:" if rows else "")]
+    if rows:
+        lines.append(f"{'#':>3} {'ms/iter':>9} {'GiB/rank':>9} {'bubble':>7}  layout (run_gpt.py flags)")
+    for i, c in enumerate(rows):
         lines.append(f"{i + 1:>3} {c.prediction.step_seconds * 1e3:9.1f} {c.memory / 2 ** 30:9.3f} "
                      f"{c.prediction.bubble_fraction:7.1%}  {describe(c.layout)}")
     if found.refused:
@@ -423,7 +425,7 @@ def _reason_counts(found: Search) -> list[str]:
     lines = [f"  {n:4d} x {why}" for why, n in found.reasons.most_common(5)]
     if len(found.reasons) > 5:
         rest, others = sum(n for _, n in found.reasons.most_common()[5:]), len(found.reasons) - 5
-        lines.append(f"  {rest:4d} x {counted(others, 'other reason')} (--refused {len(found.refused)} "
+        lines.append(f"  {rest:4d} x one of {counted(others, 'other reason')} (--refused {len(found.refused)} "
                      f"lists each)")
     if found.reasons.total() > len(found.refused):
         lines.append("  (a layout refused for several reasons counts under each)")

@@ -465,13 +465,21 @@ def test_refusals_count_under_each_reason_and_not_again_once_all_are_listed():
                             (dict(tp=1, pp=4), split)],
                    reasons=Counter({split: 2, "n_head=2 is not divisible by tp=4": 1}), layouts=2)
     counted = format_search(found, 16, top=1, refused=1).splitlines()
-    assert counted[1:] == [counted[1], "refused (2; the first 1, then counts by reason):",
+    assert counted[1:] == ["refused (2; the first 1, then counts by reason):",
                            f"  --tp 4 --pp 4: n_head=2 is not divisible by tp=4; {split}",
                            f"     2 x {split}", "     1 x n_head=2 is not divisible by tp=4",
                            "  (a layout refused for several reasons counts under each)"]
     listed = format_search(found, 16, top=1, refused=2).splitlines()
-    assert listed[2:] == ["refused (2; each with its reason):", f"  --tp 4 --pp 4: n_head=2 is not divisible by tp=4; "
+    assert listed[1:] == ["refused (2; each with its reason):", f"  --tp 4 --pp 4: n_head=2 is not divisible by tp=4; "
                           f"{split}", f"  --tp 1 --pp 4: {split}"]
+
+
+def test_a_plan_table_of_no_rows_has_no_header_and_the_rarest_reasons_are_summed():
+    reasons = Counter({f"reason {i}": 10 - i for i in range(7)})
+    found = Search(refused=[(dict(tp=1), "reason 0")] * reasons.total(), reasons=reasons, layouts=reasons.total())
+    lines = format_search(found, 16, top=0, refused=0).splitlines()
+    assert lines[0].endswith("49 refused (0.0 s)") and lines[1] == "refused (49; counts by reason):", lines
+    assert lines[-1] == "     9 x one of 2 other reasons (--refused 49 lists each)", lines
 
 
 def test_plan_command_needs_a_machine_file(tmp_path):
