@@ -110,16 +110,31 @@ def plan_only(config: RunConfig, dump_only: bool, machine_path: str | None) -> i
     return 0
 
 
-def make_folders(folders: dict[str, str | None]) -> None:
+def make_folders(folders: dict[str, str | None], made: list[str]) -> None:
     """The folders a run writes, made before any rank starts: a path no folder can have (under /proc, a name
-    longer than the file system's limit) is one line here, not a traceback from every rank."""
+    longer than the file system's limit) is one line here, not a traceback from every rank. What it makes
+    (parents first) goes to `made`, for `remove_empty`."""
     for flag, folder in folders.items():
         if folder:
+            missing, path = [], os.path.abspath(folder)
+            while not os.path.exists(path) and path != os.path.dirname(path):
+                missing.append(path)
+                path = os.path.dirname(path)
             try:
                 os.makedirs(folder, exist_ok=True)
             except OSError as e:
                 raise ConfigError(f"{flag} {folder}: cannot make the folder ({e.strerror or e}); give a folder you "
                                   f"can write") from None
+            finally:
+                made += [m for m in reversed(missing) if os.path.isdir(m)]
+
+
+def remove_empty(folders: list[str]) -> None:
+    """A refused run leaves no folder behind: each it made (`make_folders`) is removed while it is still
+    empty, deepest first (runs/latest, then runs)."""
+    for folder in reversed(folders):
+        with contextlib.suppress(OSError):
+            os.rmdir(folder)
 
 
 def auto_layout(config: RunConfig, flags, argv: list[str]) -> list[str]:
@@ -173,6 +188,7 @@ def main(argv: list[str]) -> int:
 
 
 def _run(argv: list[str], held: contextlib.ExitStack) -> int:
+    made = []  # folders this call made: a refusal removes them again while they are empty
     try:
         config, flags = parse_args(argv)
         if flags.auto_layout and under_launcher():
@@ -186,10 +202,10 @@ def _run(argv: list[str], held: contextlib.ExitStack) -> int:
                 print("note: --sequence-parallel does nothing at tp 1 (it shards the sequence over tp ranks)",
                       file=sys.stderr)
             if flags.dump_only or flags.check_plan:
-                make_folders({"--dump-graphs": config.log.dump_graphs} if flags.dump_only else {})
+                make_folders({"--dump-graphs": config.log.dump_graphs} if flags.dump_only else {}, made)
                 return plan_only(config, flags.dump_only, flags.machine)
             make_folders({"--run-dir": config.log.run_dir, "--dump-graphs": config.log.dump_graphs,
-                          "--tensorboard-dir": config.log.tensorboard_dir})
+                          "--tensorboard-dir": config.log.tensorboard_dir}, made)
             if config.world_size > 1:
                 start_rank_server()
             if config.log.dump_graphs:
@@ -208,6 +224,7 @@ def _run(argv: list[str], held: contextlib.ExitStack) -> int:
                 device = "cuda" if torch.cuda.is_available() else "cpu"
                 prepare_launch(config, device, rank_threads(config.world_size))
     except USER_ERRORS as e:
+        remove_empty(made)
         return error(str(e))
     return run_ranks(config, [os.path.abspath(__file__), *argv], lambda: rank_main(config))
 

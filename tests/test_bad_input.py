@@ -608,6 +608,7 @@ def test_bad_input_is_one_line(name, cli, argv, setup, message, tmp_path, capsys
     launches = []
     monkeypatch.setattr(run_gpt, "run_ranks", lambda *args: launches.append(args) or run_ranks(*args))
     monkeypatch.chdir(tmp_path)  # what a case that fails writes to its working folder stays in tmp_path
+    had_run_dir = os.path.exists(tmp_path / "run")
     status = run_cli(cli, argv)
     err = capsys.readouterr().err.strip().splitlines()
     assert status == 2, (status, err)
@@ -615,6 +616,8 @@ def test_bad_input_is_one_line(name, cli, argv, setup, message, tmp_path, capsys
     assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING], "logged (with tracebacks)"
     assert not launches or name in REFUSED_IN_THE_BUILD, "refused only after run_ranks was called"
     assert not os.path.exists(tmp_path / "run" / "metrics.jsonl"), "a training step ran"
+    if cli == "run_gpt" and not launches:
+        assert os.path.exists(tmp_path / "run") == had_run_dir, "a refused run left its empty run folder"
 
 
 def test_prompt_that_is_not_utf8_is_one_line(saved_run):
