@@ -268,21 +268,27 @@ def draws_random(node: fx.Node) -> bool:
 
 
 def node_origin(node: fx.Node) -> str:
-    """`add_4 (aten.add.Tensor) at gcompile/models/gpt2.py:89: x = x + ...`, what an error about a node says.
-
-    The source line is the innermost frame of node.meta["stack_trace"] outside torch itself.
-    """
+    """`add_4 (aten.add.Tensor) at gcompile/models/gpt2.py:89: x = x + ...`, what an error about a node says."""
     target = _op_name(node.target) if node.op == "call_function" else node.op
+    line = source_line(node)
+    return f"{node.name} ({target}) at {line}" if line else f"{node.name} ({target}), no source line recorded"
+
+
+def source_line(node: fx.Node) -> str | None:
+    """`gcompile/models/gpt2.py:89: x = x + ...`: the innermost frame of node.meta["stack_trace"] outside torch
+    itself, the model's line that made the node; its file relative to the working folder where it is inside it,
+    else its full path. None where no frame was recorded."""
     frames = _FRAME.findall(node.meta.get("stack_trace") or "")
-    ours = [f for f in frames if f"{os.sep}torch{os.sep}" not in f[0]] or frames
+    ours = [f for f in frames if not f[0].startswith(_TORCH_DIR)] or frames
     if not ours:
-        return f"{node.name} ({target}), no source line recorded"
+        return None
     path, line, code = ours[-1]
     shown = os.path.relpath(path)
-    return f"{node.name} ({target}) at {path if shown.startswith('..') else shown}:{line}: {code.strip()}"
+    return f"{os.path.normpath(path) if shown.startswith('..') else shown}:{line}: {code.strip()}"
 
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in [^\n]*\n([^\n]*)')
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 
 
 def format_graph(gm: fx.GraphModule) -> str:

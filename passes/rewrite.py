@@ -1,14 +1,11 @@
 """Small graph-editing steps the parallel passes share: new calls, rank inputs, local shapes, errors."""
 
-import inspect
-import os
-import re
 from collections.abc import Callable
 
 import torch
 import torch.fx as fx
 
-from gcompile.program import Program, Stage
+from gcompile.program import Program, Stage, source_line
 
 
 class GraphMismatch(ValueError):
@@ -16,21 +13,8 @@ class GraphMismatch(ValueError):
 
     def __init__(self, pass_name: str, node: fx.Node, message: str):
         op = node.target if node.op == "call_function" else node.op
-        super().__init__(f"{pass_name}: node {node.name} ({op}) {message} [at {source_line(node)}]")
-
-
-def source_line(node: fx.Node) -> str:
-    """The innermost frame of `node.meta["stack_trace"]` outside torch: the model's line that made it."""
-    frames = re.findall(r'File "([^"]+)", line (\d+), in \S+\n\s*(.*)', node.meta.get("stack_trace") or "")
-    ours = [f for f in frames if not f[0].startswith(_TORCH_DIR)] or frames
-    if not ours:
-        return "no source line recorded"
-    file, line, code = ours[-1]
-    relative = os.path.relpath(file)
-    return f"{file if relative.startswith('..') else relative}:{line}: {code.strip()}"  # as the user named it
-
-
-_TORCH_DIR = os.path.dirname(inspect.getfile(torch))
+        super().__init__(f"{pass_name}: node {node.name} ({op}) {message} "
+                         f"[at {source_line(node) or 'no source line recorded'}]")
 
 
 def insert_call(anchor: fx.Node, fn: Callable, args: tuple, pass_name: str, before: bool = False) -> fx.Node:
