@@ -299,8 +299,11 @@ class _Sharder:
             shape = full_shape(a)
             at = cut.dim - (ndim - len(shape))
             if a not in self.cuts and at >= 0 and shape[at] != 1:
+                linear = self.linear_behind(a)
+                fix = f"; make {linear} {self.plan.placement(cut.source)}-parallel in tp_plan, as {cut.source} is" \
+                    if linear else ""
                 raise GraphMismatch(NAME, node, f"combines a tensor cut by {cut.source} on dim {cut.dim} with "
-                                                f"{a.name}, which is whole along that dim (size {shape[at]})")
+                                                f"{a.name}, which is whole along that dim (size {shape[at]}){fix}")
         if any(not c.alike(cut) for c in cuts):
             raise GraphMismatch(NAME, node, f"combines tensors cut differently: {cuts}")
         self.cuts[node] = cut
@@ -385,6 +388,18 @@ class _Sharder:
                            (logits, targets, tp_rank, cut.full, ignore_index), NAME)
         node.replace_all_uses_with(loss)
         self.graph.erase_node(node)
+
+    def linear_behind(self, node: fx.Node) -> str | None:
+        """The module of the replicated linear whose output `node` is, through ops of one tensor (SwiGLU's
+        silu(gate(x)) where only up is cut): what the plan should cut as well; None for anything else."""
+        while node.op == "call_function" and node.target is not aten.linear.default:
+            tensors = [a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+            if len(tensors) != 1:
+                return None
+            node = tensors[0]
+        weight = node.args[1] if node.op == "call_function" else None
+        return module_of(self.param_of(weight).name) if weight is not None and weight.op == "placeholder" and \
+            self.stage.placeholders().index(weight) < len(self.stage.params) else None
 
     def param_of(self, node: fx.Node):
         return self.stage.params[self.stage.placeholders().index(node)]

@@ -20,7 +20,7 @@ import torch
 import run_gpt
 from gcompile import harness, shm_group
 from gcompile.compile import graph_key
-from gcompile.config import build_config
+from gcompile.config import build_config, parse_args
 from gcompile.layout import Shard
 from gcompile.axes import Coords
 from gcompile.pipeline import BuildCache, build_rank_program
@@ -208,6 +208,17 @@ def test_plan_mismatch_names_the_node():
     with pytest.raises(Exception, match=r"node linear_3 \(aten.linear.default\) is a linear over a tensor cut by "
                                         r"transformer.h.0.mlp.c_fc.*gpt2.py:\d+: return self.dropout"):
         build_rank_program(config, Coords.from_rank(0, {"tp": 2}), log=lambda _: None)
+
+
+def test_a_product_of_a_cut_and_a_whole_linear_names_the_linear_to_cut():
+    """SwiGLU's silu(gate(x)) * up(x) with up cut and gate left whole: the refusal says to cut gate too."""
+    plan = "model.layers.*.self_attn.[qkv]_proj=column,model.layers.*.self_attn.o_proj=row," \
+           "model.layers.*.mlp.up_proj=column,model.layers.*.mlp.down_proj=row"
+    config, _ = parse_args(["--config", "configs/llama-tiny.toml", "--tp", "2", "--tp-plan", plan])
+    with pytest.raises(Exception, match=r"with silu, which is whole along that dim \(size \d+\); make "
+                                        r"model.layers.0.mlp.gate_proj column-parallel in tp_plan, as "
+                                        r"model.layers.0.mlp.up_proj is \[at gcompile/models/llama.py"):
+        build_rank_program(config, Coords.from_rank(0, config.mesh_sizes), log=lambda _: None)
 
 
 @pytest.mark.parametrize("argv, message", [
