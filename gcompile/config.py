@@ -566,8 +566,11 @@ def _show_default(f: dataclasses.Field) -> str:
 
 def answer_help(argv: list[str]) -> None:
     """Print --help and exit when argv asks for it (by argparse's own rules); anything else, including
-    a bad flag, is left for `parse_args`. Callers ask before importing torch, which takes seconds."""
+    a bad flag, is left for `parse_args`. Callers ask before importing torch, which takes seconds; only a help
+    for your own model (--arch file.py:SPEC) loads it first, so that its config's fields are listed too."""
     with contextlib.suppress(ConfigError):
+        if "-h" in argv or "--help" in argv:
+            _load_named_model(argv)
         parser().parse_known_args(argv)
 
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import run_gpt
 from gcompile import harness
-from gcompile.config import build_config
+from gcompile.config import answer_help, build_config
 from gcompile.models.spec import spec_with_defaults
 from tests.reference import ADAM_EPS, random_batches, reference_run, rel_err
 
@@ -198,6 +198,9 @@ def test_an_own_models_config_fields_are_flags(tmp_path, capsys):
     """As its [model] keys are: --width was an unrecognized argument, the model unloaded when flags were read."""
     (tmp_path / "wide.py").write_text(open("examples/parallel_block.py").read().replace('"parallel_block"', '"wide"')
                                       .replace('    """Hidden size."""\n', '    """Hidden size."""\n    width: int = 3\n'))
+    with pytest.raises(SystemExit):  # first, while the model is not yet loaded: --help loads it to list its fields
+        answer_help(["--arch", f"{tmp_path}/wide.py:SPEC", "--help"])
+    assert "--width WIDTH" in capsys.readouterr().out
     assert run_gpt.main(["--arch", f"{tmp_path}/wide.py:SPEC", "--width", "5", "--n-layer", "2", "--check-plan"]) == 0, \
         capsys.readouterr().err
 
