@@ -148,9 +148,11 @@ def train(config: RunConfig, coords: Coords, device: str = "cpu", log=print) -> 
         if peak:
             estimate = estimate_memory(program)
             gathered = f" + gathered {estimate.gathered / MIB:.1f}" if estimate.gathered else ""
+            inside = "; its activations at the peak inside a backward, which recomputes its forward there and " \
+                     "which the measure, taken between instructions, does not see" if t.recompute_activations else ""
             quiet(f"rank 0 memory over its first step: {peak}; estimated {estimate.total / MIB:.1f} MiB "
                   f"(state {estimate.state / MIB:.1f} + activations {estimate.activations / MIB:.1f} + messages "
-                  f"{estimate.messages / MIB:.1f}{gathered})")
+                  f"{estimate.messages / MIB:.1f}{gathered}{inside})")
         consumed += t.global_batch_size
         reported.add(runtime.metrics)
         reports = reported.mean() if iteration % config.log.log_interval == 0 else None  # every rank: all-reduces
