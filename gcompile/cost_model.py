@@ -156,6 +156,7 @@ def node_work(node: fx.Node) -> Work:
 
 
 def work_seconds(work: Work, rates: Rates) -> float:
+    """Compute time of `work` at these rates."""
     if work.kind == "nothing":
         return 0.0
     machine, threads = rates.machine, rates.threads
@@ -167,11 +168,6 @@ def work_seconds(work: Work, rates: Rates) -> float:
     if work.kind == "call":
         return call
     return call + machine.pointwise_seconds(work.amount, threads, inplace=work.kind == "inplace") * rates.slowdown
-
-
-def node_seconds(node: fx.Node, rates: Rates) -> float:
-    """Compute time of one node (zero for placeholders and outputs; collectives are costed apart)."""
-    return work_seconds(node_work(node), rates)
 
 
 def _causal(node: fx.Node) -> bool:
@@ -254,7 +250,7 @@ def _steps(gm: fx.GraphModule) -> list[Issue | Wait | Work]:
                 op, args = issued[node]
                 steps.append(Issue(op, args.get("group_name", "?"), collective_bytes(node)))
             elif node.op == "call_function" and is_collective(node.target):  # wait_tensor
-                steps.append(Wait(index.get(node.args[0], -1) if node.args[0] in issued else -1))
+                steps.append(Wait(index[node.args[0]] if node.args[0] in issued else -1))
             else:
                 steps.append(node_work(node))
         _STEPS[gm] = steps
