@@ -164,6 +164,22 @@ ATTENTION_FORMS = {
               "        k, v = (t.view(B, T, self.n_head // 2, -1).transpose(1, 2).repeat_interleave(2, dim=1)\n"
               "                for t in self.kv(h).split(C // 2, dim=2))"),
         ('"blocks.*.qkv=column"', '"blocks.*.q=column", "blocks.*.kv=column"')],
+    # one kv head (MQA) from Linears the plan leaves whole, broadcast over the query heads by the matmuls; a
+    # learned gain per head dim on q; a gate per token from a whole Linear: each read against the heads,
+    # each rank's heads give part of their gradient
+    "whole-values-against-heads": [
+        ("        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd)",
+         "        self.q = nn.Linear(config.n_embd, config.n_embd, bias=False)\n"
+         "        self.kv = nn.Linear(config.n_embd, 2 * config.n_embd // config.n_head, bias=False)\n"
+         "        self.gate = nn.Linear(config.n_embd, 1)\n"
+         "        self.q_gain = nn.Parameter(torch.linspace(0.5, 1.5, config.n_embd // config.n_head))"),
+        (QKV, "        hs = C // self.n_head\n"
+              "        q = self.q(h).view(B, T, self.n_head, hs).transpose(1, 2) * self.q_gain\n"
+              "        k, v = (t.view(B, T, 1, hs).transpose(1, 2) for t in self.kv(h).split(hs, dim=2))"),
+        (SDPA, "        att = F.softmax((q @ k.transpose(-2, -1)) / hs ** 0.5 + torch.full((T, T), float('-inf'))"
+               ".triu(1), dim=-1)\n"
+               "        y = ((att @ v) * torch.sigmoid(self.gate(h)).view(B, 1, T, 1)).transpose(1, 2).reshape(B, T, C)"),
+        ('"blocks.*.qkv=column"', '"blocks.*.q=column"')],
     # nanoGPT's attention without flash: matmuls, a causal mask, softmax
     "matmul-softmax": [
         (SDPA, "        att = (q @ k.transpose(-2, -1)) / k.size(-1) ** 0.5\n"
