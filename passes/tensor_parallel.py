@@ -53,13 +53,18 @@ aten = torch.ops.aten
 SHAPE_PRESERVING = (aten.gelu.default, aten.relu.default, aten.silu.default, aten.tanh.default, aten.neg.default,
                     aten.pow.Tensor_Scalar,
                     aten.dropout.default, aten.clone.default, aten.contiguous.default, aten.to.dtype,
-                    aten._to_copy.default)
+                    aten._to_copy.default, aten.type_as.default)
 """Ops that act element by element on one tensor: the cut passes through them unchanged."""
-BROADCASTING = (aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.masked_fill.Tensor)
+BROADCASTING = (aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.masked_fill.Tensor,
+                aten.where.ScalarOther, aten.where.ScalarSelf)
 """Element-wise ops over several tensors: cut inputs must be cut alike, the others broadcast over the cut dim
 (RoPE's q * cos, SwiGLU's silu(gate) * up)."""
 VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 SOFTMAX = (aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default)
+REDUCTIONS = (aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default)
+"""Ops that reduce over the dims they are given (args[1]), keeping them as 1 where args[2] (keepdim) is set."""
+NORMS = (aten.layer_norm.default, aten.rms_norm.default)
+"""Norms over the last len(args[1]) dims, with a weight (and bias) every rank holds whole."""
 
 
 def is_elementwise(target) -> bool:
@@ -241,6 +246,12 @@ class _Sharder:
             ndim = len(x.meta["val"].shape)
             d0, d1 = _dim(node.args[1], ndim), _dim(node.args[2], ndim)
             self.cuts[node] = _moved(cut, {d0: d1, d1: d0}.get(cut.dim, cut.dim))
+        elif node.target is aten.permute.default and cut is not None:
+            self.cuts[node] = _moved(cut, [_dim(d, len(full_shape(x))) for d in node.args[1]].index(cut.dim))
+        elif node.target in REDUCTIONS and cut is not None:
+            self.reduction(node, cut)
+        elif node.target in NORMS and cut is not None:
+            self.norm(node, cut)
         elif node.target is aten.scaled_dot_product_attention.default:
             self.attention(node)
         elif node.target is aten.matmul.default:
@@ -255,8 +266,9 @@ class _Sharder:
         else:
             source = next(self.cuts[a].source for a in node.all_input_nodes if a in self.cuts)
             raise GraphMismatch(NAME, node, f"reads a tensor cut by {source}, but the pass only knows how to carry a "
-                                            f"cut through split, view, transpose, slice, cat, expand, repeat_interleave, "
-                                            f"attention (SDPA, or matmuls and softmax over a batch dim such as heads) "
+                                            f"cut through split, view, transpose, permute, slice, cat, expand, "
+                                            f"repeat_interleave (by a count), attention (SDPA, or matmuls and softmax "
+                                            f"over a batch dim such as heads), norms and reductions over other dims, "
                                             f"and elementwise ops into a row-parallel linear or the loss")
 
     def split(self, node: fx.Node, cut: Cut) -> None:
@@ -369,13 +381,33 @@ class _Sharder:
         ndim = len(full_shape(node))
         tensors = node.args[:2]
         if any(len(full_shape(t)) < 3 for t in tensors):
-            raise GraphMismatch(NAME, node, "multiplies a cut tensor as a vector or matrix; only a batched "
-                                            "product over a cut batch dim (heads) can be cut")
+            raise GraphMismatch(NAME, node, "multiplies with a 1-D or 2-D operand (a vector or matrix product, not "
+                                            "batched over the cut heads); a weight belongs in a Linear the plan cuts")
         cuts = [_moved(self.cuts[t], self.cuts[t].dim + ndim - len(full_shape(t))) for t in tensors if t in self.cuts]
         if cuts[0].dim >= ndim - 2:
             raise GraphMismatch(NAME, node, f"multiplies over dim {cuts[0].dim}, which {cuts[0].source} cut over "
                                             f"the tp ranks; only a batch dim (heads) of a product can be cut")
         self.broadcast(node)
+
+    def reduction(self, node: fx.Node, cut: Cut) -> None:
+        """Over other dims than the cut one (a hand-written softmax's max and sum, an RMSNorm's mean of squares
+        over the head dim), each rank reduces what it holds."""
+        x, dims, keepdim = (*node.args, None, False)[:3]
+        ndim = len(full_shape(x))
+        reduced = [_dim(d, ndim) for d in dims] if dims else list(range(ndim))  # none given: every dim
+        if cut.dim in reduced:
+            raise GraphMismatch(NAME, node, f"reduces over dim {cut.dim}, which {cut.source} cut over the tp ranks")
+        self.cuts[node] = cut if keepdim else _moved(cut, cut.dim - sum(d < cut.dim for d in reduced))
+
+    def norm(self, node: fx.Node, cut: Cut) -> None:
+        """Over trailing dims the cut is not in (QK-norm over the head dim): each rank normalises its heads;
+        the weight and bias are whole values read against them."""
+        x, shape = node.args[:2]
+        if cut.dim >= len(full_shape(x)) - len(shape):
+            raise GraphMismatch(NAME, node, f"normalises over dim {cut.dim}, which {cut.source} cut over the tp "
+                                            f"ranks")
+        node.args = (x, shape, *(self.whole_operand(a, node) if isinstance(a, fx.Node) else a for a in node.args[2:]))
+        self.cuts[node] = cut
 
     def softmax(self, node: fx.Node, cut: Cut) -> None:
         """Along another dim than the cut one, each rank's entries are normalised over what it holds."""
@@ -389,7 +421,9 @@ class _Sharder:
         cuts = [self.cuts.get(t) for t in (q, k, v)]
         mask = rest[0] if rest else node.kwargs.get("attn_mask")
         if any(c is None or c.dim != 1 for c in cuts) or mask is not None:
-            raise GraphMismatch(NAME, node, "needs q, k and v all cut by heads (dim 1) and no attention mask")
+            whole = [linear for t, c in zip((q, k, v), cuts) if c is None and (linear := self.linear_behind(t))]
+            fix = f"; make {', '.join(whole)} column-parallel in tp_plan" if whole else ""
+            raise GraphMismatch(NAME, node, f"needs q, k and v all cut by heads (dim 1) and no attention mask{fix}")
         self.cuts[node] = cuts[0]
 
     def cross_entropy(self, node: fx.Node, cut: Cut) -> None:

@@ -180,6 +180,21 @@ ATTENTION_FORMS = {
                ".triu(1), dim=-1)\n"
                "        y = ((att @ v) * torch.sigmoid(self.gate(h)).view(B, 1, T, 1)).transpose(1, 2).reshape(B, T, C)"),
         ('"blocks.*.qkv=column"', '"blocks.*.q=column"')],
+    # QK-norm (an RMSNorm over the head dim, its weight whole on every rank), heads moved by permute, the mask
+    # by torch.where, a softmax written out (max, exp, sum), and an upcast and type_as back
+    "qk-norm-permute-where": [
+        ("        self.n_head = config.n_head",
+         "        self.n_head = config.n_head\n"
+         "        self.q_norm = nn.RMSNorm(config.n_embd // config.n_head)\n"
+         "        self.k_norm = nn.RMSNorm(config.n_embd // config.n_head)"),
+        (QKV, "        q, k, v = (t.view(B, T, self.n_head, -1) for t in self.qkv(h).split(C, dim=2))\n"
+              "        q, k, v = self.q_norm(q).permute(0, 2, 1, 3), self.k_norm(k).permute(0, 2, 1, 3), "
+              "v.permute(0, 2, 1, 3)"),
+        (SDPA, "        mask = torch.ones(T, T, dtype=torch.bool).tril()\n"
+               "        att = torch.where(mask, (q @ k.transpose(-2, -1)).float() / k.size(-1) ** 0.5, float('-inf'))\n"
+               "        att = (att - att.amax(-1, keepdim=True)).exp()\n"
+               "        att = (att / att.sum(-1).unsqueeze(-1)).type_as(v)\n"
+               "        y = (att @ v).permute(0, 2, 1, 3).reshape(B, T, C)")],
     # nanoGPT's attention without flash: matmuls, a causal mask, softmax
     "matmul-softmax": [
         (SDPA, "        att = (q @ k.transpose(-2, -1)) / k.size(-1) ** 0.5\n"
