@@ -61,6 +61,16 @@ BROADCASTING = (aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tens
 (RoPE's q * cos, SwiGLU's silu(gate) * up)."""
 VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 SOFTMAX = (aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default)
+INSTEAD = {
+    aten.einsum.default: "an einsum is not cut by heads here: write it with @ (torch.matmul) over the heads",
+    aten.split_with_sizes.default: "a split into parts of unequal sizes (a fused q, k, v Linear of grouped kv "
+                                   "heads) is not cut here: give q, k and v Linears of their own, each column in "
+                                   "tp_plan",
+    aten.repeat_interleave.self_Tensor: "repeating by a tensor of counts is not cut here: repeat by an int",
+    aten.repeat.default: "tiling with repeat is not cut here: repeat each kv head with repeat_interleave(n, dim) "
+                         "or expand and reshape",
+}
+"""Ops the pass refuses over a cut tensor, each with what to write instead."""
 REDUCTIONS = (aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default)
 """Ops that reduce over the dims they are given (args[1]), keeping them as 1 where args[2] (keepdim) is set."""
 NORMS = (aten.layer_norm.default, aten.rms_norm.default)
@@ -263,6 +273,9 @@ class _Sharder:
         elif node.target is aten.linear.default and cut is not None:
             raise GraphMismatch(NAME, node, f"is a linear over a tensor cut by {cut.source}, but the plan "
                                             f"replicates its weight; make it row-parallel in tp_plan")
+        elif node.target in INSTEAD:
+            source = next(self.cuts[a].source for a in node.all_input_nodes if a in self.cuts)
+            raise GraphMismatch(NAME, node, f"reads a tensor cut by {source}; {INSTEAD[node.target]}")
         else:
             source = next(self.cuts[a].source for a in node.all_input_nodes if a in self.cuts)
             raise GraphMismatch(NAME, node, f"reads a tensor cut by {source}, but the pass only knows how to carry a "

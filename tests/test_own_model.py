@@ -225,6 +225,22 @@ def test_attention_written_other_ways_is_cut_by_heads(form, tmp_path):
         assert rel_err(result.params[name], value) < 1e-5, name
 
 
+@pytest.mark.parametrize("sdpa, message", [
+    ("        y = torch.einsum('bhqk,bhkd->bhqd', F.softmax(torch.einsum('bhqd,bhkd->bhqk', q, k), dim=-1), v)"
+     ".transpose(1, 2).reshape(B, T, C)", "an einsum is not cut by heads here: write it with @ (torch.matmul)"),
+    ("        y = F.scaled_dot_product_attention(q, k.repeat(1, 1, 1, 1), v).transpose(1, 2).reshape(B, T, C)",
+     "tiling with repeat is not cut here: repeat each kv head with repeat_interleave(n, dim) or expand"),
+], ids=["einsum", "repeat"])
+def test_an_attention_form_the_pass_refuses_says_what_to_write(sdpa, message, tmp_path, capsys):
+    source = open("examples/parallel_block.py").read().replace('"parallel_block"', f'"refused_{len(sdpa)}"')  # a
+    # model's name is its own in a process
+    assert SDPA in source
+    (tmp_path / "model.py").write_text(source.replace(SDPA, sdpa))
+    assert run_gpt.main(["--arch", f"{tmp_path}/model.py:SPEC", "--n-layer", "2", "--tp", "2", "--check-plan"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
 def test_an_own_models_config_fields_are_flags(tmp_path, capsys):
     """As its [model] keys are: --width was an unrecognized argument, the model unloaded when flags were read."""
     (tmp_path / "wide.py").write_text(open("examples/parallel_block.py").read().replace('"parallel_block"', '"wide"')
