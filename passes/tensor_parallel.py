@@ -433,6 +433,10 @@ class _Sharder:
         q, k, v, *rest = node.args
         cuts = [self.cuts.get(t) for t in (q, k, v)]
         mask = rest[0] if rest else node.kwargs.get("attn_mask")
+        if cuts[0] is not None and cuts[0].dim == 1 and cuts[1:] == [None, None] and node.kwargs.get("enable_gqa") \
+                and full_shape(k)[1] == full_shape(v)[1] == 1 and mask is None:  # one kv head for all (MQA): whole
+            node.args = (q, self.whole_operand(k, node), self.whole_operand(v, node), *rest)
+            cuts = [cuts[0]] * 3
         if any(c is None or c.dim != 1 for c in cuts) or mask is not None:
             whole = [linear for t, c in zip((q, k, v), cuts) if c is None and (linear := self.linear_behind(t))]
             fix = f"; make {', '.join(whole)} column-parallel in tp_plan" if whole else ""
