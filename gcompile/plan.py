@@ -421,10 +421,11 @@ def format_search(found: Search, world: int, top: int, refused: int) -> str:
 
 
 def _reason_counts(found: Search) -> list[str]:
-    """How many layouts each reason refused, the five commonest."""
-    lines = [f"  {n:4d} x {why}" for why, n in found.reasons.most_common(5)]
-    if len(found.reasons) > 5:
-        rest, others = sum(n for _, n in found.reasons.most_common()[5:]), len(found.reasons) - 5
+    """How many layouts each reason refused, the five commonest (six where that is all of them)."""
+    shown = 6 if len(found.reasons) == 6 else 5
+    lines = [f"  {n:4d} x {why}" for why, n in found.reasons.most_common(shown)]
+    if len(found.reasons) > shown:
+        rest, others = sum(n for _, n in found.reasons.most_common()[shown:]), len(found.reasons) - shown
         lines.append(f"  {rest:4d} x one of {counted(others, 'other reason')} (--refused {len(found.refused)} "
                      f"lists each)")
     if found.reasons.total() > len(found.refused):

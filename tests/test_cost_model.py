@@ -480,6 +480,9 @@ def test_a_plan_table_of_no_rows_has_no_header_and_the_rarest_reasons_are_summed
     lines = format_search(found, 16, top=0, refused=0).splitlines()
     assert lines[0].endswith("49 refused (0.0 s)") and lines[1] == "refused (49; counts by reason):", lines
     assert lines[-1] == "     9 x one of 2 other reasons (--refused 49 lists each)", lines
+    del reasons["reason 6"]  # six reasons: the sixth is listed, not summed as "one of 1 other reason"
+    found = Search(refused=[(dict(tp=1), "reason 0")] * reasons.total(), reasons=reasons, layouts=reasons.total())
+    assert format_search(found, 16, top=0, refused=0).splitlines()[-1] == "     5 x reason 5"
 
 
 def test_plan_command_needs_a_machine_file(tmp_path):
