@@ -89,7 +89,7 @@ def failure_line(error: BaseException) -> str:
     frame = user_frame(traceback.extract_tb(error.__traceback__))
     if frame is None:
         return f"{type(error).__name__}: {text}"
-    where = f"{type(error).__name__} at {frame.filename}:{frame.lineno}"
+    where = f"{type(error).__name__} at {os.path.normpath(frame.filename)}:{frame.lineno}"
     return f"{where}: {text}" if text else f"{where} ({frame.line})"
 
 
