@@ -32,6 +32,21 @@ def config(**parallel):
     })
 
 
+def assert_tp2_trains_as_one_device(arch: str, n_head: int) -> None:
+    """A two-block model of `arch` at tp 2: its losses per step and final parameters within 1e-5 of one
+    device's."""
+    cfg = build_config({"model": dict(arch=arch, n_layer=2, n_head=n_head, n_embd=64, block_size=32),
+                        "train": dict(micro_batch_size=2, global_batch_size=4, seq_length=32, lr=1e-3,
+                                      adam_eps=ADAM_EPS)})
+    batches = random_batches(cfg, len(LRS))
+    reference = reference_run(cfg, batches, LRS)
+    (result,) = harness.run_layouts([replace(cfg, parallel=replace(cfg.parallel, tp=2))], batches, LRS)
+    for step, ref in enumerate(reference):
+        assert abs(result.losses[step] - ref.loss) / ref.loss < 1e-5, f"step {step} loss"
+    for name, value in reference[-1].params.items():
+        assert rel_err(result.params[name], value) < 1e-5, name
+
+
 @pytest.mark.parametrize("parallel", [dict(tp=2, pp=2), dict(tp=2, sequence_parallel=True)], ids=["tp2-pp2", "tp2-sp"])
 def test_parallel_block_model_matches_single_device(parallel):
     batches = random_batches(config(), len(LRS))
@@ -138,16 +153,7 @@ def test_any_pointwise_op_carries_a_tensor_parallel_cut(tmp_path):
         open("examples/parallel_block.py").read().replace('"parallel_block"', '"pointwise_mlp"')
         .replace("F.relu(self.up(h)) ** 2", "F.relu(self.up(h)).square() * torch.sigmoid(self.up(h)).clamp(max=0.9)"))
     arch = f"{tmp_path}/pointwise_mlp.py:SPEC"
-    cfg = build_config({"model": dict(arch=arch, n_layer=2, n_head=4, n_embd=64, block_size=32),
-                        "train": dict(micro_batch_size=2, global_batch_size=4, seq_length=32, lr=1e-3,
-                                      adam_eps=ADAM_EPS)})
-    batches = random_batches(cfg, len(LRS))
-    reference = reference_run(cfg, batches, LRS)
-    (result,) = harness.run_layouts([replace(cfg, parallel=replace(cfg.parallel, tp=2))], batches, LRS)
-    for step, ref in enumerate(reference):
-        assert abs(result.losses[step] - ref.loss) / ref.loss < 1e-5, f"step {step} loss"
-    for name, value in reference[-1].params.items():
-        assert rel_err(result.params[name], value) < 1e-5, name
+    assert_tp2_trains_as_one_device(arch, n_head=4)
 
 
 QKV = "        q, k, v = (t.view(B, T, self.n_head, -1).transpose(1, 2) for t in self.qkv(h).split(C, dim=2))"
@@ -221,17 +227,7 @@ def test_attention_written_other_ways_is_cut_by_heads(form, tmp_path):
         assert old in source, old
         source = source.replace(old, new)
     (tmp_path / "model.py").write_text(source)
-    cfg = build_config({"model": dict(arch=f"{tmp_path}/model.py:SPEC", n_layer=2, n_head=8, n_embd=64,
-                                      block_size=32),
-                        "train": dict(micro_batch_size=2, global_batch_size=4, seq_length=32, lr=1e-3,
-                                      adam_eps=ADAM_EPS)})
-    batches = random_batches(cfg, len(LRS))
-    reference = reference_run(cfg, batches, LRS)
-    (result,) = harness.run_layouts([replace(cfg, parallel=replace(cfg.parallel, tp=2))], batches, LRS)
-    for step, ref in enumerate(reference):
-        assert abs(result.losses[step] - ref.loss) / ref.loss < 1e-5, f"step {step} loss"
-    for name, value in reference[-1].params.items():
-        assert rel_err(result.params[name], value) < 1e-5, name
+    assert_tp2_trains_as_one_device(f"{tmp_path}/model.py:SPEC", n_head=8)
 
 
 @pytest.mark.parametrize("sdpa, message", [
