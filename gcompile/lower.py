@@ -65,6 +65,7 @@ def lower_stage(stage: Stage, recompute: bool = False, needs_grad: tuple[bool, .
         _gather_one_ahead(backward)
     wait_one_behind(backward)
     for gm in (forward, backward):
+        _reshape_strided_views(gm)
         for node in gm.graph.find_nodes(op="placeholder"):
             if not isinstance(node.meta.get("val"), torch.Tensor):
                 raise NotImplementedError(f"stage {stage.index}: non-tensor graph input {node.name} "
@@ -82,6 +83,19 @@ def split_lowered(lowered: LoweredStage) -> LoweredStage:
         return lowered
     return replace(lowered, backward=parts.backward_input, backward_weight=parts.backward_weight,
                    weight_inputs=parts.weight_inputs, num_stash=parts.num_stash)
+
+
+def _reshape_strided_views(gm: fx.GraphModule) -> None:
+    """Make each view of a tensor traced as non-contiguous a reshape. Fake tensors give some ops' results their
+    input's strides where the CPU kernel returns a contiguous tensor (the gradient of a layer norm over a
+    transposed input: pytorch#120035), so a view legal on the traced strides fails on the real ones (QK-norm
+    after the heads are split). A reshape is the same view where the strides allow it, a copy where not."""
+    strided = [node for node in gm.graph.find_nodes(op="call_function", target=torch.ops.aten.view.default)
+               if not node.args[0].meta["val"].is_contiguous()]
+    for node in strided:
+        node.target = torch.ops.aten.reshape.default
+    if strided:
+        gm.recompile()
 
 
 def _recompute_parameter_derived(joint: fx.GraphModule, num_params: int) -> None:

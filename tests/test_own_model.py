@@ -210,6 +210,16 @@ ATTENTION_FORMS = {
               "        k, v = (t.view(B, T, 1, -1).transpose(1, 2) for t in self.kv(h).split(C // self.n_head, dim=2))"),
         (SDPA, SDPA.replace("is_causal=True", "is_causal=True, enable_gqa=True")),
         ('"blocks.*.qkv=column"', '"blocks.*.q=column"')],
+    # QK-norm by F.layer_norm after the heads are split off and moved, then q @ k^T: the real gradient of a layer
+    # norm over a transposed input is contiguous where its traced one is not, so backward's view of it failed (at
+    # tp 1 too). qkv without bias: the norm takes away any shift of q or k, so their bias's gradient is rounding
+    # noise
+    "layer-norm-after-transpose": [
+        ("        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd)",
+         "        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=False)"),
+        (QKV, QKV + "\n        q, k = F.layer_norm(q, (q.size(-1),)), F.layer_norm(k, (k.size(-1),))"),
+        (SDPA, "        att = (q @ k.transpose(-2, -1)) / k.size(-1) ** 0.5 + torch.full((T, T), float('-inf')).triu(1)\n"
+               "        y = (F.softmax(att, dim=-1) @ v).transpose(1, 2).reshape(B, T, C)")],
     # nanoGPT's attention without flash: matmuls, a causal mask, softmax
     "matmul-softmax": [
         (SDPA, "        att = (q @ k.transpose(-2, -1)) / k.size(-1) ** 0.5\n"
