@@ -432,16 +432,38 @@ class _Sharder:
     def attention(self, node: fx.Node) -> None:
         q, k, v, *rest = node.args
         cuts = [self.cuts.get(t) for t in (q, k, v)]
-        mask = rest[0] if rest else node.kwargs.get("attn_mask")
         if cuts[0] is not None and cuts[0].dim == 1 and cuts[1:] == [None, None] and node.kwargs.get("enable_gqa") \
-                and full_shape(k)[1] == full_shape(v)[1] == 1 and mask is None:  # one kv head for all (MQA): whole
+                and full_shape(k)[1] == full_shape(v)[1] == 1:  # one kv head for all (MQA): whole
             node.args = (q, self.whole_operand(k, node), self.whole_operand(v, node), *rest)
             cuts = [cuts[0]] * 3
-        if any(c is None or c.dim != 1 for c in cuts) or mask is not None:
+        if any(c is None or c.dim != 1 for c in cuts):
             whole = [linear for t, c in zip((q, k, v), cuts) if c is None and (linear := self.linear_behind(t))]
             fix = f"; make {', '.join(whole)} column-parallel in tp_plan" if whole else ""
-            raise GraphMismatch(NAME, node, f"needs q, k and v all cut by heads (dim 1) and no attention mask{fix}")
+            raise GraphMismatch(NAME, node, f"needs q, k and v all cut by heads (dim 1){fix}")
+        self.attention_mask(node)
         self.cuts[node] = cuts[0]
+
+    def attention_mask(self, node: fx.Node) -> None:
+        """SDPA's attn_mask, broadcast over (batch, heads, queries, keys): one cut by heads as q is, or one whole on
+        every rank that has no heads dim or a heads dim of 1 (a causal, sliding-window or padding mask, HF's
+        (B, 1, T, S)), read whole against each rank's heads."""
+        positional = len(node.args) > 3
+        mask = node.args[3] if positional else node.kwargs.get("attn_mask")
+        if not isinstance(mask, fx.Node):
+            return
+        shape, cut = full_shape(mask), self.cuts.get(mask)
+        heads = len(shape) - 3  # the heads dim of a mask of fewer than 4 dims, once broadcast
+        if cut is not None and cut.dim == heads or cut is None and (heads < 0 or shape[heads] == 1):
+            mask = mask if cut is not None else self.whole_operand(mask, node)
+        else:
+            raise GraphMismatch(NAME, node, f"reads an attention mask of shape {list(shape)}, "
+                                            f"{'cut on another dim than heads' if cut else 'whole on every rank'}; "
+                                            f"give it a heads dim of 1, broadcast over the heads, or compute it from "
+                                            f"the cut heads")
+        if positional:
+            node.args = (*node.args[:3], mask, *node.args[4:])
+        else:
+            node.kwargs = {**node.kwargs, "attn_mask": mask}
 
     def cross_entropy(self, node: fx.Node, cut: Cut) -> None:
         logits, targets, weight, reduction, ignore_index, smoothing = (*node.args, None, 1, -100, 0.0)[:6]

@@ -220,6 +220,15 @@ ATTENTION_FORMS = {
         (QKV, QKV + "\n        q, k = F.layer_norm(q, (q.size(-1),)), F.layer_norm(k, (k.size(-1),))"),
         (SDPA, "        att = (q @ k.transpose(-2, -1)) / k.size(-1) ** 0.5 + torch.full((T, T), float('-inf')).triu(1)\n"
                "        y = (F.softmax(att, dim=-1) @ v).transpose(1, 2).reshape(B, T, C)")],
+    # SDPA given a mask: a sliding window of 8 keys as a (T, T) bool, and as HF passes masks, an additive float
+    # (B, 1, T, T); each read whole against the cut heads
+    "sdpa-bool-window": [
+        (SDPA, "        window = torch.ones(T, T, dtype=torch.bool).tril().triu(-7)\n" +
+         SDPA.replace("is_causal=True", "attn_mask=window"))],
+    "sdpa-float-mask": [
+        (SDPA, "        window = torch.ones(T, T, dtype=torch.bool).tril().triu(-7)\n"
+               "        mask = torch.zeros(B, 1, T, T).masked_fill(~window, float('-inf'))\n" +
+         SDPA.replace("is_causal=True", "mask"))],
     # nanoGPT's attention without flash: matmuls, a causal mask, softmax
     "matmul-softmax": [
         (SDPA, "        att = (q @ k.transpose(-2, -1)) / k.size(-1) ** 0.5\n"
@@ -245,7 +254,9 @@ def test_attention_written_other_ways_is_cut_by_heads(form, tmp_path):
      ".transpose(1, 2).reshape(B, T, C)", "an einsum is not cut by heads here: write it with @ (torch.matmul)"),
     ("        y = F.scaled_dot_product_attention(q, k.repeat(1, 1, 1, 1), v).transpose(1, 2).reshape(B, T, C)",
      "tiling with repeat is not cut here: repeat each kv head with repeat_interleave(n, dim) or expand"),
-], ids=["einsum", "repeat"])
+    ("        y = F.scaled_dot_product_attention(q, k, v, torch.zeros(1, self.n_head, T, T)).transpose(1, 2).reshape(B, T, C)",
+     "whole on every rank; give it a heads dim of 1, broadcast over the heads, or compute it from the cut heads"),
+], ids=["einsum", "repeat", "mask-per-head"])
 def test_an_attention_form_the_pass_refuses_says_what_to_write(sdpa, message, tmp_path, capsys):
     source = open("examples/parallel_block.py").read().replace('"parallel_block"', f'"refused_{len(sdpa)}"')  # a
     # model's name is its own in a process
