@@ -14,6 +14,9 @@ because FX code generation cannot name `Fn.apply`; a graph node calls them.
     reduce_scatter_to_sequence  reduce-scatter / all-gather     (out of a row-parallel block, SP)
     scatter_to_sequence         local chunk   / all-gather      (a replicated (.., T, ..) value meets
                                                                  a sequence-sharded one, SP)
+    scatter_to_tp               the same                        (a replicated value per head meets the
+                                                                 cut heads; not a sequence, which
+                                                                 context parallel cuts further)
 
 All but `gather` act over the process group registered as "tp". Per-rank numbers (the
 rank's index, hence its vocab rows) come in as a 0-d int64 tensor, `tp_rank`, so
@@ -72,7 +75,7 @@ class _ReduceScatterToSequence(torch.autograd.Function):
         return collectives.all_gather(grad, GROUP, ctx.tp, ctx.dim), None, None
 
 
-class _ScatterToSequence(torch.autograd.Function):
+class _ScatterToTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, tp, tp_rank):
         ctx.dim, ctx.tp = dim, tp
@@ -112,7 +115,11 @@ def reduce_scatter_to_sequence(x: torch.Tensor, dim: int, tp: int) -> torch.Tens
 
 
 def scatter_to_sequence(x: torch.Tensor, dim: int, tp: int, tp_rank: torch.Tensor) -> torch.Tensor:
-    return _ScatterToSequence.apply(x, dim, tp, tp_rank)
+    return _ScatterToTP.apply(x, dim, tp, tp_rank)
+
+
+def scatter_to_tp(x: torch.Tensor, dim: int, tp: int, tp_rank: torch.Tensor) -> torch.Tensor:
+    return _ScatterToTP.apply(x, dim, tp, tp_rank)
 
 
 def vocab_parallel_embedding(weight: torch.Tensor, idx: torch.Tensor, tp_rank: torch.Tensor) -> torch.Tensor:

@@ -316,25 +316,42 @@ class _Sharder:
         self.cuts[node] = Cut(i, local, shape_out[i], cut.source)
 
     def broadcast(self, node: fx.Node) -> None:
-        """Cut inputs cut alike; every other tensor input has the cut dim of the output as 1 or not at all."""
+        """Cut inputs cut alike; every other tensor input has the cut dim of the output as 1 or not at all, or is
+        whole along it and no Linear's output (ALiBi's bias per head): its rank's part is read."""
         ndim = len(full_shape(node))
         tensors = [a for a in node.args if isinstance(a, fx.Node)]
         cuts = [_moved(self.cuts[a], self.cuts[a].dim + ndim - len(full_shape(a))) for a in tensors if a in self.cuts]
         cut = cuts[0]
+        parts = {}
         for a in tensors:
             shape = full_shape(a)
             at = cut.dim - (ndim - len(shape))
-            if a not in self.cuts and at >= 0 and shape[at] != 1:
-                linear = self.linear_behind(a)
+            if a in self.cuts or at < 0 or shape[at] == 1:
+                continue
+            linear = self.linear_behind(a)
+            if linear is None and self.splits_evenly(cut, shape[at]):  # a Linear's output: cut it instead
+                parts[a] = self.rank_part(a, at, node)
+            else:
                 fix = f"; make {linear} {self.plan.placement(cut.source)}-parallel in tp_plan, as {cut.source} is" \
                     if linear else ""
                 raise GraphMismatch(NAME, node, f"combines a tensor cut by {cut.source} on dim {cut.dim} with "
                                                 f"{a.name}, which is whole along that dim (size {shape[at]}){fix}")
         if any(not c.alike(cut) for c in cuts):
             raise GraphMismatch(NAME, node, f"combines tensors cut differently: {cuts}")
-        node.args = tuple(self.whole_operand(a, node) if isinstance(a, fx.Node) and a not in self.cuts else a
-                          for a in node.args)
+        node.args = tuple(parts.get(a) or self.whole_operand(a, node) if isinstance(a, fx.Node) and a not in self.cuts
+                          else a for a in node.args)
         self.cuts[node] = cut
+
+    def splits_evenly(self, cut: Cut, size: int) -> bool:
+        """Whether a whole dim of `size` splits over the tp ranks as `cut` did its own: the same full size, in
+        one block, every rank an equal part."""
+        return size == cut.full == cut.local * self.tp and cut.blocks == 1
+
+    def rank_part(self, value: fx.Node, dim: int, reader: fx.Node) -> fx.Node:
+        """This rank's part along `dim` of a value every rank holds whole, read against a tensor cut there (ALiBi's
+        bias per head, a gain per head, against the cut heads); its gradient is gathered from every rank's part."""
+        tp_rank = rank_constant(self.stage, "tp_rank", self.ctx.coords.axis_rank("tp"))
+        return insert_call(reader, tp_ops.scatter_to_tp, (value, dim, self.tp, tp_rank), NAME, before=True)
 
     def whole_operand(self, value: fx.Node, reader: fx.Node) -> fx.Node:
         """A value every rank holds whole, read against a cut one (a kv head shared by all query heads, a gate,
@@ -444,21 +461,22 @@ class _Sharder:
         self.cuts[node] = cuts[0]
 
     def attention_mask(self, node: fx.Node) -> None:
-        """SDPA's attn_mask, broadcast over (batch, heads, queries, keys): one cut by heads as q is, or one whole on
-        every rank that has no heads dim or a heads dim of 1 (a causal, sliding-window or padding mask, HF's
-        (B, 1, T, S)), read whole against each rank's heads."""
+        """SDPA's attn_mask, broadcast over (batch, heads, queries, keys): one cut by heads as q is; one whole on
+        every rank with no heads dim or a heads dim of 1 (a causal, sliding-window or padding mask, HF's
+        (B, 1, T, S)), read whole against each rank's heads; one whole with a row per head, its rank's rows."""
         positional = len(node.args) > 3
         mask = node.args[3] if positional else node.kwargs.get("attn_mask")
         if not isinstance(mask, fx.Node):
             return
         shape, cut = full_shape(mask), self.cuts.get(mask)
         heads = len(shape) - 3  # the heads dim of a mask of fewer than 4 dims, once broadcast
-        if cut is not None and cut.dim == heads or cut is None and (heads < 0 or shape[heads] == 1):
-            mask = mask if cut is not None else self.whole_operand(mask, node)
-        else:
-            raise GraphMismatch(NAME, node, f"reads an attention mask of shape {list(shape)}, "
-                                            f"{'cut on another dim than heads' if cut else 'whole on every rank'}; "
-                                            f"give it a heads dim of 1, broadcast over the heads, or compute it from "
+        if cut is None and (heads < 0 or shape[heads] == 1):
+            mask = self.whole_operand(mask, node)
+        elif cut is None:  # whole, a row per head (ALiBi's bias)
+            mask = self.rank_part(mask, heads, node)
+        elif cut.dim != heads:
+            raise GraphMismatch(NAME, node, f"reads an attention mask cut by {cut.source} on dim {cut.dim}, not on "
+                                            f"its heads dim ({heads}); build the mask from whole values or from "
                                             f"the cut heads")
         if positional:
             node.args = (*node.args[:3], mask, *node.args[4:])

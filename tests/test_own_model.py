@@ -229,6 +229,23 @@ ATTENTION_FORMS = {
         (SDPA, "        window = torch.ones(T, T, dtype=torch.bool).tril().triu(-7)\n"
                "        mask = torch.zeros(B, 1, T, T).masked_fill(~window, float('-inf'))\n" +
          SDPA.replace("is_causal=True", "mask"))],
+    # ALiBi (BLOOM, MPT): a bias per head from constant slopes, whole on every rank, added to the scores written
+    # by hand, and a learned gain per head on the output; each rank reads its heads' rows
+    "alibi-gain-per-head": [
+        ("        self.n_head = config.n_head",
+         "        self.n_head = config.n_head\n"
+         "        self.head_gain = nn.Parameter(torch.linspace(0.5, 1.5, config.n_head).view(config.n_head, 1, 1))"),
+        (SDPA, "        slopes = 2.0 ** -torch.arange(1, self.n_head + 1).float()\n"
+               "        distance = torch.arange(T).view(1, T) - torch.arange(T).view(T, 1)\n"
+               "        alibi = slopes.view(1, -1, 1, 1) * distance.clamp(max=0) + torch.full((T, T), float('-inf')).triu(1)\n"
+               "        att = F.softmax((q @ k.transpose(-2, -1)) / k.size(-1) ** 0.5 + alibi, dim=-1)\n"
+               "        y = ((att @ v) * self.head_gain).transpose(1, 2).reshape(B, T, C)")],
+    # the same bias through SDPA's attn_mask, (1, heads, T, T)
+    "alibi-sdpa": [
+        (SDPA, "        slopes = 2.0 ** -torch.arange(1, self.n_head + 1).float()\n"
+               "        distance = torch.arange(T).view(1, T) - torch.arange(T).view(T, 1)\n"
+               "        alibi = slopes.view(1, -1, 1, 1) * distance.clamp(max=0) + torch.full((T, T), float('-inf')).triu(1)\n" +
+         SDPA.replace("is_causal=True", "alibi"))],
     # nanoGPT's attention without flash: matmuls, a causal mask, softmax
     "matmul-softmax": [
         (SDPA, "        att = (q @ k.transpose(-2, -1)) / k.size(-1) ** 0.5\n"
@@ -254,9 +271,7 @@ def test_attention_written_other_ways_is_cut_by_heads(form, tmp_path):
      ".transpose(1, 2).reshape(B, T, C)", "an einsum is not cut by heads here: write it with @ (torch.matmul)"),
     ("        y = F.scaled_dot_product_attention(q, k.repeat(1, 1, 1, 1), v).transpose(1, 2).reshape(B, T, C)",
      "tiling with repeat is not cut here: repeat each kv head with repeat_interleave(n, dim) or expand"),
-    ("        y = F.scaled_dot_product_attention(q, k, v, torch.zeros(1, self.n_head, T, T)).transpose(1, 2).reshape(B, T, C)",
-     "whole on every rank; give it a heads dim of 1, broadcast over the heads, or compute it from the cut heads"),
-], ids=["einsum", "repeat", "mask-per-head"])
+], ids=["einsum", "repeat"])
 def test_an_attention_form_the_pass_refuses_says_what_to_write(sdpa, message, tmp_path, capsys):
     source = open("examples/parallel_block.py").read().replace('"parallel_block"', f'"refused_{len(sdpa)}"')  # a
     # model's name is its own in a process
