@@ -6,9 +6,10 @@ token by token, so it runs unchanged on the rank's tokens; attention sees every
 rank's keys and values by cp_comm_type (p2p: a ring of K/V blocks; all_gather:
 K and V gathered, masked by global positions; a2a: all-to-alls to 1/cp of the
 heads over the whole sequence), which gives the exact single-device result.
-Each rank's loss is the mean over its tokens; with equal token counts per rank,
-averaging parameter gradients over dp_cp (data_parallel) gives the single-device
-gradient.
+Each rank's loss is the mean over its tokens, weighted by its share of the micro-batch's
+counted tokens (those whose target is not ignore_index; equal shares where none is
+ignored), so averaging parameter gradients over dp_cp (data_parallel) gives the
+single-device gradient.
 
 Requires: the whole model in one stage (runs after tensor_parallel and sequence_parallel,
   before pipeline_split); "idx" and
@@ -296,8 +297,25 @@ class _Splitter(TokenRows):
         return self.masks[dtype]
 
     def loss(self, node: fx.Node) -> None:
+        """The rank's mean over its counted tokens, weighted by its share of the micro-batch's: ranks whose tokens
+        hold more or fewer ignored targets (ignore_index) count for as many tokens as they have, so the average
+        over cp is the micro-batch's mean, as on one device. Where no target is ignored the weight is exactly 1."""
         logits, targets = node.args[0], node.args[LOSSES[node.target]]
-        reduction = node.args[3] if node.target is aten.cross_entropy_loss.default and len(node.args) > 3 else 1
-        if self.dims.get(logits) != 0 or self.dims.get(targets) != 0 or reduction != 1:
+        if node.target is aten.cross_entropy_loss.default:
+            _, _, weight, reduction, ignore_index = (*node.args, None, 1, -100)[:5]
+        else:
+            weight, reduction, ignore_index = None, 1, node.args[4]
+        if self.dims.get(logits) != 0 or self.dims.get(targets) != 0 or reduction != 1 or weight is not None:
             raise GraphMismatch(NAME, node, "is a loss context parallel cannot split: it needs (N, V) logits and "
-                                            "(N,) targets, both of the rank's tokens, and the mean reduction")
+                                            "(N,) targets, both of the rank's tokens, the mean reduction and no "
+                                            "class weights")
+        counted = insert_call(node, aten.ne.Scalar, (targets, ignore_index), NAME)
+        count = insert_call(counted, aten.sum.default, (counted,), NAME)
+        total = insert_call(count, collectives.sum_counts, (count, self.group), NAME)
+        scaled = insert_call(total, aten.mul.Tensor, (count, self.n), NAME)
+        share = insert_call(scaled, aten.div.Tensor, (scaled, total), NAME)
+        some = insert_call(share, aten.gt.Scalar, (count, 0), NAME)
+        kept = insert_call(some, aten.where.ScalarOther, (some, node, 0.0), NAME)  # a rank whose targets are all
+        # ignored has a mean of 0/0
+        weighted = insert_call(kept, aten.mul.Tensor, (kept, share), NAME)
+        node.replace_all_uses_with(weighted, delete_user_cb=lambda user: user is not kept)

@@ -98,7 +98,8 @@ def test_under_context_parallel_routing_counts_the_ranks_tokens_and_the_balance_
     stage = build_rank_program(cfg, Coords.from_rank(1, cfg.mesh_sizes), log=lambda _: None).stages[0]
     totals = [(node.meta["val"].dtype, tuple(node.meta["val"].shape))
               for node, op, a in collective_nodes(stage.forward) if op == "all_reduce" and a["group_name"] == "cp"]
-    assert totals == [(torch.int64, (4,))] * 2  # each layer's tokens per expert, once
+    assert totals == [(torch.int64, (4,))] * 2 + [(torch.int64, ())]  # each layer's tokens per expert, once; the
+    # micro-batch's counted targets
     for mm in stage.forward.graph.find_nodes(op="call_function", target=torch.ops.gcompile.grouped_mm.default):
         assert mm.args[0].meta["val"].shape[0] == 2 * 32 * 2 // 2  # the rank's half of B x T tokens, k copies each
         assert not any(n.op == "call_function" and "all_reduce" in str(n.target) for n in ancestors([mm.args[2]]))

@@ -32,15 +32,16 @@ def config(**parallel):
     })
 
 
-def assert_tp2_trains_as_one_device(arch: str, n_head: int) -> None:
-    """A two-block model of `arch` at tp 2: its losses per step and final parameters within 1e-5 of one
-    device's."""
+def assert_trains_as_one_device(arch: str, n_head: int, **parallel) -> None:
+    """A two-block model of `arch` at a layout (tp 2 unless given): its losses per step and final parameters
+    within 1e-5 of one device's."""
     cfg = build_config({"model": dict(arch=arch, n_layer=2, n_head=n_head, n_embd=64, block_size=32),
                         "train": dict(micro_batch_size=2, global_batch_size=4, seq_length=32, lr=1e-3,
                                       adam_eps=ADAM_EPS)})
     batches = random_batches(cfg, len(LRS))
     reference = reference_run(cfg, batches, LRS)
-    (result,) = harness.run_layouts([replace(cfg, parallel=replace(cfg.parallel, tp=2))], batches, LRS)
+    (result,) = harness.run_layouts([replace(cfg, parallel=replace(cfg.parallel, **(parallel or dict(tp=2))))],
+                                    batches, LRS)
     for step, ref in enumerate(reference):
         assert abs(result.losses[step] - ref.loss) / ref.loss < 1e-5, f"step {step} loss"
     for name, value in reference[-1].params.items():
@@ -153,7 +154,7 @@ def test_any_pointwise_op_carries_a_tensor_parallel_cut(tmp_path):
         open("examples/parallel_block.py").read().replace('"parallel_block"', '"pointwise_mlp"')
         .replace("F.relu(self.up(h)) ** 2", "F.relu(self.up(h)).square() * torch.sigmoid(self.up(h)).clamp(max=0.9)"))
     arch = f"{tmp_path}/pointwise_mlp.py:SPEC"
-    assert_tp2_trains_as_one_device(arch, n_head=4)
+    assert_trains_as_one_device(arch, n_head=4)
 
 
 QKV = "        q, k, v = (t.view(B, T, self.n_head, -1).transpose(1, 2) for t in self.qkv(h).split(C, dim=2))"
@@ -263,7 +264,7 @@ def test_attention_written_other_ways_is_cut_by_heads(form, tmp_path):
         assert old in source, old
         source = source.replace(old, new)
     (tmp_path / "model.py").write_text(source)
-    assert_tp2_trains_as_one_device(f"{tmp_path}/model.py:SPEC", n_head=8)
+    assert_trains_as_one_device(f"{tmp_path}/model.py:SPEC", n_head=8)
 
 
 @pytest.mark.parametrize("sdpa, message", [
