@@ -25,7 +25,7 @@ from gcompile.config import ConfigError
 from gcompile.layout import Param
 from gcompile.models.spec import Input, canonical_names
 from gcompile.report import number_reports
-from gcompile.program import Program, Stage, not_a_loss, refresh_meta
+from gcompile.program import Program, Stage, not_a_loss, refresh_meta, source_line
 from gcompile.torch_api import FakeTensorMode
 from gcompile.user_code import failure_line
 
@@ -66,6 +66,9 @@ def capture(build: Callable[[], nn.Module], batch: tuple[Input, ...], decays: Ca
     for spec, node in zip(exported.graph_signature.input_specs, placeholders):
         if spec.kind == InputKind.USER_INPUT:
             continue
+        if spec.kind == InputKind.CONSTANT_TENSOR and not _held(model, spec.target):  # made in forward
+            _fold_constant(graph, node, exported.constants[spec.target], type(model).__name__)
+            continue
         if spec.kind != InputKind.PARAMETER:
             held = "a buffer (register_buffer)" if spec.kind == InputKind.BUFFER else "a tensor attribute"
             raise ConfigError(f"{type(model).__name__} holds {held}, {spec.target}: only parameters are carried "
@@ -92,6 +95,32 @@ def capture(build: Callable[[], nn.Module], batch: tuple[Input, ...], decays: Ca
     stage = Stage(index=0, graph=graph, params=params, inputs=roles, outputs=["loss"])
     refresh_meta(stage)
     return Program(stages=[stage], history=["capture"])
+
+
+def _held(model: nn.Module, target: str) -> bool:
+    """Whether `target` (blocks.0.scale) names a tensor the model holds, rather than one forward made."""
+    owner, _, name = target.rpartition(".")
+    try:
+        return isinstance(getattr(model.get_submodule(owner), name), torch.Tensor)
+    except AttributeError:
+        return False
+
+
+def _fold_constant(graph: torch.fx.GraphModule, node: torch.fx.Node, value: torch.Tensor, model: str) -> None:
+    """A tensor forward made of one Python number (HF Gemma's torch.tensor(hidden ** 0.5), an index list [-2]),
+    which export lifts to an input: made in the graph instead (torch.full), so the program's inputs stay the
+    parameters and the batch. One of more numbers is refused with its line."""
+    if value.numel() != 1:
+        line = next((where for user in node.users if (where := source_line(user))), "its line unrecorded")
+        raise ConfigError(f"{model}.forward makes a tensor of {value.numel()} numbers from Python data "
+                          f"(torch.tensor of a list, at {line}), which capture cannot carry to the ranks; make it "
+                          f"with torch ops (torch.arange, torch.full, torch.linspace)")
+    with graph.graph.inserting_before(node):
+        made = graph.graph.call_function(torch.ops.aten.full.default, (list(value.shape), value.item()),
+                                         {"dtype": value.dtype, "device": node.meta["val"].device})
+    made.meta.update(node.meta)
+    node.replace_all_uses_with(made)
+    graph.graph.erase_node(node)
 
 
 def _check_signature(model: nn.Module, roles: list[str]) -> None:

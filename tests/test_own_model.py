@@ -283,6 +283,30 @@ def test_an_attention_form_the_pass_refuses_says_what_to_write(sdpa, message, tm
     assert len(err) == 1 and message in err[0], err
 
 
+EMBED = "        x = self.embed(idx) + self.positions(torch.arange(T, device=idx.device))  # (B, T, C)"
+
+
+def test_a_number_forward_makes_a_tensor_of_is_made_in_the_graph(tmp_path):
+    """HF Gemma scales its embedding by torch.tensor(hidden ** 0.5): export lifts that to an input, which capture
+    refused as a tensor attribute the model does not have, on one device too."""
+    source = open("examples/parallel_block.py").read().replace('"parallel_block"', '"scaled_embedding"')
+    assert EMBED in source
+    (tmp_path / "model.py").write_text(source.replace(EMBED, EMBED.replace(
+        "self.embed(idx)", "self.embed(idx) * torch.tensor(self.head.in_features ** 0.5, dtype=torch.float32)")))
+    assert_trains_as_one_device(f"{tmp_path}/model.py:SPEC", n_head=4)
+
+
+def test_a_tensor_forward_makes_of_a_list_is_refused_at_its_line(tmp_path, capsys):
+    source = open("examples/parallel_block.py").read().replace('"parallel_block"', '"listed_scale"')
+    (tmp_path / "model.py").write_text(source.replace(EMBED, EMBED.replace(
+        "self.embed(idx)", "self.embed(idx) * torch.tensor([1.0, 2.0]).mean()")))
+    assert run_gpt.main(["--arch", f"{tmp_path}/model.py:SPEC", "--n-layer", "2", "--check-plan"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "ParallelBlockModel.forward makes a tensor of 2 numbers from Python data (torch.tensor " \
+        "of a list, at " in err[0] and "model.py:64: x = self.embed(idx) * torch.tensor([1.0, 2.0]).mean()" in err[0] \
+        and err[0].endswith("make it with torch ops (torch.arange, torch.full, torch.linspace)"), err
+
+
 def test_an_own_models_config_fields_are_flags(tmp_path, capsys):
     """As its [model] keys are: --width was an unrecognized argument, the model unloaded when flags were read."""
     (tmp_path / "wide.py").write_text(open("examples/parallel_block.py").read().replace('"parallel_block"', '"wide"')
