@@ -89,9 +89,10 @@ only above 1; how dp shards it names by the sharding strategy, interleaving by v
 MAX_WORLD = 2 ** 40
 """Ranks a plan may be for: its divisors are found in a blink (up to the square root), where 10^23 ranks ran on."""
 LAYOUTS_PER_WORKER = 10
-"""A worker process starts only for this many layouts: each imports torch and captures the model again first,
-seconds that a small search does not win back (tiny on 2 ranks here: 8 layouts, one process 10.2 s, two
-12.0 s; 30 layouts, 18.1 s and 16.8 s)."""
+"""A worker process starts only for this many layouts: each captures the model and lowers its first graphs
+again, seconds that a small search does not win back (tiny on 2 ranks here, 30 layouts: one process 11.1 s, two
+forked workers 9.8 s; when workers were spawned, and imported torch first too, 8 layouts took 10.2 s in one
+process and 12.0 s in two)."""
 
 
 @dataclass(frozen=True)
@@ -259,10 +260,12 @@ def search(base: RunConfig, world: int, machine: Machine, budget_gb: float | Non
     if workers > 1:
         if QUIET_TRACKER not in sys.warnoptions:  # read when multiprocessing starts its tracker, below
             sys.warnoptions.append(QUIET_TRACKER)
-        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                                 initializer=_tied_worker) as pool:
-            running = {pool.submit(_search_family, base, machine, budget_gb, members, known=known,
-                                   machine_text=machine_text): family for family, members in unknown.items()}
+        with ProcessPoolExecutor(workers, mp_context=_worker_context(), initializer=_tied_worker) as pool:
+            running = {pool.submit(_search_family, base, machine, budget_gb, unknown[family], known=known,
+                                   machine_text=machine_text): family
+                       for family in sorted(unknown, key=lambda family: -math.prod(family))}  # the families whose
+            # ranks are cut most first: their stages hold the most pieces (cp's ring above all), and one begun
+            # last would run on alone (tiny at 1024 ranks on 2 workers: 1.7 s of compute sooner)
             for future in as_completed(running):
                 finished(running[future], *future.result())
     else:
@@ -289,9 +292,20 @@ multiprocessing's tracker process, which removes them, as it should, and warns o
 to the user; the tracker takes its warning filters from the interpreter's -W options."""
 
 
+def _worker_context() -> multiprocessing.context.BaseContext:
+    """Workers forked from the planner where the platform forks: it has imported torch and gcompile (seconds of
+    a core that each spawned worker paid again) and computed nothing yet, so a worker inherits no thread pool
+    and no half-done work."""
+    return multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+
+
 def _tied_worker() -> None:
     """A planning worker ignores a terminal's Ctrl-C (the planner says the one line) and ends with the planner,
-    which stops without waiting for its workers (gcompile.shutdown): they would plan on for nothing."""
+    which stops without waiting for its workers (gcompile.shutdown): they would plan on for nothing. A forked
+    one drops the planner's signal handling (gcompile.shutdown.install), whose watching thread it has not: a
+    SIGTERM ends it."""
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
