@@ -54,7 +54,7 @@ from gcompile.program import BATCH_ROLES, Program, Stage
 from gcompile.report import REPORT
 from passes.rewrite import GraphMismatch, insert_call, rank_constant, whole_model_copy
 from passes.sequence_parallel import TOKEN_WISE
-from passes.tensor_parallel import BROADCASTING, SHAPE_PRESERVING, VIEWS, full_shape, is_elementwise
+from passes.tensor_parallel import BROADCASTING, NORMS, SHAPE_PRESERVING, VIEWS, full_shape, is_elementwise
 from passes.token_rows import ALONG, GROUPED_MM, ROUTING, TokenRows
 
 NAME = "context_parallel"
@@ -199,7 +199,7 @@ class _Splitter(TokenRows):
             if dim >= len(shape_out) or shape_out[dim] != shape_in[dim]:
                 raise GraphMismatch(NAME, node, f"turns {list(shape_in)} into {list(shape_out)}; context parallel "
                                                 f"needs the sequence dim {dim} kept whole")
-        if node.target is aten.layer_norm.default and len(node.args[1]) > len(shape_in) - 1 - dim:
+        if node.target in NORMS and len(node.args[1]) > len(shape_in) - 1 - dim:
             raise GraphMismatch(NAME, node, f"normalizes over {node.args[1]}, which includes the sequence dim")
         if node.target in (aten.mean.dim, aten.sum.dim_IntList) and \
                 any(d % len(shape_in) == dim for d in node.args[1]):

@@ -41,7 +41,7 @@ from gcompile import tp_ops
 from gcompile.pass_manager import PassContext, register_pass
 from gcompile.program import Program, Stage
 from passes.rewrite import GraphMismatch, insert_call, rank_constant
-from passes.tensor_parallel import VIEWS, is_elementwise
+from passes.tensor_parallel import NORMS, VIEWS, is_elementwise
 from passes.token_rows import ALONG, GROUPED_MM, ROUTING, TokenRows
 
 NAME = "sequence_parallel"
@@ -51,7 +51,8 @@ aten = torch.ops.aten
 TOKEN_WISE = (aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.dropout.default,
               aten.gelu.default, aten.relu.default, aten.silu.default, aten.tanh.default, aten.clone.default,
               aten.neg.default, aten.rsqrt.default, aten.pow.Tensor_Scalar, aten.to.dtype, aten._to_copy.default,
-              aten.layer_norm.default, aten.linear.default, aten.mean.dim, aten.sum.dim_IntList)
+              aten.layer_norm.default, aten.rms_norm.default, aten.type_as.default, aten.linear.default,
+              aten.mean.dim, aten.sum.dim_IntList)
 """Ops that compute each token from that token alone: they run unchanged on a slice of the sequence
 (a norm over the hidden dim, LayerNorm or RMSNorm's mean of squares, included; `_check_token_wise`
 refuses a reduction over the sequence)."""
@@ -140,7 +141,7 @@ class _Sharder(TokenRows):
         if len(dims) != 1:
             raise GraphMismatch(NAME, node, f"combines values holding the rank's tokens on different dims {dims}")
         dim = dims.pop()
-        if node.target is aten.layer_norm.default and len(node.args[1]) > ndim - 1 - dim:
+        if node.target in NORMS and len(node.args[1]) > ndim - 1 - dim:
             raise GraphMismatch(NAME, node, f"normalizes over {node.args[1]}, which includes the sequence dim")
         if node.target in REDUCTIONS:
             reduced = node.args[0].meta["val"].dim()

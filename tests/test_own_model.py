@@ -267,6 +267,32 @@ def test_attention_written_other_ways_is_cut_by_heads(form, tmp_path):
     assert_trains_as_one_device(f"{tmp_path}/model.py:SPEC", n_head=8)
 
 
+RMS_NORM = '''
+class RMSNorm(nn.Module):  # Meta's Llama and T5: in float32, back to the input's dtype by type_as
+    def __init__(self, dim):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)).type_as(x) * self.weight
+
+
+class ParallelBlock(nn.Module):'''
+
+
+@pytest.mark.parametrize("norm, parallel", [("nn.RMSNorm", dict(tp=2, sequence_parallel=True)),
+                                            ("nn.RMSNorm", dict(cp=2)),
+                                            ("RMSNorm", dict(tp=2, sequence_parallel=True))],
+                         ids=["nn-rms-norm-sp", "nn-rms-norm-cp", "type-as-rms-norm-sp"])
+def test_rms_norms_work_token_by_token(norm, parallel, tmp_path):
+    """Sequence and context parallel refused torch's RMSNorm (aten.rms_norm) and a norm that casts back by
+    type_as as not token-wise."""
+    source = open("examples/parallel_block.py").read().replace('"parallel_block"', f'"{norm}_{len(parallel)}"')
+    source = source.replace("nn.LayerNorm(config.n_embd, bias=False)", f"{norm}(config.n_embd)")
+    (tmp_path / "model.py").write_text(source.replace("\n\nclass ParallelBlock(nn.Module):", RMS_NORM))
+    assert_trains_as_one_device(f"{tmp_path}/model.py:SPEC", n_head=4, **parallel)
+
+
 @pytest.mark.parametrize("sdpa, message", [
     ("        y = torch.einsum('bhqk,bhkd->bhqd', F.softmax(torch.einsum('bhqd,bhkd->bhqk', q, k), dim=-1), v)"
      ".transpose(1, 2).reshape(B, T, C)", "an einsum is not cut by heads here: write it with @ (torch.matmul)"),
