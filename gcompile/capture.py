@@ -89,12 +89,21 @@ def capture(build: Callable[[], nn.Module], batch: tuple[Input, ...], decays: Ca
 
     for node in list(graph.graph.find_nodes(op="call_function", target=torch.ops.aten._assert_tensor_metadata.default)):
         graph.graph.erase_node(node)  # export's dtype/device checks: nothing for a pass to carry around
+    _chunks_as_splits(graph)
     graph.graph.eliminate_dead_code()
     number_reports(graph)
     graph.recompile()
     stage = Stage(index=0, graph=graph, params=params, inputs=roles, outputs=["loss"])
     refresh_meta(stage)
     return Program(stages=[stage], history=["capture"])
+
+
+def _chunks_as_splits(graph: torch.fx.GraphModule) -> None:
+    """torch.chunk(x, n, dim) as the split it is (into parts of ceil(size / n)): the passes carry a cut through
+    splits (a fused qkv, SwiGLU's gate and up), and now through chunks, which they refused."""
+    for node in graph.graph.find_nodes(op="call_function", target=torch.ops.aten.chunk.default):
+        x, chunks, dim = (*node.args, 0)[:3]
+        node.target, node.args = torch.ops.aten.split.Tensor, (x, -(-x.meta["val"].shape[dim] // chunks), dim)
 
 
 def _held(model: nn.Module, target: str) -> bool:

@@ -247,6 +247,8 @@ ATTENTION_FORMS = {
                "        distance = torch.arange(T).view(1, T) - torch.arange(T).view(T, 1)\n"
                "        alibi = slopes.view(1, -1, 1, 1) * distance.clamp(max=0) + torch.full((T, T), float('-inf')).triu(1)\n" +
          SDPA.replace("is_causal=True", "alibi"))],
+    # q, k and v by torch.chunk, not split
+    "qkv-chunk": [(QKV, QKV.replace(".split(C, dim=2)", ".chunk(3, dim=2)"))],
     # nanoGPT's attention without flash: matmuls, a causal mask, softmax
     "matmul-softmax": [
         (SDPA, "        att = (q @ k.transpose(-2, -1)) / k.size(-1) ** 0.5\n"
