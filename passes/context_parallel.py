@@ -173,6 +173,10 @@ class _Splitter(TokenRows):
             self.along(node, dim)
         elif target in (aten.split.Tensor, aten.slice.Tensor, aten.cat.default) or target in SAME_CUT:
             self.same_cut(node, dim)
+        elif target in (aten.matmul.default, aten.bmm.default):
+            raise GraphMismatch(NAME, node, "multiplies values that hold the rank's tokens, as attention written by "
+                                            "hand does (q @ k^T): context parallel rewrites attention only as "
+                                            "F.scaled_dot_product_attention(q, k, v, is_causal=True)")
         else:
             raise GraphMismatch(NAME, node, "reads the rank's tokens but is not known to work token by token; "
                                             "context parallel knows element-wise ops, norms over the hidden dim, "

@@ -9,6 +9,8 @@ must give each token its global position in both without naming either model.
 import pytest
 import torch
 
+import run_gpt
+
 from gcompile import cp_ops, harness, ring_attention
 from gcompile.axes import Coords
 from gcompile.check import estimate_memory
@@ -27,7 +29,7 @@ from tests.test_checkpoint import N, WORKER, assert_close, assert_resume_is_exac
 from tests.test_checkpoint import config as checkpoint_config
 from tests.test_memory import measured_step
 from tests.test_data_parallel import BUILD, LRS, check_dp_cases, in_one_process, small_config
-from tests.test_own_model import assert_trains_as_one_device
+from tests.test_own_model import ATTENTION_FORMS, assert_trains_as_one_device
 from tests.reference import rel_err
 
 
@@ -59,6 +61,18 @@ def test_ignored_targets_count_as_on_one_device(comm_type, tmp_path):
     masked = "        targets = targets.masked_fill(targets % 7 == 0, -100)\n"
     (tmp_path / "model.py").write_text(source.replace("        return F.cross_entropy(", masked + "        return F.cross_entropy("))
     assert_trains_as_one_device(f"{tmp_path}/model.py:SPEC", n_head=4, cp=2, cp_comm_type=comm_type)
+
+
+def test_attention_written_by_hand_is_refused_with_what_to_write(tmp_path, capsys):
+    source = open("examples/parallel_block.py").read().replace('"parallel_block"', '"cp_by_hand"')
+    for old, new in ATTENTION_FORMS["matmul-softmax"]:
+        source = source.replace(old, new)
+    (tmp_path / "model.py").write_text(source)
+    assert run_gpt.main(["--arch", f"{tmp_path}/model.py:SPEC", "--n-layer", "2", "--cp", "2", "--check-plan"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "node matmul (aten.matmul.default) multiplies values that hold the rank's tokens, as " \
+        "attention written by hand does (q @ k^T): context parallel rewrites attention only as " \
+        "F.scaled_dot_product_attention(q, k, v, is_causal=True)" in err[0], err
 
 
 def test_gpt2_all_gather_matches_eager():
