@@ -453,12 +453,25 @@ class _Sharder:
                 and full_shape(k)[1] == full_shape(v)[1] == 1:  # one kv head for all (MQA): whole
             node.args = (q, self.whole_operand(k, node), self.whole_operand(v, node), *rest)
             cuts = [cuts[0]] * 3
+        elif cuts[0] is not None and cuts[0].dim == 1:  # kv heads repeated to every query head (HF's repeat_kv)
+            # from a Linear whose heads tp cannot cut: each rank reads its query heads' rows
+            parts = [self.rank_part(t, 1, node) if c is None and full_shape(t)[1] == cuts[0].full and
+                     not self.cuttable_heads(t, full_shape(q)[-1]) else t for t, c in zip((k, v), cuts[1:])]
+            cuts = [cuts[0]] + [cuts[0] if part is not t else c for part, t, c in zip(parts, (k, v), cuts[1:])]
+            node.args = (q, *parts, *rest)
         if any(c is None or c.dim != 1 for c in cuts):
             whole = [linear for t, c in zip((q, k, v), cuts) if c is None and (linear := self.linear_behind(t))]
             fix = f"; make {', '.join(whole)} column-parallel in tp_plan" if whole else ""
             raise GraphMismatch(NAME, node, f"needs q, k and v all cut by heads (dim 1){fix}")
         self.attention_mask(node)
         self.cuts[node] = cuts[0]
+
+    def cuttable_heads(self, value: fx.Node, head_dim: int) -> bool:
+        """Whether `value` is a replicated Linear's output whose heads (of `head_dim`) tp could cut: the plan
+        should make it column-parallel. Not one kv head for all (MQA), nor fewer kv heads than tp ranks."""
+        linear = self.linear_behind(value)
+        weight = next((p for p in self.stage.params if p.name == f"{linear}.weight"), None)
+        return weight is not None and weight.full_shape[0] % (head_dim * self.tp) == 0
 
     def attention_mask(self, node: fx.Node) -> None:
         """SDPA's attn_mask, broadcast over (batch, heads, queries, keys): one cut by heads as q is; one whole on

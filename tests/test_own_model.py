@@ -247,6 +247,17 @@ ATTENTION_FORMS = {
                "        distance = torch.arange(T).view(1, T) - torch.arange(T).view(T, 1)\n"
                "        alibi = slopes.view(1, -1, 1, 1) * distance.clamp(max=0) + torch.full((T, T), float('-inf')).triu(1)\n" +
          SDPA.replace("is_causal=True", "alibi"))],
+    # one kv head (MQA) repeated to every query head by HF's repeat_kv (expand, reshape) from a Linear tp cannot
+    # cut by heads: each rank reads its query heads' rows
+    "mqa-repeat-kv": [
+        ("        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd)",
+         "        self.q = nn.Linear(config.n_embd, config.n_embd, bias=False)\n"
+         "        self.kv = nn.Linear(config.n_embd, 2 * config.n_embd // config.n_head, bias=False)"),
+        (QKV, "        hs = C // self.n_head\n"
+              "        q = self.q(h).view(B, T, self.n_head, hs).transpose(1, 2)\n"
+              "        k, v = (t.view(B, T, 1, hs).transpose(1, 2)[:, :, None].expand(B, 1, self.n_head, T, hs)\n"
+              "                .reshape(B, self.n_head, T, hs) for t in self.kv(h).split(hs, dim=2))"),
+        ('"blocks.*.qkv=column"', '"blocks.*.q=column"')],
     # q, k and v by torch.chunk, not split
     "qkv-chunk": [(QKV, QKV.replace(".split(C, dim=2)", ".chunk(3, dim=2)"))],
     # nanoGPT's attention without flash: matmuls, a causal mask, softmax
