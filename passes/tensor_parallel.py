@@ -161,7 +161,7 @@ class _Sharder:
     def check_uses(self, node: fx.Node, name: str, placement: str) -> None:
         allowed = {(aten.linear.default, 1), (aten.linear.default, 2)}
         if placement == "vocab":
-            allowed = {(aten.linear.default, 1), (aten.embedding.default, 0)}
+            allowed = {(aten.linear.default, 1), (aten.linear.default, 2), (aten.embedding.default, 0)}
         for user in node.users:
             if not any(user.target is op and len(user.args) > i and user.args[i] is node for op, i in allowed):
                 raise GraphMismatch(NAME, user, f"uses {name}, which the plan makes {placement}-parallel; "

@@ -335,6 +335,17 @@ def test_a_number_forward_makes_a_tensor_of_is_made_in_the_graph(tmp_path):
     assert_trains_as_one_device(f"{tmp_path}/model.py:SPEC", n_head=4)
 
 
+@pytest.mark.parametrize("parallel", [dict(tp=2), dict(tp=2, sequence_parallel=True)], ids=["tp2", "tp2-sp"])
+def test_a_vocab_parallel_head_with_a_bias(parallel, tmp_path):
+    """Phi-2's head has a bias: cut over the vocab with the weight (padded alike; the padding's logits are masked
+    in the loss). It was refused as a use of a vocab-parallel parameter other than by a linear."""
+    source = open("examples/parallel_block.py").read().replace('"parallel_block"', f'"head_bias_{len(parallel)}"')
+    head = "self.head = nn.Linear(config.n_embd, config.vocab_size, bias=False)"
+    assert head in source
+    (tmp_path / "model.py").write_text(source.replace(head, head.replace(", bias=False", "")))
+    assert_trains_as_one_device(f"{tmp_path}/model.py:SPEC", n_head=4, **parallel)
+
+
 def test_a_tensor_forward_makes_of_a_list_is_refused_at_its_line(tmp_path, capsys):
     source = open("examples/parallel_block.py").read().replace('"parallel_block"', '"listed_scale"')
     (tmp_path / "model.py").write_text(source.replace(EMBED, EMBED.replace(
