@@ -89,7 +89,7 @@ def capture(build: Callable[[], nn.Module], batch: tuple[Input, ...], decays: Ca
 
     for node in list(graph.graph.find_nodes(op="call_function", target=torch.ops.aten._assert_tensor_metadata.default)):
         graph.graph.erase_node(node)  # export's dtype/device checks: nothing for a pass to carry around
-    _chunks_as_splits(graph)
+    _as_the_ops_passes_know(graph)
     graph.graph.eliminate_dead_code()
     number_reports(graph)
     graph.recompile()
@@ -98,12 +98,20 @@ def capture(build: Callable[[], nn.Module], batch: tuple[Input, ...], decays: Ca
     return Program(stages=[stage], history=["capture"])
 
 
-def _chunks_as_splits(graph: torch.fx.GraphModule) -> None:
-    """torch.chunk(x, n, dim) as the split it is (into parts of ceil(size / n)): the passes carry a cut through
-    splits (a fused qkv, SwiGLU's gate and up), and now through chunks, which they refused."""
-    for node in graph.graph.find_nodes(op="call_function", target=torch.ops.aten.chunk.default):
-        x, chunks, dim = (*node.args, 0)[:3]
-        node.target, node.args = torch.ops.aten.split.Tensor, (x, -(-x.meta["val"].shape[dim] // chunks), dim)
+def _as_the_ops_passes_know(graph: torch.fx.GraphModule) -> None:
+    """Shape ops written other ways, as the one each is: torch.chunk(x, n, dim) a split into parts of
+    ceil(size / n), flatten and unflatten a reshape, broadcast_to an expand. The passes carry a cut through
+    splits, reshapes and expands (a fused qkv, heads merged back, kv heads repeated); these they refused."""
+    aten = torch.ops.aten
+    for node in graph.graph.nodes:
+        x = node.args[0] if node.op == "call_function" and node.args else None
+        if node.target is aten.chunk.default:
+            chunks, dim = (*node.args[1:], 0)[:2]
+            node.target, node.args = aten.split.Tensor, (x, -(-x.meta["val"].shape[dim] // chunks), dim)
+        elif node.target in (aten.flatten.using_ints, aten.unflatten.int):
+            node.target, node.args = aten.reshape.default, (x, list(node.meta["val"].shape))
+        elif node.target is aten.broadcast_to.default:
+            node.target = aten.expand.default
 
 
 def _held(model: nn.Module, target: str) -> bool:

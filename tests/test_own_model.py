@@ -258,8 +258,11 @@ ATTENTION_FORMS = {
               "        k, v = (t.view(B, T, 1, hs).transpose(1, 2)[:, :, None].expand(B, 1, self.n_head, T, hs)\n"
               "                .reshape(B, self.n_head, T, hs) for t in self.kv(h).split(hs, dim=2))"),
         ('"blocks.*.qkv=column"', '"blocks.*.q=column"')],
-    # q, k and v by torch.chunk, not split
-    "qkv-chunk": [(QKV, QKV.replace(".split(C, dim=2)", ".chunk(3, dim=2)"))],
+    # q, k and v by torch.chunk, heads by unflatten, kv heads repeated by broadcast_to, merged back by flatten
+    "chunk-unflatten-broadcast-flatten": [
+        (QKV, "        q, k, v = (t.unflatten(2, (self.n_head, -1)).transpose(1, 2) for t in self.qkv(h).chunk(3, dim=2))"),
+        (SDPA, "        k, v = (t.broadcast_to(q.shape) for t in (k, v))\n" +
+         SDPA.replace(".reshape(B, T, C)", ".flatten(2)"))],
     # nanoGPT's attention without flash: matmuls, a causal mask, softmax
     "matmul-softmax": [
         (SDPA, "        att = (q @ k.transpose(-2, -1)) / k.size(-1) ** 0.5\n"
