@@ -165,7 +165,8 @@ class _Sharder:
         for user in node.users:
             if not any(user.target is op and len(user.args) > i and user.args[i] is node for op, i in allowed):
                 raise GraphMismatch(NAME, user, f"uses {name}, which the plan makes {placement}-parallel; "
-                                                f"only a linear (or, for vocab, an embedding) may use it")
+                                                f"only a linear (or, for vocab, an embedding) may use it: write "
+                                                f"x @ W.T as F.linear(x, W), or leave it out of tp_plan")
 
     def fused_parts(self, param: fx.Node) -> int:
         """How many equal parts the outputs of the linears using `param` are split into right away (q, k, v: 3)."""

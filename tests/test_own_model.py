@@ -349,6 +349,17 @@ def test_a_vocab_parallel_head_with_a_bias(parallel, tmp_path):
     assert_trains_as_one_device(f"{tmp_path}/model.py:SPEC", n_head=4, **parallel)
 
 
+def test_a_head_written_as_a_matmul_is_refused_with_f_linear(tmp_path, capsys):
+    source = open("examples/parallel_block.py").read().replace('"parallel_block"', '"matmul_head"')
+    assert "logits = self.head(self.norm(x))" in source
+    (tmp_path / "model.py").write_text(source.replace("logits = self.head(self.norm(x))",
+                                                      "logits = self.norm(x) @ self.head.weight.T"))
+    assert run_gpt.main(["--arch", f"{tmp_path}/model.py:SPEC", "--n-layer", "2", "--tp", "2", "--check-plan"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "uses head.weight, which the plan makes vocab-parallel; only a linear (or, for vocab, an " \
+        "embedding) may use it: write x @ W.T as F.linear(x, W), or leave it out of tp_plan" in err[0], err
+
+
 def test_a_tensor_forward_makes_of_a_list_is_refused_at_its_line(tmp_path, capsys):
     source = open("examples/parallel_block.py").read().replace('"parallel_block"', '"listed_scale"')
     (tmp_path / "model.py").write_text(source.replace(EMBED, EMBED.replace(
