@@ -61,7 +61,7 @@ NAME = "context_parallel"
 aten = torch.ops.aten
 
 SAME_CUT = (*SHAPE_PRESERVING, *TOKEN_WISE, *ROUTING, aten.alias.default, aten.detach.default, operator.getitem,
-            tp_ops.copy_to_tp, tp_ops.reduce_from_tp)
+            aten.repeat_interleave.self_int, tp_ops.copy_to_tp, tp_ops.reduce_from_tp)
 """Ops whose output holds the tokens of their input on the same dim (checked by `same_cut`)."""
 SEQUENCE_PARALLEL = (tp_ops.reduce_scatter_to_sequence, tp_ops.gather_from_sequence, tp_ops.scatter_to_sequence)
 """Sequence parallel's cuts of the sequence over tp: on the rank's tokens they cut or gather those further."""
@@ -186,7 +186,8 @@ class _Splitter(TokenRows):
             self.inherit_merged(node)
 
     def same_cut(self, node: fx.Node, dim: int) -> None:
-        """An op that leaves the sequence dim where it is and whole (a norm, a split of heads, rotate_half)."""
+        """An op that leaves the sequence dim where it is and whole (a norm, a split of heads, rotate_half, GQA's
+        kv heads repeated)."""
         if node.target is operator.getitem:  # a part of a split
             self.dims[node] = dim
             return

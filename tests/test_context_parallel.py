@@ -63,6 +63,17 @@ def test_ignored_targets_count_as_on_one_device(comm_type, tmp_path):
     assert_trains_as_one_device(f"{tmp_path}/model.py:SPEC", n_head=4, cp=2, cp_comm_type=comm_type)
 
 
+@pytest.mark.parametrize("comm_type", ["p2p", "all_gather"])
+def test_kv_heads_repeated_by_repeat_interleave(comm_type, tmp_path):
+    """GQA as Qwen writes it: each kv head repeated for its query heads along the heads dim, which cp leaves
+    whole (it was refused as not token-wise)."""
+    source = open("examples/parallel_block.py").read().replace('"parallel_block"', f'"cp_gqa_{comm_type}"')
+    for old, new in ATTENTION_FORMS["gqa-repeat-interleave"]:
+        source = source.replace(old, new)
+    (tmp_path / "model.py").write_text(source)
+    assert_trains_as_one_device(f"{tmp_path}/model.py:SPEC", n_head=8, cp=2, cp_comm_type=comm_type)
+
+
 def test_attention_written_by_hand_is_refused_with_what_to_write(tmp_path, capsys):
     source = open("examples/parallel_block.py").read().replace('"parallel_block"', '"cp_by_hand"')
     for old, new in ATTENTION_FORMS["matmul-softmax"]:
