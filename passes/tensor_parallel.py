@@ -249,6 +249,12 @@ class _Sharder:
         elif node.target is aten.unsqueeze.default and cut is not None:
             d = _dim(node.args[1], len(full_shape(node)))
             self.cuts[node] = _moved(cut, cut.dim + (d <= cut.dim))
+        elif node.target is aten.select.int and cut is not None:
+            d = _dim(node.args[1], len(full_shape(x)))
+            if d == cut.dim:
+                raise GraphMismatch(NAME, node, f"picks one entry of dim {d}, which {cut.source} cut over the tp "
+                                                f"ranks")
+            self.cuts[node] = _moved(cut, cut.dim - (d < cut.dim))
         elif node.target is aten.expand.default and cut is not None:
             self.expand(node, cut)
         elif node.target is aten.repeat_interleave.self_int and cut is not None:

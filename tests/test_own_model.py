@@ -258,6 +258,10 @@ ATTENTION_FORMS = {
               "        k, v = (t.view(B, T, 1, hs).transpose(1, 2)[:, :, None].expand(B, 1, self.n_head, T, hs)\n"
               "                .reshape(B, self.n_head, T, hs) for t in self.kv(h).split(hs, dim=2))"),
         ('"blocks.*.qkv=column"', '"blocks.*.q=column"')],
+    # q, k and v laid out per head (BLOOM's, GPT-NeoX's fused qkv), picked by select
+    "qkv-per-head-select": [
+        (QKV, "        fused = self.qkv(h).view(B, T, self.n_head, 3, C // self.n_head)\n"
+              "        q, k, v = (fused[:, :, :, i].transpose(1, 2) for i in range(3))")],
     # q, k and v by torch.chunk, heads by unflatten, kv heads repeated by broadcast_to, merged back by flatten
     "chunk-unflatten-broadcast-flatten": [
         (QKV, "        q, k, v = (t.unflatten(2, (self.n_head, -1)).transpose(1, 2) for t in self.qkv(h).chunk(3, dim=2))"),
