@@ -173,6 +173,8 @@ class _Splitter(TokenRows):
             self.along(node, dim)
         elif target in (aten.split.Tensor, aten.slice.Tensor, aten.cat.default) or target in SAME_CUT:
             self.same_cut(node, dim)
+        elif target is aten.matmul.default and node.args[1] not in self.dims and dim < len(full_shape(x)) - 1:
+            self.dims[node] = dim + len(full_shape(node)) - len(full_shape(x))  # x @ W: a linear, token by token
         elif target in (aten.matmul.default, aten.bmm.default):
             raise GraphMismatch(NAME, node, "multiplies values that hold the rank's tokens, as attention written by "
                                             "hand does (q @ k^T): context parallel rewrites attention only as "

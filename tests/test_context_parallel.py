@@ -74,6 +74,16 @@ def test_kv_heads_repeated_by_repeat_interleave(comm_type, tmp_path):
     assert_trains_as_one_device(f"{tmp_path}/model.py:SPEC", n_head=8, cp=2, cp_comm_type=comm_type)
 
 
+def test_a_head_written_as_a_matmul_works_token_by_token(tmp_path):
+    """Falcon's tied head, x @ W.T: a matmul with one operand of the rank's tokens (was refused as attention
+    written by hand)."""
+    source = open("examples/parallel_block.py").read().replace('"parallel_block"', '"cp_matmul_head"')
+    assert "logits = self.head(self.norm(x))" in source
+    (tmp_path / "model.py").write_text(source.replace("logits = self.head(self.norm(x))",
+                                                      "logits = self.norm(x) @ self.head.weight.T"))
+    assert_trains_as_one_device(f"{tmp_path}/model.py:SPEC", n_head=4, cp=2)
+
+
 def test_attention_written_by_hand_is_refused_with_what_to_write(tmp_path, capsys):
     source = open("examples/parallel_block.py").read().replace('"parallel_block"', '"cp_by_hand"')
     for old, new in ATTENTION_FORMS["matmul-softmax"]:
