@@ -131,6 +131,9 @@ class _Sharder(TokenRows):
         if node.op == "output":
             raise GraphMismatch(NAME, node, "returns a sequence-sharded tensor; a column-parallel block (all-gather) "
                                             "must come before the end of the program")
+        if node.target is aten.cross_entropy_loss.default:
+            raise GraphMismatch(NAME, node, "is the loss over logits of the rank's tokens only: make the output head "
+                                            "vocab-parallel in tp_plan (its input is then gathered over the sequence)")
         if node.target not in TOKEN_WISE and not is_elementwise(node.target):
             raise GraphMismatch(NAME, node, "reads a sequence-sharded tensor but mixes tokens or is not known to be "
                                             "token-wise; tokens may only meet inside tensor-parallel blocks: make "

@@ -364,6 +364,17 @@ def test_a_head_written_as_a_matmul_is_refused_with_f_linear(tmp_path, capsys):
         "embedding) may use it: write x @ W.T as F.linear(x, W), or leave it out of tp_plan" in err[0], err
 
 
+def test_a_head_left_whole_under_sequence_parallel_is_refused_naming_the_head(tmp_path, capsys):
+    source = open("examples/parallel_block.py").read().replace('"parallel_block"', '"whole_head_sp"')
+    assert '"head=vocab")' in source
+    (tmp_path / "model.py").write_text(source.replace(', "head=vocab")', ")"))
+    assert run_gpt.main(["--arch", f"{tmp_path}/model.py:SPEC", "--n-layer", "2", "--tp", "2", "--sequence-parallel",
+                         "--check-plan"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is the loss over logits of the rank's tokens only: make the output head vocab-parallel " \
+        "in tp_plan" in err[0], err
+
+
 def test_a_tensor_forward_makes_of_a_list_is_refused_at_its_line(tmp_path, capsys):
     source = open("examples/parallel_block.py").read().replace('"parallel_block"', '"listed_scale"')
     (tmp_path / "model.py").write_text(source.replace(EMBED, EMBED.replace(
