@@ -40,7 +40,7 @@ import torch
 import torch.fx as fx
 
 from gcompile import tp_ops
-from gcompile.layout import Shard
+from gcompile.layout import Param, Shard
 from gcompile.pass_manager import PassContext, register_pass
 from gcompile.program import Program, Stage
 from gcompile.tp_plan import Plan, module_of, padded_vocab_size, parse_plan
@@ -462,10 +462,11 @@ class _Sharder:
             cuts = [cuts[0]] * 3
         elif cuts[0] is not None and cuts[0].dim == 1:  # kv heads repeated to every query head (HF's repeat_kv)
             # from a Linear whose heads tp cannot cut: each rank reads its query heads' rows
-            parts = [self.rank_part(t, 1, node) if c is None and full_shape(t)[1] == cuts[0].full and
-                     not self.cuttable_heads(t, full_shape(q)[-1]) else t for t, c in zip((k, v), cuts[1:])]
-            cuts = [cuts[0]] + [cuts[0] if part is not t else c for part, t, c in zip(parts, (k, v), cuts[1:])]
-            node.args = (q, *parts, *rest)
+            for i, t in ((1, k), (2, v)):
+                if cuts[i] is None and full_shape(t)[1] == cuts[0].full and \
+                        not self.cuttable_heads(t, full_shape(q)[-1]):
+                    node.update_arg(i, self.rank_part(t, 1, node))
+                    cuts[i] = cuts[0]
         if any(c is None or c.dim != 1 for c in cuts):
             whole = [linear for t, c in zip((q, k, v), cuts) if c is None and (linear := self.linear_behind(t))]
             fix = f"; make {', '.join(whole)} column-parallel in tp_plan" if whole else ""
@@ -476,8 +477,7 @@ class _Sharder:
     def cuttable_heads(self, value: fx.Node, head_dim: int) -> bool:
         """Whether `value` is a replicated Linear's output whose heads (of `head_dim`) tp could cut: the plan
         should make it column-parallel. Not one kv head for all (MQA), nor fewer kv heads than tp ranks."""
-        linear = self.linear_behind(value)
-        weight = next((p for p in self.stage.params if p.name == f"{linear}.weight"), None)
+        weight = self.weight_behind(value)
         return weight is not None and weight.full_shape[0] % (head_dim * self.tp) == 0
 
     def attention_mask(self, node: fx.Node) -> None:
@@ -517,13 +517,18 @@ class _Sharder:
     def linear_behind(self, node: fx.Node) -> str | None:
         """The module of the replicated linear whose output `node` is, through ops of one tensor (SwiGLU's
         silu(gate(x)) where only up is cut): what the plan should cut as well; None for anything else."""
+        weight = self.weight_behind(node)
+        return module_of(weight.name) if weight is not None else None
+
+    def weight_behind(self, node: fx.Node) -> Param | None:
+        """The weight of that linear (`linear_behind`)."""
         while node.op == "call_function" and node.target is not aten.linear.default:
             tensors = [a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
             if len(tensors) != 1:
                 return None
             node = tensors[0]
         weight = node.args[1] if node.op == "call_function" else None
-        return module_of(self.param_of(weight).name) if weight is not None and weight.op == "placeholder" and \
+        return self.param_of(weight) if weight is not None and weight.op == "placeholder" and \
             self.stage.placeholders().index(weight) < len(self.stage.params) else None
 
     def param_of(self, node: fx.Node):
