@@ -132,24 +132,74 @@ def vocab_parallel_embedding(weight: torch.Tensor, idx: torch.Tensor, tp_rank: t
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, tp_rank: torch.Tensor,
-                                 vocab_size: int, ignore_index: int) -> torch.Tensor:
-    """Mean cross-entropy of logits sharded over the vocab, without gathering them (Megatron's).
+                                 vocab_size: int, ignore_index: int, reduction: int = 1,
+                                 smoothing: float = 0.0) -> torch.Tensor:
+    """Cross-entropy of logits cut over the vocab (dim 1), without gathering them (Megatron's), as
+    `F.cross_entropy`: `reduction` 0 none, 1 the mean over the counted targets, 2 the sum; `smoothing` spreads
+    that share of each target over the `vocab_size` classes. Columns at or past `vocab_size` are padding and take
+    no part. All-reduces of one number per target: the max, the sum of exponentials, the target's logit, and
+    with smoothing the sum of the logits."""
+    padding = _padding(logits, 1, tp_rank, vocab_size)
+    shifted, log_sum, _ = _shifted(logits, 1, padding)
+    per_target = log_sum.squeeze(1) - vocab_parallel_gather(shifted, 1, targets.unsqueeze(1), tp_rank).squeeze(1)
+    if smoothing:
+        mean_shifted = reduce_from_tp(shifted.masked_fill(padding, 0.0).sum(1)) / vocab_size
+        per_target = (1 - smoothing) * per_target + smoothing * (log_sum.squeeze(1) - mean_shifted)
+    return _reduced(per_target, targets, ignore_index, reduction)
 
-    `logits` is (N, V_padded/tp); columns at or past `vocab_size` are padding and
-    take no part. Three all-reduces of (N,) each: the max, the sum of exponentials,
-    the target's logit.
-    """
-    rows = logits.shape[1]
-    start = tp_rank * rows
-    padding = start + torch.arange(rows, device=logits.device) >= vocab_size  # (V/tp,)
-    logits = logits.masked_fill(padding, float("-inf"))
-    # The loss does not depend on the shift, so the max carries no gradient.
-    logits_max = collectives.all_reduce(logits.detach().amax(dim=1), GROUP, op="max")  # (N,)
-    shifted = logits - logits_max.unsqueeze(1)
-    sum_exp = reduce_from_tp(shifted.exp().sum(dim=1))  # (N,)
-    local = targets - start
+
+def vocab_parallel_nll_loss(log_probs: torch.Tensor, targets: torch.Tensor, tp_rank: torch.Tensor, reduction: int,
+                            ignore_index: int) -> torch.Tensor:
+    """`F.nll_loss` of log-probabilities cut over the vocab (dim 1): each target's entry from the rank holding it."""
+    per_target = -vocab_parallel_gather(log_probs, 1, targets.unsqueeze(1), tp_rank).squeeze(1)
+    return _reduced(per_target, targets, ignore_index, reduction)
+
+
+def vocab_parallel_logsumexp(logits: torch.Tensor, dim: int, keepdim: bool, tp_rank: torch.Tensor,
+                             vocab_size: int) -> torch.Tensor:
+    """log(sum(exp)) over a dim cut over tp (a z-loss over the vocab), the padding left out."""
+    _, log_sum, top = _shifted(logits, dim, _padding(logits, dim, tp_rank, vocab_size))
+    total = log_sum + top
+    return total if keepdim else total.squeeze(dim)
+
+
+def vocab_parallel_log_softmax(logits: torch.Tensor, dim: int, tp_rank: torch.Tensor, vocab_size: int,
+                               dtype: torch.dtype | None = None) -> torch.Tensor:
+    """log_softmax over a dim cut over tp, each rank's entries of it; the padding's are -inf (probability 0)."""
+    logits = logits if dtype is None else logits.to(dtype)
+    shifted, log_sum, _ = _shifted(logits, dim, _padding(logits, dim, tp_rank, vocab_size))
+    return shifted - copy_to_tp(log_sum)  # each rank's entries give part of log_sum's gradient
+
+
+def vocab_parallel_gather(x: torch.Tensor, dim: int, index: torch.Tensor, tp_rank: torch.Tensor) -> torch.Tensor:
+    """`x.gather(dim, index)` of an `x` cut over tp along `dim`: each rank picks the entries in its rows, zeros
+    elsewhere, summed over tp."""
+    rows = x.shape[dim]
+    local = index - tp_rank * rows
     outside = (local < 0) | (local >= rows)
-    target_logit = shifted.gather(1, local.masked_fill(outside, 0).unsqueeze(1)).squeeze(1)
-    target_logit = reduce_from_tp(target_logit.masked_fill(outside, 0.0))  # (N,)
+    return reduce_from_tp(x.gather(dim, local.masked_fill(outside, 0)).masked_fill(outside, 0.0))
+
+
+def _padding(x: torch.Tensor, dim: int, tp_rank: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Where along `dim` (cut over tp) this rank's entries are padding: at or past `vocab_size`, as a mask that
+    broadcasts against `x`."""
+    rows = x.shape[dim]
+    shape = [rows if d == dim % x.dim() else 1 for d in range(x.dim())]
+    return (tp_rank * rows + torch.arange(rows, device=x.device) >= vocab_size).view(shape)
+
+
+def _shifted(logits: torch.Tensor, dim: int, padding: torch.Tensor):
+    """(logits less their max over `dim`, the padding at -inf; the log of the sum of their exponentials; the max),
+    the last two keeping `dim`. The result does not depend on the shift, so the max carries no gradient."""
+    logits = logits.masked_fill(padding, float("-inf"))
+    top = collectives.all_reduce(logits.detach().amax(dim=dim, keepdim=True), GROUP, op="max")
+    shifted = logits - top
+    return shifted, reduce_from_tp(shifted.exp().sum(dim=dim, keepdim=True)).log(), top
+
+
+def _reduced(per_target: torch.Tensor, targets: torch.Tensor, ignore_index: int, reduction: int) -> torch.Tensor:
+    """A loss per target as `reduction` says (0 none, 1 the mean over the targets not ignored, 2 the sum), the
+    ignored ones 0."""
     valid = targets != ignore_index
-    return (sum_exp.log() - target_logit).masked_fill(~valid, 0.0).sum() / valid.sum()
+    per_target = per_target.masked_fill(~valid, 0.0)
+    return per_target if reduction == 0 else per_target.sum() / valid.sum() if reduction == 1 else per_target.sum()

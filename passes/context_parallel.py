@@ -15,8 +15,9 @@ Requires: the whole model in one stage (runs after tensor_parallel and sequence_
   before pipeline_split); "idx" and
   "targets" are (B, T) inputs; every op that reads the rank's tokens is one this
   pass knows to be token-wise, a view or transpose that keeps the sequence dim
-  whole, attention without an explicit mask, the mean cross-entropy (tensor
-  parallel's vocab-parallel ops included), or a MoE layer's routing (rows picked and
+  whole, attention without an explicit mask, the mean or summed cross-entropy or nll_loss
+  and a logsumexp or gather over the vocab (tensor parallel's vocab-parallel ops included),
+  or a MoE layer's routing (rows picked and
   placed by their indices among the rank's rows, counts, and means the loss is linear
   in); anything else is refused with the node,
   its op and its source line. seq_length is divisible by 2 * cp, and by 2 * cp * tp under
@@ -38,7 +39,9 @@ Rewrite (n = cp, P = the rank's global positions, T/n of them):
                                                mask = causal_mask(T, n, cp_rank)  # P >= key positions, one per stage
                                                heads_attention(q, k, v, n, ...)  # a2a: all-to-alls to 1/n of the
                                                                                  # heads over all T, and back
-    cross_entropy_loss(z, t)                   cross_entropy_loss(z, t)   # the mean over the rank's tokens
+    cross_entropy_loss(z, t)                   cross_entropy_loss(z, t) * share   # the mean over the rank's tokens,
+                                                                          # by its share of the counted ones
+    cross_entropy_loss(z, t, None, 2)          cross_entropy_loss(z, t, None, 2) * n   # a sum
     per_expert = sum(one_hot(routed), [0])     per_expert = sum(one_hot(routed), [0])   # the rank's, for its routing
     share = to(per_expert) / (N*k)             share = to(sum_counts(per_expert, "cp")) / (N*k)
 """
@@ -65,8 +68,16 @@ SAME_CUT = (*SHAPE_PRESERVING, *TOKEN_WISE, *ROUTING, aten.alias.default, aten.d
 """Ops whose output holds the tokens of their input on the same dim (checked by `same_cut`)."""
 SEQUENCE_PARALLEL = (tp_ops.reduce_scatter_to_sequence, tp_ops.gather_from_sequence, tp_ops.scatter_to_sequence)
 """Sequence parallel's cuts of the sequence over tp: on the rank's tokens they cut or gather those further."""
-LOSSES = {aten.cross_entropy_loss.default: 1, tp_ops.vocab_parallel_cross_entropy: 1}
-"""Mean losses over (N, V) logits and (N,) targets, by the argument index of the targets."""
+LOSSES = {aten.cross_entropy_loss.default: (2, 3, 4), aten.nll_loss_nd.default: (2, 3, 4),
+          aten.nll_loss.default: (2, 3, 4), tp_ops.vocab_parallel_cross_entropy: (None, 5, 4),
+          tp_ops.vocab_parallel_nll_loss: (None, 3, 4)}
+"""Losses over (N, V) logits or log-probabilities (args[0]) and (N,) targets (args[1]), by where their class
+weights, reduction and ignore_index are given."""
+LOGSUMEXP = {aten.logsumexp.default: lambda node: node.args[1],
+             tp_ops.vocab_parallel_logsumexp: lambda node: [node.args[1]]}
+"""log(sum(exp)) over the dims given (a z-loss over the vocab), by how to read them; keepdim is args[2]."""
+GATHER = (aten.gather.default, tp_ops.vocab_parallel_gather)
+"""x.gather(dim, index): (x, dim, index, ...)."""
 LINEAR = (aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.neg.default, aten.sum.default,
           aten.sum.dim_IntList, aten.clone.default, aten.to.dtype, REPORT, tp_ops.mean_over_sequence, *VIEWS)
 """Ops through which a loss stays linear in their first argument (mul: in each; div: in the numerator)."""
@@ -171,6 +182,10 @@ class _Splitter(TokenRows):
             self.expand(node, dim)
         elif target in ALONG:
             self.along(node, dim)
+        elif target in LOGSUMEXP:
+            self.logsumexp(node, dim)
+        elif target in GATHER:
+            self.gather(node, dim)
         elif target in (aten.split.Tensor, aten.slice.Tensor, aten.cat.default) or target in SAME_CUT:
             self.same_cut(node, dim)
         elif target is aten.matmul.default and node.args[1] not in self.dims and dim < len(full_shape(x)) - 1:
@@ -186,6 +201,23 @@ class _Splitter(TokenRows):
                                             "MoE routing")
         if node in self.dims:
             self.inherit_merged(node)
+
+    def logsumexp(self, node: fx.Node, dim: int) -> None:
+        """Over dims other than the sequence (the vocab), token by token."""
+        x, keepdim = node.args[0], (*node.args, False)[2]
+        reduced = [d % len(full_shape(x)) for d in LOGSUMEXP[node.target](node)]
+        if dim in reduced:
+            raise GraphMismatch(NAME, node, f"takes a logsumexp over dims {reduced}, which include the sequence dim")
+        self.dims[node] = dim if keepdim else dim - sum(d < dim for d in reduced)
+
+    def gather(self, node: fx.Node, dim: int) -> None:
+        """Entries picked along another dim than the sequence (each target's log-probability) by an index that
+        holds the rank's tokens on the same dim."""
+        x, at, index = node.args[:3]
+        if at % len(full_shape(x)) == dim or self.dims.get(index) != dim:
+            raise GraphMismatch(NAME, node, f"picks along dim {at} by an index that does not hold the rank's tokens "
+                                            f"on dim {dim}, as its input does")
+        self.dims[node] = dim
 
     def same_cut(self, node: fx.Node, dim: int) -> None:
         """An op that leaves the sequence dim where it is and whole (a norm, a split of heads, rotate_half, GQA's
@@ -307,15 +339,18 @@ class _Splitter(TokenRows):
         """The rank's mean over its counted tokens, weighted by its share of the micro-batch's: ranks whose tokens
         hold more or fewer ignored targets (ignore_index) count for as many tokens as they have, so the average
         over cp is the micro-batch's mean, as on one device. Where no target is ignored the weight is exactly 1."""
-        logits, targets = node.args[0], node.args[LOSSES[node.target]]
-        if node.target is aten.cross_entropy_loss.default:
-            _, _, weight, reduction, ignore_index = (*node.args, None, 1, -100)[:5]
-        else:
-            weight, reduction, ignore_index = None, 1, node.args[4]
-        if self.dims.get(logits) != 0 or self.dims.get(targets) != 0 or reduction != 1 or weight is not None:
+        logits, targets = node.args[:2]
+        weight, reduction, ignore_index = (node.args[i] if i is not None and i < len(node.args) else default
+                                           for i, default in zip(LOSSES[node.target], (None, 1, -100)))
+        if self.dims.get(logits) != 0 or self.dims.get(targets) != 0 or reduction not in (1, 2) or \
+                weight is not None:
             raise GraphMismatch(NAME, node, "is a loss context parallel cannot split: it needs (N, V) logits and "
-                                            "(N,) targets, both of the rank's tokens, the mean reduction and no "
-                                            "class weights")
+                                            "(N,) targets, both of the rank's tokens, the mean or sum reduction and "
+                                            "no class weights")
+        if reduction == 2:  # the rank's sum n times: the mean over cp is the sum over its ranks
+            weighted = insert_call(node, aten.mul.Tensor, (node, self.n), NAME)
+            node.replace_all_uses_with(weighted, delete_user_cb=lambda user: user is not weighted)
+            return
         counted = insert_call(node, aten.ne.Scalar, (targets, ignore_index), NAME)
         count = insert_call(counted, aten.sum.default, (counted,), NAME)
         total = insert_call(count, collectives.sum_counts, (count, self.group), NAME)

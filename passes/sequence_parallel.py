@@ -41,7 +41,7 @@ from gcompile import tp_ops
 from gcompile.pass_manager import PassContext, register_pass
 from gcompile.program import Program, Stage
 from passes.rewrite import GraphMismatch, insert_call, rank_constant
-from passes.tensor_parallel import NORMS, VIEWS, is_elementwise
+from passes.tensor_parallel import NLL_LOSSES, NORMS, VIEWS, is_elementwise
 from passes.token_rows import ALONG, GROUPED_MM, ROUTING, TokenRows
 
 NAME = "sequence_parallel"
@@ -131,7 +131,7 @@ class _Sharder(TokenRows):
         if node.op == "output":
             raise GraphMismatch(NAME, node, "returns a sequence-sharded tensor; a column-parallel block (all-gather) "
                                             "must come before the end of the program")
-        if node.target is aten.cross_entropy_loss.default:
+        if node.target in (aten.cross_entropy_loss.default, *NLL_LOSSES):
             raise GraphMismatch(NAME, node, "is the loss over logits of the rank's tokens only: make the output head "
                                             "vocab-parallel in tp_plan (its input is then gathered over the sequence)")
         if node.target not in TOKEN_WISE and not is_elementwise(node.target):

@@ -6,7 +6,8 @@ placeholders to the rank's piece and rewrites the graph between them for local
 shapes, inserting the differentiable collectives of gcompile/tp_ops.py.
 
 Requires: stage graphs as capture makes them: linears are `aten.linear`,
-  embeddings `aten.embedding` and the loss `aten.cross_entropy_loss`, each taking
+  embeddings `aten.embedding` and the loss `aten.cross_entropy_loss` (or log_softmax
+  then `nll_loss` or `gather`; a z-loss's logsumexp), linears and embeddings taking
   parameter placeholders directly; every tensor a column-parallel (or vocab) linear
   produces reaches a row-parallel linear or the loss through ops this pass knows
   (split, view, transpose, attention: SDPA or batched matmuls and softmax over the
@@ -26,7 +27,9 @@ Rewrite (n = tp, full sizes on the left; one attention block, the MLP alike):
     o = linear(y, W_o, b_o)                     o = reduce_from_tp(linear(y, W_o[:, r])) + b_o
     e = embedding(W_te, idx)                    e = reduce_from_tp(vocab_parallel_embedding(W_te[r], idx, tp_rank))
     z = linear(x, W_te)            # (B,T,V)    z = linear(copy_to_tp(x), W_te[r])            # (B,T,Vp/n)
-    cross_entropy_loss(view(z, [-1, V]), t)     vocab_parallel_cross_entropy(view(z, [-1, Vp/n]), t, tp_rank, V, -100)
+    cross_entropy_loss(view(z, [-1, V]), t)     vocab_parallel_cross_entropy(view(z, [-1, Vp/n]), t, tp_rank, V, ...)
+    log_softmax(z, -1)                          vocab_parallel_log_softmax(z, 2, tp_rank, V)  # max, sum of exp over tp
+    logsumexp(z, [-1])                          vocab_parallel_logsumexp(z, 2, False, tp_rank, V)
 
 Vp is the vocab padded to a multiple of make_vocab_size_divisible_by * n; the
 padded rows are zeros that no id selects and no loss term sees.
@@ -71,8 +74,14 @@ INSTEAD = {
                          "or expand and reshape",
 }
 """Ops the pass refuses over a cut tensor, each with what to write instead."""
-REDUCTIONS = (aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default)
-"""Ops that reduce over the dims they are given (args[1]), keeping them as 1 where args[2] (keepdim) is set."""
+REDUCTIONS = (aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default, aten.sum.default,
+              aten.mean.default)
+"""Ops that reduce over the dims they are given (args[1]; every dim where none are), keeping them as 1 where
+args[2] (keepdim) is set."""
+SUMS = (aten.sum.dim_IntList, aten.sum.default)
+MEANS = (aten.mean.dim, aten.mean.default)
+NLL_LOSSES = (aten.nll_loss_nd.default, aten.nll_loss.default)
+"""F.nll_loss: (input, target, weight, reduction, ignore_index), the classes on dim 1."""
 NORMS = (aten.layer_norm.default, aten.rms_norm.default)
 """Norms over the last len(args[1]) dims, with a weight (and bias) every rank holds whole."""
 
@@ -217,8 +226,7 @@ class _Sharder:
         weight, idx, *options = embedding.args
         if options not in ([], [-1], [-1, False], [-1, False, False]):
             raise GraphMismatch(NAME, embedding, f"has options {options} a vocab-parallel embedding does not support")
-        tp_rank = rank_constant(self.stage, "tp_rank", self.ctx.coords.axis_rank("tp"))
-        partial = insert_call(embedding, tp_ops.vocab_parallel_embedding, (weight, idx, tp_rank), NAME)
+        partial = insert_call(embedding, tp_ops.vocab_parallel_embedding, (weight, idx, self.tp_rank()), NAME)
         total = insert_call(partial, tp_ops.reduce_from_tp, (partial,), NAME)
         embedding.replace_all_uses_with(total)
         self.graph.erase_node(embedding)
@@ -275,8 +283,14 @@ class _Sharder:
             self.batched_matmul(node)
         elif node.target in SOFTMAX and cut is not None:
             self.softmax(node, cut)
+        elif node.target is aten.logsumexp.default and cut is not None:
+            self.logsumexp(node, cut)
+        elif node.target is aten.gather.default and cut is not None and node.args[2] not in self.cuts:
+            self.gather(node, cut)
         elif node.target is aten.cross_entropy_loss.default and cut is not None:
             self.cross_entropy(node, cut)
+        elif node.target in NLL_LOSSES and cut is not None:
+            self.nll_loss(node, cut)
         elif node.target is aten.linear.default and cut is not None:
             raise GraphMismatch(NAME, node, f"is a linear over a tensor cut by {cut.source}, but the plan "
                                             f"replicates its weight; make it row-parallel in tp_plan")
@@ -357,8 +371,7 @@ class _Sharder:
     def rank_part(self, value: fx.Node, dim: int, reader: fx.Node) -> fx.Node:
         """This rank's part along `dim` of a value every rank holds whole, read against a tensor cut there (ALiBi's
         bias per head, a gain per head, against the cut heads); its gradient is gathered from every rank's part."""
-        tp_rank = rank_constant(self.stage, "tp_rank", self.ctx.coords.axis_rank("tp"))
-        return insert_call(reader, tp_ops.scatter_to_tp, (value, dim, self.tp, tp_rank), NAME, before=True)
+        return insert_call(reader, tp_ops.scatter_to_tp, (value, dim, self.tp, self.tp_rank()), NAME, before=True)
 
     def whole_operand(self, value: fx.Node, reader: fx.Node) -> fx.Node:
         """A value every rank holds whole, read against a cut one (a kv head shared by all query heads, a gate,
@@ -373,7 +386,7 @@ class _Sharder:
 
     def slice(self, node: fx.Node, cut: Cut) -> None:
         """A slice of another dim keeps the cut; of the cut dim only when it takes the whole dim."""
-        x, dim, start, end, step = (*node.args, 0, 0, None, None, 1)[:5]
+        x, dim = node.args[0], (*node.args, 0)[1]
         if _dim(dim, len(full_shape(x))) == cut.dim and full_shape(node)[cut.dim] != full_shape(x)[cut.dim]:
             raise GraphMismatch(NAME, node, f"slices dim {cut.dim}, which {cut.source} cut over the tp ranks")
         self.cuts[node] = cut
@@ -432,9 +445,18 @@ class _Sharder:
         x, dims, keepdim = (*node.args, None, False)[:3]
         ndim = len(full_shape(x))
         reduced = [_dim(d, ndim) for d in dims] if dims else list(range(ndim))  # none given: every dim
-        if cut.dim in reduced:
-            raise GraphMismatch(NAME, node, f"reduces over dim {cut.dim}, which {cut.source} cut over the tp ranks")
-        self.cuts[node] = cut if keepdim else _moved(cut, cut.dim - sum(d < cut.dim for d in reduced))
+        if cut.dim not in reduced:
+            self.cuts[node] = cut if keepdim else _moved(cut, cut.dim - sum(d < cut.dim for d in reduced))
+        elif node.target in SUMS + MEANS and self.splits_evenly(cut, cut.full):
+            total = insert_call(node, tp_ops.reduce_from_tp, (node,), NAME)  # each rank's sum, or mean of an
+            # equal part, summed over the ranks
+            whole = total if node.target in SUMS else insert_call(total, aten.div.Tensor, (total, self.tp), NAME)
+            node.replace_all_uses_with(whole, delete_user_cb=lambda user: user is not total)
+        else:
+            padded = " (padded to a multiple of the ranks: no sum or mean over it)" \
+                if cut.local * self.tp != cut.full else ""
+            raise GraphMismatch(NAME, node, f"reduces over dim {cut.dim}, which {cut.source} cut over the tp "
+                                            f"ranks{padded}")
 
     def norm(self, node: fx.Node, cut: Cut) -> None:
         """Over trailing dims the cut is not in (QK-norm over the head dim): each rank normalises its heads;
@@ -447,11 +469,42 @@ class _Sharder:
         self.cuts[node] = cut
 
     def softmax(self, node: fx.Node, cut: Cut) -> None:
-        """Along another dim than the cut one, each rank's entries are normalised over what it holds."""
-        if _dim(node.args[1], len(full_shape(node))) == cut.dim:
+        """Along another dim than the cut one, each rank's entries are normalised over what it holds; a
+        log_softmax over the cut dim (the vocab, for F.nll_loss) from the max and sum of every rank's entries."""
+        x, dim, *rest = node.args
+        dim = _dim(dim, len(full_shape(node)))
+        if dim != cut.dim:
+            self.cuts[node] = cut
+        elif node.target in (aten.log_softmax.int, aten._log_softmax.default) and cut.blocks == 1:
+            dtype = rest[0] if node.target is aten.log_softmax.int and rest else None
+            self.cuts[self.replace(node, tp_ops.vocab_parallel_log_softmax,
+                                   (x, dim, self.tp_rank(), cut.full, dtype))] = cut
+        else:
             raise GraphMismatch(NAME, node, f"normalises over dim {cut.dim}, which {cut.source} cut over the tp "
-                                            f"ranks")
-        self.cuts[node] = cut
+                                            f"ranks; only a log_softmax (for a loss) can be")
+
+    def logsumexp(self, node: fx.Node, cut: Cut) -> None:
+        """Over the cut dim (a z-loss over the vocab) from every rank's entries; over others, each rank's."""
+        x, dims, keepdim = (*node.args, False)[:3]
+        reduced = [_dim(d, len(full_shape(x))) for d in dims]
+        if cut.dim not in reduced:
+            self.cuts[node] = cut if keepdim else _moved(cut, cut.dim - sum(d < cut.dim for d in reduced))
+        elif reduced == [cut.dim] and cut.blocks == 1:
+            self.replace(node, tp_ops.vocab_parallel_logsumexp, (x, cut.dim, keepdim, self.tp_rank(), cut.full))
+        else:
+            raise GraphMismatch(NAME, node, f"takes a logsumexp over dims {reduced}, with dim {cut.dim}, which "
+                                            f"{cut.source} cut over the tp ranks; take it over that dim alone")
+
+    def gather(self, node: fx.Node, cut: Cut) -> None:
+        """Entries picked along the cut dim (a target's log-probability) by an index every rank holds whole: each
+        from the rank holding it."""
+        x, dim, index = node.args[:3]
+        if _dim(dim, len(full_shape(x))) != cut.dim:
+            raise GraphMismatch(NAME, node, f"picks along dim {dim} of a tensor {cut.source} cut on dim {cut.dim}; "
+                                            f"only picks along the cut dim (a target's entry of the vocab) are cut")
+        if node.kwargs.get("sparse_grad") or len(node.args) > 3 and node.args[3]:
+            raise GraphMismatch(NAME, node, "gathers with sparse_grad, which the vocab-parallel gather does not do")
+        self.replace(node, tp_ops.vocab_parallel_gather, (x, cut.dim, index, self.tp_rank()))
 
     def attention(self, node: fx.Node) -> None:
         q, k, v, *rest = node.args
@@ -504,15 +557,36 @@ class _Sharder:
             node.kwargs = {**node.kwargs, "attn_mask": mask}
 
     def cross_entropy(self, node: fx.Node, cut: Cut) -> None:
-        logits, targets, weight, reduction, ignore_index, smoothing = (*node.args, None, 1, -100, 0.0)[:6]
-        if cut.dim != 1 or len(full_shape(logits)) != 2 or weight is not None or reduction != 1 or smoothing:
-            raise GraphMismatch(NAME, node, "is a cross-entropy the vocab-parallel loss cannot replace: it needs "
-                                            "(N, V) logits cut on V, no class weights, mean reduction, no smoothing")
-        tp_rank = rank_constant(self.stage, "tp_rank", self.ctx.coords.axis_rank("tp"))
-        loss = insert_call(node, tp_ops.vocab_parallel_cross_entropy,
-                           (logits, targets, tp_rank, cut.full, ignore_index), NAME)
-        node.replace_all_uses_with(loss)
+        """F.cross_entropy over logits cut on the classes (dim 1): Megatron's vocab-parallel loss, any reduction,
+        with label smoothing."""
+        logits, targets, weight, reduction, ignore_index, smoothing = _given(node, None, 1, -100, 0.0)
+        self.check_loss(node, cut, weight, "cross-entropy")
+        self.replace(node, tp_ops.vocab_parallel_cross_entropy,
+                     (logits, targets, self.tp_rank(), cut.full, ignore_index, reduction, smoothing))
+
+    def nll_loss(self, node: fx.Node, cut: Cut) -> None:
+        """F.nll_loss of log-probabilities cut on the classes (dim 1): each target's from the rank holding it."""
+        log_probs, targets, weight, reduction, ignore_index = _given(node, None, 1, -100)
+        self.check_loss(node, cut, weight, "nll_loss")
+        self.replace(node, tp_ops.vocab_parallel_nll_loss,
+                     (log_probs, targets, self.tp_rank(), reduction, ignore_index))
+
+    def check_loss(self, node: fx.Node, cut: Cut, weight, name: str) -> None:
+        if cut.dim != 1 or cut.blocks != 1 or weight is not None:
+            raise GraphMismatch(NAME, node, f"is a {name} the vocab-parallel loss cannot replace: it needs the "
+                                            f"classes on dim 1, cut by a vocab-parallel head, and no class weights "
+                                            f"(here cut by {cut.source} on dim {cut.dim})")
+
+    def replace(self, node: fx.Node, op, args: tuple) -> fx.Node:
+        """`node` replaced by a call of `op` with `args`; the call."""
+        call = insert_call(node, op, args, NAME)
+        call.meta["val"] = node.meta["val"]  # the full shape, as the rest of the pass reads them
+        node.replace_all_uses_with(call)
         self.graph.erase_node(node)
+        return call
+
+    def tp_rank(self) -> fx.Node:
+        return rank_constant(self.stage, "tp_rank", self.ctx.coords.axis_rank("tp"))
 
     def linear_behind(self, node: fx.Node) -> str | None:
         """The module of the replicated linear whose output `node` is, through ops of one tensor (SwiGLU's
@@ -538,6 +612,11 @@ class _Sharder:
 def full_shape(node: fx.Node) -> tuple[int, ...]:
     """Full (single-device) shape: the rewrite reads meta before shape propagation reruns."""
     return tuple(node.meta["val"].shape)
+
+
+def _given(node: fx.Node, *defaults) -> tuple:
+    """A loss's two tensors and its options (weight, reduction, ...), each given or its `defaults` entry."""
+    return (*node.args, *defaults[len(node.args) - 2:])
 
 
 def _dim(dim: int, ndim: int) -> int:

@@ -25,7 +25,7 @@ import math
 import torch
 import torch.fx as fx
 
-from gcompile import collectives
+from gcompile import collectives, tp_ops
 from gcompile.models import moe  # noqa: F401  registers gcompile::grouped_mm, the experts' op
 from gcompile.report import REPORT
 from passes.rewrite import GraphMismatch, insert_call
@@ -34,7 +34,8 @@ from passes.tensor_parallel import full_shape, is_elementwise
 aten = torch.ops.aten
 
 ALONG = {aten.softmax.int: lambda node: node.args[1], aten._softmax.default: lambda node: node.args[1],
-         aten.log_softmax.int: lambda node: node.args[1], aten.cumsum.default: lambda node: node.args[1],
+         aten.log_softmax.int: lambda node: node.args[1], aten._log_softmax.default: lambda node: node.args[1],
+         tp_ops.vocab_parallel_log_softmax: lambda node: node.args[1], aten.cumsum.default: lambda node: node.args[1],
          aten.topk.default: lambda node: (*node.args, -1)[2],
          aten.argsort.stable: lambda node: node.kwargs.get("dim", -1)}
 """Ops along one dim, by how to read that dim."""
@@ -144,7 +145,7 @@ class TokenRows:
         mean the rank's mean (`rank_mean`); a floating sum is refused."""
         if node.target is aten.sum.dim_IntList and not node.meta["val"].dtype.is_floating_point:
             self.counts.add(node)
-        elif node.target is aten.mean.dim:
+        elif node.target in (aten.mean.dim, aten.mean.default):
             self.rank_mean(node)
         else:
             raise GraphMismatch(self.name, node, f"sums over dims {node.args[1]}, which include the sequence dim; "
@@ -170,5 +171,7 @@ class TokenRows:
                                            *self.keeps_counts)
 
     def is_reduction_of_tokens(self, node: fx.Node, dim: int | None) -> bool:
+        if node.target is aten.mean.default:  # over every dim
+            return dim is not None
         return node.target in (aten.sum.dim_IntList, aten.mean.dim) and dim is not None and \
             any(d % len(full_shape(node.args[0])) == dim for d in node.args[1])

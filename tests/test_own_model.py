@@ -386,6 +386,64 @@ def test_a_tensor_forward_makes_of_a_list_is_refused_at_its_line(tmp_path, capsy
         and err[0].endswith("make it with torch ops (torch.arange, torch.full, torch.linspace)"), err
 
 
+LOSS = "        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))"
+Z, Y = "logits.float().view(-1, logits.size(-1))", "targets.view(-1)"
+LOSS_FORMS = {
+    # label smoothing (Megatron's --label-smoothing), some targets ignored (padding, prompt tokens)
+    "smoothing-ignored": f"F.cross_entropy({Z}, {Y}.masked_fill({Y} % 5 == 0, -100), label_smoothing=0.1)",
+    # a loss per token, masked and averaged by hand (supervised fine-tuning's loss mask)
+    "masked-per-token": f"(F.cross_entropy({Z}, {Y}, reduction='none') * ({Y} % 3 != 0)).sum() / ({Y} % 3 != 0).sum()",
+    "sum": f"F.cross_entropy({Z}, {Y}, reduction='sum') / targets.numel()",
+    # PaLM's z-loss: the square of log Z over the vocab, held near 0
+    "z-loss": f"F.cross_entropy({Z}, {Y}) + 1e-3 * torch.logsumexp({Z}, -1).pow(2).mean()",
+    "log-softmax-nll": f"F.nll_loss(F.log_softmax({Z}, -1), {Y})",
+    "log-softmax-gather": f"-F.log_softmax({Z}, -1).gather(-1, {Y}.unsqueeze(1)).mean()",
+    # (B, V, T) logits: the classes on dim 1, as torch takes them
+    "classes-on-dim-1": "F.cross_entropy(logits.float().transpose(1, 2), targets)",
+    # label smoothing by hand, a mean over the vocab: summed over the ranks' parts where they are equal (a vocab
+    # of 256, not padded at tp 2; 257 is refused, below)
+    "smoothing-by-hand": f"0.9 * F.nll_loss(F.log_softmax({Z}, -1), {Y}) - 0.1 * F.log_softmax({Z}, -1).mean()",
+}
+EVEN_VOCAB = ("smoothing-by-hand",)
+LOSS_LAYOUTS = {"tp2": dict(tp=2), "cp2": dict(cp=2), "tp2-cp2": dict(tp=2, cp=2),
+                "tp2-sp": dict(tp=2, sequence_parallel=True)}
+
+
+@pytest.mark.parametrize("form, layout", [
+    ("smoothing-ignored", "tp2"), ("smoothing-ignored", "cp2"), ("masked-per-token", "tp2"), ("sum", "tp2"),
+    ("sum", "tp2-cp2"), ("z-loss", "tp2"), ("z-loss", "cp2"), ("z-loss", "tp2-sp"), ("log-softmax-nll", "tp2"),
+    ("log-softmax-nll", "tp2-cp2"), ("log-softmax-gather", "tp2"), ("classes-on-dim-1", "tp2"),
+    ("smoothing-by-hand", "tp2")])
+def test_losses_written_other_ways_train_as_on_one_device(form, layout, tmp_path):
+    """Over a vocab-parallel head each is computed from the ranks' parts of the logits, never gathered (each was
+    refused at tp); at cp each rank's part of a sum counts n times, a mean over every token as one of its means."""
+    source = open("examples/parallel_block.py").read().replace('"parallel_block"', f'"loss_{form}_{layout}"')
+    assert LOSS in source
+    if form in EVEN_VOCAB:
+        source = source.replace("vocab_size: int = 257", "vocab_size: int = 256")
+    (tmp_path / "model.py").write_text(source.replace(LOSS, f"        return {LOSS_FORMS[form]}"))
+    assert_trains_as_one_device(f"{tmp_path}/model.py:SPEC", n_head=4, **LOSS_LAYOUTS[layout])
+
+
+@pytest.mark.parametrize("loss, parallel, message", [
+    (f"F.cross_entropy({Z}, {Y}, weight=torch.linspace(0.5, 1.5, logits.size(-1)))", ["--tp", "2"],
+     "is a cross-entropy the vocab-parallel loss cannot replace: it needs the classes on dim 1, cut by a "
+     "vocab-parallel head, and no class weights"),
+    (f"F.cross_entropy({Z}, {Y}) - 0.1 * F.log_softmax({Z}, -1).mean()", ["--tp", "2"],
+     "reduces over dim 1, which head cut over the tp ranks (padded to a multiple of the ranks: no sum or mean "
+     "over it)"),
+    (f"F.cross_entropy({Z}, {Y}, reduction='none').max()", ["--cp", "2"],
+     "is a loss context parallel cannot split: it needs (N, V) logits and (N,) targets, both of the rank's tokens, "
+     "the mean or sum reduction and no class weights"),
+], ids=["class-weights", "mean-over-padded-vocab", "cp-per-token"])
+def test_a_loss_a_layout_cannot_split_is_one_line(loss, parallel, message, tmp_path, capsys):
+    source = open("examples/parallel_block.py").read().replace('"parallel_block"', f'"refused_loss_{len(loss)}"')
+    (tmp_path / "model.py").write_text(source.replace(LOSS, f"        return {loss}"))
+    assert run_gpt.main(["--arch", f"{tmp_path}/model.py:SPEC", "--n-layer", "2", *parallel, "--check-plan"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
 def test_an_own_models_config_fields_are_flags(tmp_path, capsys):
     """As its [model] keys are: --width was an unrecognized argument, the model unloaded when flags were read."""
     (tmp_path / "wide.py").write_text(open("examples/parallel_block.py").read().replace('"parallel_block"', '"wide"')
