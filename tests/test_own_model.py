@@ -267,6 +267,17 @@ ATTENTION_FORMS = {
         (QKV, "        q, k, v = (t.unflatten(2, (self.n_head, -1)).transpose(1, 2) for t in self.qkv(h).chunk(3, dim=2))"),
         (SDPA, "        k, v = (t.broadcast_to(q.shape) for t in (k, v))\n" +
          SDPA.replace(".reshape(B, T, C)", ".flatten(2)"))],
+    # timm's attention: the fused qkv viewed as (B, T, 3, heads, head dim), permuted, taken apart by unbind
+    "qkv-unbind-permute": [
+        (QKV, "        q, k, v = self.qkv(h).reshape(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)"
+              ".unbind(0)")],
+    "qkv-unbind": [
+        (QKV, "        q, k, v = (t.transpose(1, 2) for t in self.qkv(h).view(B, T, 3, self.n_head, -1).unbind(2))")],
+    # q, k and v sliced off the fused qkv
+    "qkv-slices": [
+        (QKV, "        fused = self.qkv(h)\n"
+              "        q, k, v = (t.view(B, T, self.n_head, -1).transpose(1, 2)\n"
+              "                   for t in (fused[..., :C], fused[..., C:2 * C], fused[..., 2 * C:]))")],
     # nanoGPT's attention without flash: matmuls, a causal mask, softmax
     "matmul-softmax": [
         (SDPA, "        att = (q @ k.transpose(-2, -1)) / k.size(-1) ** 0.5\n"
