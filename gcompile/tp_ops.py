@@ -79,8 +79,7 @@ class _ScatterToTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, tp, tp_rank):
         ctx.dim, ctx.tp = dim, tp
-        n = x.shape[dim] // tp
-        return x.index_select(dim, tp_rank * n + torch.arange(n, device=x.device))
+        return rank_part(x, dim, tp, tp_rank)
 
     @staticmethod
     def backward(ctx, grad):
@@ -120,6 +119,13 @@ def scatter_to_sequence(x: torch.Tensor, dim: int, tp: int, tp_rank: torch.Tenso
 
 def scatter_to_tp(x: torch.Tensor, dim: int, tp: int, tp_rank: torch.Tensor) -> torch.Tensor:
     return _ScatterToTP.apply(x, dim, tp, tp_rank)
+
+
+def rank_part(x: torch.Tensor, dim: int, tp: int, tp_rank: torch.Tensor) -> torch.Tensor:
+    """This rank's equal part along `dim`, by plain indexing (its gradient: the rank's part, zeros elsewhere),
+    where what gives `x` sums its gradient over tp anyway (sequence parallel's gather)."""
+    n = x.shape[dim] // tp
+    return x.index_select(dim, tp_rank * n + torch.arange(n, device=x.device))
 
 
 def vocab_parallel_embedding(weight: torch.Tensor, idx: torch.Tensor, tp_rank: torch.Tensor) -> torch.Tensor:

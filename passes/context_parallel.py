@@ -58,13 +58,13 @@ from gcompile.report import REPORT
 from passes.rewrite import GraphMismatch, insert_call, rank_constant, whole_model_copy
 from passes.sequence_parallel import TOKEN_WISE
 from passes.tensor_parallel import BROADCASTING, NORMS, SHAPE_PRESERVING, VIEWS, full_shape, is_elementwise
-from passes.token_rows import ALONG, GROUPED_MM, ROUTING, TokenRows
+from passes.token_rows import ALONG, GROUPED_MM, REORDERS, ROUTING, TokenRows
 
 NAME = "context_parallel"
 aten = torch.ops.aten
 
 SAME_CUT = (*SHAPE_PRESERVING, *TOKEN_WISE, *ROUTING, aten.alias.default, aten.detach.default, operator.getitem,
-            aten.repeat_interleave.self_int, tp_ops.copy_to_tp, tp_ops.reduce_from_tp)
+            aten.repeat_interleave.self_int, tp_ops.copy_to_tp, tp_ops.reduce_from_tp, tp_ops.rank_part)
 """Ops whose output holds the tokens of their input on the same dim (checked by `same_cut`)."""
 SEQUENCE_PARALLEL = (tp_ops.reduce_scatter_to_sequence, tp_ops.gather_from_sequence, tp_ops.scatter_to_sequence)
 """Sequence parallel's cuts of the sequence over tp: on the rank's tokens they cut or gather those further."""
@@ -170,16 +170,10 @@ class _Splitter(TokenRows):
             self.dims[node] = dim
         elif target in VIEWS:
             self.token_view(node, dim)
-        elif target is aten.transpose.int:
-            ndim = len(full_shape(x))
-            d0, d1 = node.args[1] % ndim, node.args[2] % ndim
-            self.dims[node] = {d0: d1, d1: d0}.get(dim, dim)
-        elif target is aten.permute.default:
-            self.dims[node] = [d % len(full_shape(x)) for d in node.args[1]].index(dim)
+        elif target in REORDERS:
+            self.reorder(node, dim)
         elif target is aten.unsqueeze.default:
             self.dims[node] = dim + (node.args[1] % len(full_shape(node)) <= dim)
-        elif target is aten.expand.default:
-            self.expand(node, dim)
         elif target in ALONG:
             self.along(node, dim)
         elif target in LOGSUMEXP:
@@ -286,13 +280,6 @@ class _Splitter(TokenRows):
                                                 "to the loss; each cp rank's loss is the mean over its own tokens, "
                                                 "which is right only for a loss linear in such means")
             reached.add(node)
-
-    def expand(self, node: fx.Node, dim: int) -> None:
-        """GQA's kv heads expanded over the query heads they serve: the sequence dim keeps its local size."""
-        x, sizes = node.args[:2]
-        at = dim + len(sizes) - len(full_shape(x))
-        node.args = (x, [n // self.n if i == at and n != -1 else n for i, n in enumerate(sizes)], *node.args[2:])
-        self.dims[node] = at
 
     def attention(self, node: fx.Node) -> None:
         schema = node.target._schema.arguments

@@ -30,6 +30,8 @@ Rewrite (n = tp):
     grouped_mm(rows, w, ends)                grouped_mm(rows, copy_to_tp(w), ends)   # ends: the rank's counts
     to(report(per_expert))                   to(report(sum_counts(per_expert, "tp")))
     mean(probs, [0])                         mean_over_sequence(mean(probs, [0]), n)
+    copy_to_tp(k)        # MQA: (B,1,T,hs)   gather_from_sequence(k, 2, n)       # whole against the cut heads
+    scatter_to_tp(k, 1, n, tp_rank)          rank_part(gather_from_sequence(k, 2, n), 1, n, tp_rank)
 """
 
 import operator
@@ -42,7 +44,7 @@ from gcompile.pass_manager import PassContext, register_pass
 from gcompile.program import Program, Stage
 from passes.rewrite import GraphMismatch, insert_call, rank_constant
 from passes.tensor_parallel import NLL_LOSSES, NORMS, VIEWS, is_elementwise
-from passes.token_rows import ALONG, GROUPED_MM, ROUTING, TokenRows
+from passes.token_rows import ALONG, GROUPED_MM, REORDERS, ROUTING, TokenRows
 
 NAME = "sequence_parallel"
 SEQ_DIM = 1
@@ -88,16 +90,28 @@ class _Sharder(TokenRows):
                     raise GraphMismatch(NAME, node, f"sums a {list(shape)} tensor over tp, which has no sequence "
                                                     f"dim of {seq} at dim {SEQ_DIM} to scatter")
                 self.dims[_replace(node, tp_ops.reduce_scatter_to_sequence, (node.args[0], SEQ_DIM, self.n))] = SEQ_DIM
-            elif node.target is tp_ops.copy_to_tp and node.args[0] in self.dims:
-                if self.dims[node.args[0]] != SEQ_DIM or node.args[0] in self.merged:
-                    raise GraphMismatch(NAME, node, "gathers the rank's tokens from a view of them as rows; a "
-                                                    "column-parallel block reads (B, T, ...) activations")
-                _replace(node, tp_ops.gather_from_sequence, (node.args[0], SEQ_DIM, self.n))
+            elif node.target in (tp_ops.copy_to_tp, tp_ops.scatter_to_tp) and node.args[0] in self.dims:
+                self.gather(node)
             elif any(a in self.dims for a in node.all_input_nodes):
                 self.propagate(node)
             elif any(a in self.counts for a in node.all_input_nodes):
                 self.read_count(node)
         graph.lint()
+
+    def gather(self, node: fx.Node) -> None:
+        """The rank's tokens read whole: into a column-parallel block, or as a value tensor parallel reads whole
+        against the cut heads (the kv heads of a Linear the plan leaves whole: MQA), or its rows for the rank's
+        heads (`scatter_to_tp`, kv heads repeated to every query head). An all-gather of the sequence, whose
+        backward reduce-scatters the gradient: sums each rank's part (its heads') and keeps the rank's tokens."""
+        x = node.args[0]
+        if x in self.merged:
+            raise GraphMismatch(NAME, node, "gathers the rank's tokens from a view of them as rows; a "
+                                            "column-parallel block reads (B, T, ...) activations")
+        target, part = node.target, node.args[1:]
+        gathered = _replace(node, tp_ops.gather_from_sequence, (x, self.dims[x], self.n))
+        if target is tp_ops.scatter_to_tp:
+            rows = insert_call(gathered, tp_ops.rank_part, (gathered, *part), NAME)
+            gathered.replace_all_uses_with(rows, delete_user_cb=lambda user: user is not rows)
 
     def propagate(self, node: fx.Node) -> None:
         """Rewrite `node`, which reads the rank's tokens: a token-wise op, or a MoE layer's routing (TokenRows)."""
@@ -119,6 +133,12 @@ class _Sharder(TokenRows):
             self.dims[node] = dim
         elif node.target is aten.unsqueeze.default and dim is not None:
             self.dims[node] = dim + (node.args[1] % node.meta["val"].dim() <= dim)
+        elif node.target in REORDERS and dim is not None:
+            self.reorder(node, dim)
+        elif node.target is aten.split.Tensor and dim is not None:
+            if (*node.args, 0)[2] % node.args[0].meta["val"].dim() == dim:
+                raise GraphMismatch(NAME, node, "splits the sequence dim, which sequence parallel cuts over tp")
+            self.dims[node] = dim
         else:
             dim = self.token_wise(node)
             node.args = tuple(self.local_operand(a, node, dim) for a in node.args)

@@ -39,6 +39,8 @@ ALONG = {aten.softmax.int: lambda node: node.args[1], aten._softmax.default: lam
          aten.topk.default: lambda node: (*node.args, -1)[2],
          aten.argsort.stable: lambda node: node.kwargs.get("dim", -1)}
 """Ops along one dim, by how to read that dim."""
+REORDERS = (aten.transpose.int, aten.permute.default, aten.expand.default)
+"""Ops that move the tokens' dim with its entries (`TokenRows.reorder`)."""
 ROUTING = (aten.one_hot.default, aten.zeros_like.default)
 """Ops whose output holds the rank's rows where their input does (one more dim for one_hot)."""
 GROUPED_MM = torch.ops.gcompile.grouped_mm.default
@@ -95,6 +97,23 @@ class TokenRows:
         self.dims[node] = at
         if (before // pre, after // post) != (1, 1):
             self.merged[node] = before // pre, after // post
+
+    def reorder(self, node: fx.Node, dim: int) -> None:
+        """transpose and permute move the tokens' dim with its entries; expand adds dims before it and keeps its
+        local size (GQA's kv heads expanded over the query heads they serve)."""
+        x = node.args[0]
+        ndim = len(full_shape(x))
+        if node.target is aten.transpose.int:
+            d0, d1 = node.args[1] % ndim, node.args[2] % ndim
+            self.dims[node] = {d0: d1, d1: d0}.get(dim, dim)
+        elif node.target is aten.permute.default:
+            self.dims[node] = [d % ndim for d in node.args[1]].index(dim)
+        else:
+            sizes = node.args[1]
+            at = dim + len(sizes) - ndim
+            node.args = (x, [n // self.n if i == at and n != -1 else n for i, n in enumerate(sizes)],
+                         *node.args[2:])
+            self.dims[node] = at
 
     def inherit_merged(self, node: fx.Node) -> None:
         """`node` holds the rank's tokens as the first input whose tokens' dim has its size (any, for an op that

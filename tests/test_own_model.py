@@ -298,6 +298,19 @@ def test_attention_written_other_ways_is_cut_by_heads(form, tmp_path):
     assert_trains_as_one_device(f"{tmp_path}/model.py:SPEC", n_head=8)
 
 
+@pytest.mark.parametrize("form", ["mqa-sdpa", "mqa-repeat-kv", "whole-values-against-heads"])
+def test_whole_values_against_heads_under_sequence_parallel(form, tmp_path):
+    """A kv head (MQA) or gate from a Linear the plan leaves whole reads the rank's tokens under sequence parallel:
+    its value is gathered over the sequence before the cut heads read it (each rank's rows of it, for kv heads
+    repeated to every query head), its gradient reduce-scattered back. It was refused, with advice that could
+    not be followed."""
+    source = open("examples/parallel_block.py").read().replace('"parallel_block"', f'"{form}_sp"')
+    for old, new in ATTENTION_FORMS[form]:
+        source = source.replace(old, new)
+    (tmp_path / "model.py").write_text(source)
+    assert_trains_as_one_device(f"{tmp_path}/model.py:SPEC", n_head=8, tp=2, sequence_parallel=True)
+
+
 RMS_NORM = '''
 class RMSNorm(nn.Module):  # Meta's Llama and T5: in float32, back to the input's dtype by type_as
     def __init__(self, dim):
