@@ -7,6 +7,7 @@ gets the same attention work.
 
     local_tokens(x, dim, n, cp_rank)   the rank's tokens of a whole (.., T, ..) value / gradient scattered back
     causal_mask(seq, n, cp_rank, dtype)  which gathered keys each of the rank's queries sees, by global position
+    gathered_mask(mask, n, cp_rank)    a mask over the whole sequence as the rank's queries against the gathered keys
     attention(q, k, v, n, mask, ...)   K and V all-gathered over "cp" (backward: reduce-scatter, tp_ops.gather),
                                        the rank's queries against every key under the mask
     heads_attention(q, k, v, n, ...)   Ulysses': q, k, v exchanged over "cp" (all-to-all) from the rank's tokens of
@@ -47,27 +48,43 @@ def causal_mask(seq: int, n: int, cp_rank: torch.Tensor, dtype: torch.dtype) -> 
     return torch.zeros(allowed.shape, dtype=dtype, device=cp_rank.device).masked_fill(~allowed, float("-inf"))
 
 
+def gathered_mask(mask: torch.Tensor, n: int, cp_rank: torch.Tensor) -> torch.Tensor:
+    """A mask over the whole sequence, (.., T, T) (a sliding window, a padding mask, ALiBi's bias), as `attention`
+    reads it: its rows the rank's queries, its columns the keys in the order they are gathered. A dim of 1
+    broadcasts and stays."""
+    if mask.dim() >= 2 and mask.shape[-2] > 1:
+        mask = mask.index_select(-2, positions(mask.shape[-2], n, cp_rank))
+    if mask.shape[-1] > 1:
+        keys = torch.cat([positions(mask.shape[-1], n, r) for r in range(n)]).to(mask.device)
+        mask = mask.index_select(-1, keys)
+    return mask
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int, mask: torch.Tensor | None,
               dropout_p: float, scale: float | None, enable_gqa: bool) -> torch.Tensor:
     """Exact attention of the rank's queries (B, nh, T/n, hs) against every rank's keys and values; `mask`
-    from `causal_mask`, or None for attention that is not causal."""
+    from `causal_mask` or `gathered_mask`, or None for attention that is not masked."""
     k, v = tp_ops.gather(k, 2, n, GROUP), tp_ops.gather(v, 2, n, GROUP)  # (B, nkv, T, hs), rank r's chunks r-th
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale,
                                           enable_gqa=enable_gqa)
 
 
 def heads_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int, is_causal: bool, dropout_p: float,
-                    scale: float | None, enable_gqa: bool) -> torch.Tensor:
+                    scale: float | None, enable_gqa: bool, mask: torch.Tensor | None = None,
+                    cp_rank: torch.Tensor | None = None) -> torch.Tensor:
     """Exact attention of the rank's tokens (B, heads, T/n, hs) as Ulysses computes it: an all-to-all each for q,
     k and v gives each rank 1/n of the heads over the whole sequence, in sequence order (the load-balanced chunks
     put back), so the attention is one device's for those heads; a fourth returns the output to the rank's
-    tokens. The heads (K and V's too) must divide by n."""
+    tokens. The heads (K and V's too) must divide by n. A `mask` over the whole sequence applies as it is, but for
+    a heads dim, of which the rank's 1/n is read."""
     seq = q.shape[2] * n
     gathered = torch.cat([positions(seq, n, r) for r in range(n)]).to(q.device)  # position of each gathered token
     in_order = gathered.argsort()
     q, k, v = (_Exchange.apply(t, 1, 2, n).index_select(2, in_order) for t in (q, k, v))
-    y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                                       enable_gqa=enable_gqa)
+    if mask is not None and mask.dim() >= 3 and mask.shape[-3] > 1:
+        mask = tp_ops.rank_part(mask, mask.dim() - 3, n, cp_rank)
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal,
+                                       scale=scale, enable_gqa=enable_gqa)
     y = _Exchange.apply(y.index_select(2, gathered), 2, 1, n)
     return y.transpose(1, 2).contiguous().transpose(1, 2)  # SDPA's layout, (B, T, heads, hs) in memory, which
     # the graph's views of its output may rely on (capture drops a .contiguous() that did nothing)

@@ -15,7 +15,8 @@ Requires: the whole model in one stage (runs after tensor_parallel and sequence_
   before pipeline_split); "idx" and
   "targets" are (B, T) inputs; every op that reads the rank's tokens is one this
   pass knows to be token-wise, a view or transpose that keeps the sequence dim
-  whole, attention without an explicit mask, the mean or summed cross-entropy or nll_loss
+  whole, attention (an explicit mask only whole, made of positions, and not with p2p), the mean or
+  summed cross-entropy or nll_loss
   and a logsumexp or gather over the vocab (tensor parallel's vocab-parallel ops included),
   or a MoE layer's routing (rows picked and
   placed by their indices among the rank's rows, counts, and means the loss is linear
@@ -285,10 +286,14 @@ class _Splitter(TokenRows):
         schema = node.target._schema.arguments
         bound = {**dict(zip((a.name for a in schema), node.args)), **node.kwargs}
         q, k, v = bound["query"], bound["key"], bound["value"]
-        if bound.get("attn_mask") is not None or any(self.dims.get(t) != 2 for t in (q, k, v)):
+        mask = bound.get("attn_mask")
+        if any(self.dims.get(t) != 2 for t in (q, k, v)):
             raise GraphMismatch(NAME, node, "is an attention context parallel cannot rewrite: it needs q, k and "
-                                            "v as (B, heads, T, head_dim), each from the batch, and no explicit "
-                                            "mask (is_causal=True instead)")
+                                            "v as (B, heads, T, head_dim), each from the batch")
+        if mask is not None and (mask in self.dims or self.comm_type == "p2p"):
+            raise GraphMismatch(NAME, node, "has an explicit attention mask, which context parallel takes whole "
+                                            "(made of positions, not of the batch) and with cp_comm_type all_gather "
+                                            "or a2a (the p2p ring knows only is_causal=True)")
         if self.comm_type == "p2p":
             if bound.get("dropout_p", 0.0) or bound.get("enable_gqa"):
                 raise GraphMismatch(NAME, node, "has attention dropout or enable_gqa, which the p2p ring does not "
@@ -305,9 +310,13 @@ class _Splitter(TokenRows):
                                                 f"rank 1/cp of the heads (K and V's too): use p2p or all_gather")
             out = insert_call(node, cp_ops.heads_attention, (q, k, v, self.n, bool(bound.get("is_causal")),
                                                              bound.get("dropout_p", 0.0), bound.get("scale"),
-                                                             bound.get("enable_gqa", False)), NAME)
+                                                             bound.get("enable_gqa", False), mask, self.cp_rank),
+                              NAME)
         else:
-            mask = self.causal_mask(node, full_shape(k)[2], q.meta["val"].dtype) if bound.get("is_causal") else None
+            if mask is not None:
+                mask = insert_call(node, cp_ops.gathered_mask, (mask, self.n, self.cp_rank), NAME, before=True)
+            elif bound.get("is_causal"):
+                mask = self.causal_mask(node, full_shape(k)[2], q.meta["val"].dtype)
             out = insert_call(node, cp_ops.attention, (q, k, v, self.n, mask, bound.get("dropout_p", 0.0),
                                                        bound.get("scale"), bound.get("enable_gqa", False)), NAME)
         out.meta["val"] = node.meta["val"]

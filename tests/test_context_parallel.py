@@ -29,7 +29,7 @@ from tests.test_checkpoint import N, WORKER, assert_close, assert_resume_is_exac
 from tests.test_checkpoint import config as checkpoint_config
 from tests.test_memory import measured_step
 from tests.test_data_parallel import BUILD, LRS, check_dp_cases, in_one_process, small_config
-from tests.test_own_model import ATTENTION_FORMS, assert_trains_as_one_device
+from tests.test_own_model import assert_trains_as_one_device, attention_form
 from tests.reference import rel_err
 
 
@@ -67,11 +67,8 @@ def test_ignored_targets_count_as_on_one_device(comm_type, tmp_path):
 def test_kv_heads_repeated_by_repeat_interleave(comm_type, tmp_path):
     """GQA as Qwen writes it: each kv head repeated for its query heads along the heads dim, which cp leaves
     whole (it was refused as not token-wise)."""
-    source = open("examples/parallel_block.py").read().replace('"parallel_block"', f'"cp_gqa_{comm_type}"')
-    for old, new in ATTENTION_FORMS["gqa-repeat-interleave"]:
-        source = source.replace(old, new)
-    (tmp_path / "model.py").write_text(source)
-    assert_trains_as_one_device(f"{tmp_path}/model.py:SPEC", n_head=8, cp=2, cp_comm_type=comm_type)
+    arch = attention_form("gqa-repeat-interleave", f"cp_gqa_{comm_type}", tmp_path)
+    assert_trains_as_one_device(arch, n_head=8, cp=2, cp_comm_type=comm_type)
 
 
 def test_a_head_written_as_a_matmul_works_token_by_token(tmp_path):
@@ -85,11 +82,8 @@ def test_a_head_written_as_a_matmul_works_token_by_token(tmp_path):
 
 
 def test_attention_written_by_hand_is_refused_with_what_to_write(tmp_path, capsys):
-    source = open("examples/parallel_block.py").read().replace('"parallel_block"', '"cp_by_hand"')
-    for old, new in ATTENTION_FORMS["matmul-softmax"]:
-        source = source.replace(old, new)
-    (tmp_path / "model.py").write_text(source)
-    assert run_gpt.main(["--arch", f"{tmp_path}/model.py:SPEC", "--n-layer", "2", "--cp", "2", "--check-plan"]) == 2
+    arch = attention_form("matmul-softmax", "cp_by_hand", tmp_path)
+    assert run_gpt.main(["--arch", arch, "--n-layer", "2", "--cp", "2", "--check-plan"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "node matmul (aten.matmul.default) multiplies values that hold the rank's tokens, as " \
         "attention written by hand does (q @ k^T): context parallel rewrites attention only as " \

@@ -287,15 +287,21 @@ ATTENTION_FORMS = {
 }
 
 
-@pytest.mark.parametrize("form", ATTENTION_FORMS)
-def test_attention_written_other_ways_is_cut_by_heads(form, tmp_path):
-    """Attention forms the tensor-parallel pass refused, each cut by heads at tp 2 as on one device."""
-    source = open("examples/parallel_block.py").read().replace('"parallel_block"', f'"{form}"')
+def attention_form(form: str, name: str, tmp_path) -> str:
+    """The --arch of examples/parallel_block.py with its attention written as ATTENTION_FORMS[form], under `name`
+    (a model's name is its own in a process)."""
+    source = open("examples/parallel_block.py").read().replace('"parallel_block"', f'"{name}"')
     for old, new in ATTENTION_FORMS[form]:
         assert old in source, old
         source = source.replace(old, new)
     (tmp_path / "model.py").write_text(source)
-    assert_trains_as_one_device(f"{tmp_path}/model.py:SPEC", n_head=8)
+    return f"{tmp_path}/model.py:SPEC"
+
+
+@pytest.mark.parametrize("form", ATTENTION_FORMS)
+def test_attention_written_other_ways_is_cut_by_heads(form, tmp_path):
+    """Attention forms the tensor-parallel pass refused, each cut by heads at tp 2 as on one device."""
+    assert_trains_as_one_device(attention_form(form, form, tmp_path), n_head=8)
 
 
 @pytest.mark.parametrize("form", ["mqa-sdpa", "mqa-repeat-kv", "whole-values-against-heads"])
@@ -304,11 +310,25 @@ def test_whole_values_against_heads_under_sequence_parallel(form, tmp_path):
     its value is gathered over the sequence before the cut heads read it (each rank's rows of it, for kv heads
     repeated to every query head), its gradient reduce-scattered back. It was refused, with advice that could
     not be followed."""
-    source = open("examples/parallel_block.py").read().replace('"parallel_block"', f'"{form}_sp"')
-    for old, new in ATTENTION_FORMS[form]:
-        source = source.replace(old, new)
-    (tmp_path / "model.py").write_text(source)
-    assert_trains_as_one_device(f"{tmp_path}/model.py:SPEC", n_head=8, tp=2, sequence_parallel=True)
+    assert_trains_as_one_device(attention_form(form, f"{form}_sp", tmp_path), n_head=8, tp=2, sequence_parallel=True)
+
+
+@pytest.mark.parametrize("form", ["sdpa-bool-window", "sdpa-float-mask", "alibi-sdpa"])
+@pytest.mark.parametrize("parallel", [dict(cp=2, cp_comm_type="all_gather"), dict(tp=2, cp=2, cp_comm_type="a2a")],
+                         ids=["cp2-all-gather", "tp2-cp2-a2a"])
+def test_an_attention_mask_under_context_parallel(form, parallel, tmp_path):
+    """SDPA's attn_mask over the whole sequence (a sliding window, HF's (B, 1, T, T), ALiBi's bias per head): with
+    all_gather its rows are the rank's queries and its columns the keys in gathered order; with a2a it applies as
+    it is to the whole sequence, but for the rank's heads. It was refused at any cp."""
+    assert_trains_as_one_device(attention_form(form, f"{form}_{len(parallel)}_cp", tmp_path), n_head=8, **parallel)
+
+
+def test_an_attention_mask_in_the_p2p_ring_is_one_line(tmp_path, capsys):
+    arch = attention_form("sdpa-bool-window", "window_p2p", tmp_path)
+    assert run_gpt.main(["--arch", arch, "--n-layer", "2", "--cp", "2", "--check-plan"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "has an explicit attention mask, which context parallel takes whole (made of " \
+        "positions, not of the batch) and with cp_comm_type all_gather or a2a" in err[0], err
 
 
 RMS_NORM = '''
