@@ -23,7 +23,10 @@ exactly when i < s. The rank's index is a tensor, so every rank runs the same
 graph text, and every step costs every rank the same (two c x c blocks).
 
 Blocks run in fp32; a score matrix lives inside one block only. Dropout inside
-attention is not supported.
+attention is not supported. Grouped kv heads (SDPA's enable_gqa: fewer K and V
+heads than queries) travel as they are and are repeated for their query heads
+in each block; their gradients are summed back over those heads before they
+travel.
 """
 
 import math
@@ -59,7 +62,9 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, cp_rank, n, causal, scale, group):
         ctx.n, ctx.causal, ctx.scale, ctx.group = n, causal, scale, group
         qf, out, lse = q.float(), None, None
+        group_size = q.shape[1] // k.shape[1]
         for step, keys, values in _around(k, v, n, group, "forward"):
+            keys, values = _repeated(keys, group_size), _repeated(values, group_size)
             for rows, cols, masked in _blocks(step, cp_rank, q.shape[2] // 2, causal):
                 out, lse = ATTEND(out, lse, qf, keys, values, rows, cols, scale, masked)
         # laid out (B, T, nh, hs) in memory, as SDPA's output is: the captured graph views it that way
@@ -72,11 +77,15 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse, cp_rank = ctx.saved_tensors
         qf, dout, outf = q.float(), dout.float(), out.float()
         dq, arriving = qf.new_zeros(qf.shape), None  # contiguous, as ATTEND_BACKWARD's sums are
+        group_size = q.shape[1] // k.shape[1]
         for step, keys, values in _around(k, v, ctx.n, ctx.group, "backward"):
+            keys, values = _repeated(keys, group_size), _repeated(values, group_size)
             dk, dv = keys.new_zeros(keys.shape), values.new_zeros(values.shape)
             for rows, cols, masked in _blocks(step, cp_rank, q.shape[2] // 2, ctx.causal):
                 dq, dk, dv = ATTEND_BACKWARD(dq, dk, dv, dout, qf, keys, values, outf, lse, rows, cols, ctx.scale,
                                              masked)
+            if group_size > 1:  # summed over each kv head's query heads
+                dk, dv = (g.unflatten(1, (k.shape[1], group_size)).sum(2) for g in (dk, dv))
             grads = torch.stack([dk, dv])  # of the block's owner
             if arriving is not None:  # what the ranks before added, sent a step ago while this one computed
                 grads = grads + collectives.wait(arriving)
@@ -96,6 +105,11 @@ def _around(k: torch.Tensor, v: torch.Tensor, n: int, group: str, phase: str):
         yield step, k.float(), v.float()
         if step < n - 1:
             k, v = (collectives.wait(x) for x in arriving)
+
+
+def _repeated(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Each kv head repeated for the `group_size` query heads it serves (SDPA's enable_gqa); no copy without."""
+    return x.repeat_interleave(group_size, 1) if group_size > 1 else x
 
 
 def _blocks(step: int, cp_rank: torch.Tensor, c: int, causal: bool) -> list:

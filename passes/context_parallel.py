@@ -295,10 +295,9 @@ class _Splitter(TokenRows):
                                             "(made of positions, not of the batch) and with cp_comm_type all_gather "
                                             "or a2a (the p2p ring knows only is_causal=True)")
         if self.comm_type == "p2p":
-            if bound.get("dropout_p", 0.0) or bound.get("enable_gqa"):
-                raise GraphMismatch(NAME, node, "has attention dropout or enable_gqa, which the p2p ring does not "
-                                                "support; use cp_comm_type all_gather or a2a, or dropout 0 and K/V "
-                                                "heads repeated before attention")
+            if bound.get("dropout_p", 0.0):
+                raise GraphMismatch(NAME, node, "has attention dropout, which the p2p ring does not support; use "
+                                                "cp_comm_type all_gather or a2a, or dropout 0")
             out = insert_call(node, ring_attention.attention, (q, k, v, self.n, self.cp_rank,
                                                                bool(bound.get("is_causal")), bound.get("scale"),
                                                                cp_ops.GROUP), NAME)

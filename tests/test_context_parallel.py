@@ -71,6 +71,15 @@ def test_kv_heads_repeated_by_repeat_interleave(comm_type, tmp_path):
     assert_trains_as_one_device(arch, n_head=8, cp=2, cp_comm_type=comm_type)
 
 
+@pytest.mark.parametrize("form, parallel", [("gqa-sdpa", dict(cp=2)), ("mqa-sdpa", dict(tp=2, cp=2))],
+                         ids=["gqa-cp2", "mqa-tp2-cp2"])
+def test_the_ring_takes_grouped_kv_heads_through_enable_gqa(form, parallel, tmp_path):
+    """Fewer kv heads than queries (SDPA's enable_gqa) travel round the p2p ring as they are, are repeated for
+    their query heads in each block, and their gradients summed back (it was refused)."""
+    arch = attention_form(form, f"ring_{form}", tmp_path)
+    assert_trains_as_one_device(arch, n_head=8, **parallel)
+
+
 def test_a_head_written_as_a_matmul_works_token_by_token(tmp_path):
     """Falcon's tied head, x @ W.T: a matmul with one operand of the rank's tokens (was refused as attention
     written by hand)."""

@@ -202,6 +202,15 @@ ATTENTION_FORMS = {
                "        att = (att - att.amax(-1, keepdim=True)).exp()\n"
                "        att = (att / att.sum(-1).unsqueeze(-1)).type_as(v)\n"
                "        y = (att @ v).permute(0, 2, 1, 3).reshape(B, T, C)")],
+    # grouped kv heads (half as many as q's) through SDPA's enable_gqa
+    "gqa-sdpa": [
+        ("        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd)",
+         "        self.q = nn.Linear(config.n_embd, config.n_embd, bias=False)\n"
+         "        self.kv = nn.Linear(config.n_embd, config.n_embd, bias=False)  # 2 x half the heads"),
+        (QKV, "        q = self.q(h).view(B, T, self.n_head, -1).transpose(1, 2)\n"
+              "        k, v = (t.view(B, T, self.n_head // 2, -1).transpose(1, 2) for t in self.kv(h).split(C // 2, dim=2))"),
+        (SDPA, SDPA.replace("is_causal=True", "is_causal=True, enable_gqa=True")),
+        ('"blocks.*.qkv=column"', '"blocks.*.q=column", "blocks.*.kv=column"')],
     # one kv head for all (MQA) from a Linear the plan leaves whole, through SDPA's enable_gqa
     "mqa-sdpa": [
         ("        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd)",
