@@ -128,6 +128,25 @@ def rank_part(x: torch.Tensor, dim: int, tp: int, tp_rank: torch.Tensor) -> torc
     return x.index_select(dim, tp_rank * n + torch.arange(n, device=x.device))
 
 
+def norm_over_tp(x: torch.Tensor, normalized: int, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                 eps: float | None, size: int, centred: bool) -> torch.Tensor:
+    """LayerNorm (`centred`) or RMSNorm over the last `normalized` dims of `x`, one of them cut over tp (OLMo-2's
+    q_norm over every head): each mean is the sum of every rank's part over the `size` entries one device
+    normalises, its gradient summed over the ranks that read it; `weight` and `bias` are the rank's parts. In
+    fp32, as torch's norms compute."""
+    dims = tuple(range(-normalized, 0))
+    eps = torch.finfo(x.dtype).eps if eps is None else eps
+
+    def mean(t: torch.Tensor) -> torch.Tensor:
+        return copy_to_tp(reduce_from_tp(t.sum(dims, keepdim=True))) / size
+    y = x.float()
+    if centred:
+        y = y - mean(y)
+    y = y * torch.rsqrt(mean(y * y) + eps)
+    y = y if weight is None else y * weight
+    return (y if bias is None else y + bias).to(x.dtype)
+
+
 def vocab_parallel_embedding(weight: torch.Tensor, idx: torch.Tensor, tp_rank: torch.Tensor) -> torch.Tensor:
     """This rank's part of the embedding: ids outside its rows give zeros (summed over tp afterwards)."""
     rows = weight.shape[0]  # V_padded/tp

@@ -460,13 +460,26 @@ class _Sharder:
 
     def norm(self, node: fx.Node, cut: Cut) -> None:
         """Over trailing dims the cut is not in (QK-norm over the head dim): each rank normalises its heads;
-        the weight and bias are whole values read against them."""
+        the weight and bias are whole values read against them. Over dims the cut is in (OLMo-2's q_norm over
+        every head), from sums over every rank's part, the weight and bias cut to the rank's."""
         x, shape = node.args[:2]
-        if cut.dim >= len(full_shape(x)) - len(shape):
+        ndim = len(full_shape(x))
+        if cut.dim < ndim - len(shape):
+            node.args = (x, shape, *(self.whole_operand(a, node) if isinstance(a, fx.Node) else a
+                                     for a in node.args[2:]))
+            self.cuts[node] = cut
+            return
+        if not self.splits_evenly(cut, cut.full):
             raise GraphMismatch(NAME, node, f"normalises over dim {cut.dim}, which {cut.source} cut over the tp "
-                                            f"ranks")
-        node.args = (x, shape, *(self.whole_operand(a, node) if isinstance(a, fx.Node) else a for a in node.args[2:]))
-        self.cuts[node] = cut
+                                            f"ranks into unequal or fused parts")
+        if node.target is aten.layer_norm.default:
+            _, _, weight, bias, eps, _ = _given(node, None, None, 1e-5, True)
+        else:
+            (_, _, weight, eps), bias = _given(node, None, None), None
+        at = cut.dim - (ndim - len(shape))
+        weight, bias = (self.rank_part(p, at, node) if isinstance(p, fx.Node) else p for p in (weight, bias))
+        self.cuts[self.replace(node, tp_ops.norm_over_tp, (x, len(shape), weight, bias, eps, math.prod(shape),
+                                                           node.target is aten.layer_norm.default))] = cut
 
     def softmax(self, node: fx.Node, cut: Cut) -> None:
         """Along another dim than the cut one, each rank's entries are normalised over what it holds; a
@@ -615,7 +628,8 @@ def full_shape(node: fx.Node) -> tuple[int, ...]:
 
 
 def _given(node: fx.Node, *defaults) -> tuple:
-    """A loss's two tensors and its options (weight, reduction, ...), each given or its `defaults` entry."""
+    """An op's first two arguments (a loss's two tensors, a norm's input and shape) and its options, each given or
+    its `defaults` entry."""
     return (*node.args, *defaults[len(node.args) - 2:])
 
 

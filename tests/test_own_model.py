@@ -211,6 +211,16 @@ ATTENTION_FORMS = {
               "        k, v = (t.view(B, T, self.n_head // 2, -1).transpose(1, 2) for t in self.kv(h).split(C // 2, dim=2))"),
         (SDPA, SDPA.replace("is_causal=True", "is_causal=True, enable_gqa=True")),
         ('"blocks.*.qkv=column"', '"blocks.*.q=column", "blocks.*.kv=column"')],
+    # OLMo-2's QK-norm: an RMSNorm over the whole width of q and of k, every head at once, before the heads are
+    # split off (no bias on qkv or k_norm: the norm takes away any shift of q or k, and a shift of k changes no
+    # softmax; their gradients are rounding noise)
+    "qk-norm-over-heads": [
+        ("        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd)",
+         "        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=False)\n"
+         "        self.q_norm = nn.RMSNorm(config.n_embd)\n"
+         "        self.k_norm = nn.LayerNorm(config.n_embd, bias=False)"),
+        (QKV, "        q, k, v = self.qkv(h).split(C, dim=2)\n"
+              "        q, k, v = (t.view(B, T, self.n_head, -1).transpose(1, 2) for t in (self.q_norm(q), self.k_norm(k), v))")],
     # one kv head for all (MQA) from a Linear the plan leaves whole, through SDPA's enable_gqa
     "mqa-sdpa": [
         ("        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd)",
