@@ -147,7 +147,7 @@ def garbled_index(dump):
     (dump / "index.txt").write_text("rank0: ranks zero to seven\n")
 
 
-MASKED_ATTENTION = '''"""A model whose attention takes an explicit mask, which context parallel cannot rewrite."""
+MASKED_ATTENTION = '''"""A model whose attention takes an explicit mask, which context parallel's p2p ring refuses."""
 from dataclasses import dataclass
 
 import torch
@@ -355,11 +355,12 @@ CASES = [
                                                   "--check-plan"], None,
      "context_parallel: node scaled_dot_product_attention (aten.scaled_dot_product_attention.default) has "
      "attention dropout"),
-    ("cp with an attention it cannot rewrite", "run_gpt", ["--arch", "{tmp}/masked.py:SPEC", "--cp", "2",
+    ("cp with a mask the p2p ring cannot take", "run_gpt", ["--arch", "{tmp}/masked.py:SPEC", "--cp", "2",
                                                            "--check-plan"],
      lambda tmp, saved: (tmp / "masked.py").write_text(MASKED_ATTENTION),
-     "context_parallel: node scaled_dot_product_attention (aten.scaled_dot_product_attention.default) is an "
-     "attention context parallel cannot rewrite"),
+     "context_parallel: node scaled_dot_product_attention (aten.scaled_dot_product_attention.default) has an "
+     "explicit attention mask, which context parallel takes whole (made of positions, not of the batch) and with "
+     "cp_comm_type all_gather or a2a"),
     ("cp with a loss not linear in a mean over tokens", "run_gpt", ["--arch", "{tmp}/squared.py:SPEC", "--cp", "2",
                                                                     "--check-plan"],
      lambda tmp, saved: (tmp / "squared.py").write_text(SQUARED_MEAN),
