@@ -104,8 +104,10 @@ def capture(build: Callable[[], nn.Module], batch: tuple[Input, ...], decays: Ca
 def _as_the_ops_passes_know(graph: torch.fx.GraphModule) -> None:
     """Shape ops written other ways, as the one each is: torch.chunk(x, n, dim) a split into parts of
     ceil(size / n), flatten and unflatten a reshape, broadcast_to an expand, equal slices that tile a dim a
-    split, a fused dim taken apart by unbind a split (`_unbound_as_split`). The passes carry a cut through
-    splits, reshapes and expands (a fused qkv, heads merged back, kv heads repeated); these they refused."""
+    split, a fused dim taken apart by unbind a split (`_unbound_as_split`), stack a cat of unsqueezed tensors
+    (GPT-J's rotary), x.new_ones(size) and its kind a tensor made of nothing (a mask: x gives only its dtype).
+    The passes carry a cut through splits, reshapes, expands, unsqueeze and cat (a fused qkv, heads merged
+    back, kv heads repeated); these they refused."""
     for node in list(graph.graph.nodes):
         x = node.args[0] if node.op == "call_function" and node.args else None
         if node.target is aten.chunk.default:
@@ -117,8 +119,29 @@ def _as_the_ops_passes_know(graph: torch.fx.GraphModule) -> None:
             node.target = aten.expand.default
         elif node.target is aten.unbind.int:
             _unbound_as_split(graph.graph, node)
+        elif node.target is aten.stack.default:
+            _stack_as_cat(graph.graph, node)
+        elif node.target in NEW_FILLED:
+            fill = node.args[2] if node.target is aten.new_full.default else NEW_FILLED[node.target]
+            kwargs = {"dtype": node.kwargs.get("dtype") or x.meta["val"].dtype, "device": x.meta["val"].device}
+            node.target, node.args, node.kwargs = aten.full.default, (node.args[1], fill), kwargs
         if isinstance(node.meta.get("val"), torch.Tensor) and len(node.users) > 1:
             _slices_as_split(graph.graph, node)
+
+
+NEW_FILLED = {aten.new_zeros.default: 0, aten.new_ones.default: 1, aten.new_empty.default: 0, aten.new_full.default: None}
+"""x.new_*(size, ...) -> the value it is filled with (new_full's is its argument; new_empty's any)."""
+
+
+def _stack_as_cat(graph: torch.fx.Graph, stack: torch.fx.Node) -> None:
+    """torch.stack(tensors, dim): each tensor unsqueezed at dim, joined along it."""
+    tensors, dim = (*stack.args, 0)[:2]
+    dim %= tensors[0].meta["val"].dim() + 1
+    with graph.inserting_before(stack):
+        parts = [graph.call_function(aten.unsqueeze.default, (t, dim)) for t in tensors]
+    for part in parts:
+        part.meta["stack_trace"] = stack.meta.get("stack_trace")
+    stack.target, stack.args = aten.cat.default, (parts, dim)
 
 
 def _slices_as_split(graph: torch.fx.Graph, x: torch.fx.Node) -> None:

@@ -213,6 +213,9 @@ class _Sharder(TokenRows):
 def _replace(node: fx.Node, fn, args: tuple) -> fx.Node:
     new = insert_call(node, fn, args, NAME)
     new.meta["val"] = node.meta["val"]  # full shapes until the pass manager re-derives them
+    if "nn_module_stack" in node.meta:  # in the block the replaced node was (tensor_parallel's copy into a
+        # column-parallel linear: on the linear's pipeline stage)
+        new.meta["nn_module_stack"] = node.meta["nn_module_stack"]
     node.replace_all_uses_with(new)
     node.graph.erase_node(node)
     return new

@@ -201,6 +201,10 @@ class _Sharder:
                                               f"{self.cuts[x].source}; put a row-parallel linear between them")
         if x not in self.copies:
             self.copies[x] = insert_call(linear, tp_ops.copy_to_tp, (x,), NAME, before=True)
+            if "nn_module_stack" in linear.meta:  # the linear's block's, on its pipeline stage: made on the stage
+                # before (a post-norm block reads its input itself), it was sent there with the input, an alias
+                # autograd gives no gradient
+                self.copies[x].meta["nn_module_stack"] = linear.meta["nn_module_stack"]
         linear.args = (self.copies[x], *linear.args[1:])
         param = self.param_of(weight)
         out = linear.meta["val"].shape

@@ -297,6 +297,17 @@ ATTENTION_FORMS = {
         (QKV, "        fused = self.qkv(h)\n"
               "        q, k, v = (t.view(B, T, self.n_head, -1).transpose(1, 2)\n"
               "                   for t in (fused[..., :C], fused[..., C:2 * C], fused[..., 2 * C:]))")],
+    # GPT-J's rotary: every two entries of the head dim rotated, by strided slices, torch.stack and flatten
+    "rotary-every-two-stack": [
+        (SDPA, "        angle = torch.arange(T, dtype=torch.float32).view(T, 1) * 0.1 ** torch.arange(C // self.n_head // 2)\n"
+               "        cos, sin = (f(angle).repeat_interleave(2, dim=-1) for f in (torch.cos, torch.sin))\n"
+               "        q, k = (t * cos + torch.stack((-t[..., 1::2], t[..., ::2]), dim=-1).flatten(-2) * sin for t in (q, k))\n"
+               + SDPA)],
+    # a causal mask made by x.new_ones (MPT's), which reads x only for its dtype
+    "new-ones-mask": [
+        (SDPA, "        att = (q @ k.transpose(-2, -1)) / k.size(-1) ** 0.5\n"
+               "        att = att.masked_fill(att.new_ones(T, T).tril() == 0, float('-inf'))\n"
+               "        y = (F.softmax(att, dim=-1) @ v).transpose(1, 2).reshape(B, T, C)")],
     # nanoGPT's attention without flash: matmuls, a causal mask, softmax
     "matmul-softmax": [
         (SDPA, "        att = (q @ k.transpose(-2, -1)) / k.size(-1) ** 0.5\n"
@@ -321,6 +332,21 @@ def attention_form(form: str, name: str, tmp_path) -> str:
 def test_attention_written_other_ways_is_cut_by_heads(form, tmp_path):
     """Attention forms the tensor-parallel pass refused, each cut by heads at tp 2 as on one device."""
     assert_trains_as_one_device(attention_form(form, form, tmp_path), n_head=8)
+
+
+def test_a_post_norm_block_over_pipeline_stages(tmp_path):
+    """Post-LN (GPT-1, BERT): a block's column-parallel qkv reads its input, the residual stream, itself. The
+    copy into the column-parallel linear was made on the stage before, which sent the input and its copy (an
+    alias, which autograd gives no gradient: refused as an output that does not depend on the parameters)."""
+    source = open("examples/parallel_block.py").read().replace('"parallel_block"', '"post_norm"')
+    block = [("        h = self.ln(x)\n", "        h = x\n"),
+             ("        return x + self.out(y) + self.down(F.relu(self.up(h)) ** 2)",
+              "        return self.ln(x + self.out(y) + self.down(F.relu(self.up(h)) ** 2))")]
+    for old, new in block:
+        assert old in source, old
+        source = source.replace(old, new)
+    (tmp_path / "model.py").write_text(source)
+    assert_trains_as_one_device(f"{tmp_path}/model.py:SPEC", n_head=4, tp=2, pp=2)
 
 
 @pytest.mark.parametrize("form", ["mqa-sdpa", "mqa-repeat-kv", "whole-values-against-heads"])
