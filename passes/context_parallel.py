@@ -188,7 +188,9 @@ class _Splitter(TokenRows):
         elif target in (aten.matmul.default, aten.bmm.default):
             raise GraphMismatch(NAME, node, "multiplies values that hold the rank's tokens, as attention written by "
                                             "hand does (q @ k^T): context parallel rewrites attention only as "
-                                            "F.scaled_dot_product_attention(q, k, v, is_causal=True)")
+                                            "F.scaled_dot_product_attention(q, k, v, is_causal=True) (or with a "
+                                            "mask made of positions), whose scores it never sees: scores changed "
+                                            "by hand (soft-capping) cannot be split over cp")
         else:
             raise GraphMismatch(NAME, node, "reads the rank's tokens but is not known to work token by token; "
                                             "context parallel knows element-wise ops, norms over the hidden dim, "

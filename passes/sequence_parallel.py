@@ -116,6 +116,8 @@ class _Sharder(TokenRows):
     def propagate(self, node: fx.Node) -> None:
         """Rewrite `node`, which reads the rank's tokens: a token-wise op, or a MoE layer's routing (TokenRows)."""
         x = node.args[0] if node.args else None
+        if isinstance(x, (list, tuple)):  # cat's tensors
+            x = x[0]
         dim = self.dims.get(x)
         if node.target in VIEWS and dim is not None:
             self.token_view(node, dim)
@@ -135,9 +137,17 @@ class _Sharder(TokenRows):
             self.dims[node] = dim + (node.args[1] % node.meta["val"].dim() <= dim)
         elif node.target in REORDERS and dim is not None:
             self.reorder(node, dim)
-        elif node.target is aten.split.Tensor and dim is not None:
-            if (*node.args, 0)[2] % node.args[0].meta["val"].dim() == dim:
-                raise GraphMismatch(NAME, node, "splits the sequence dim, which sequence parallel cuts over tp")
+        elif node.target in (aten.split.Tensor, aten.slice.Tensor) and dim is not None:
+            at = (*node.args, 0)[2] if node.target is aten.split.Tensor else (*node.args, 0)[1]
+            if at % x.meta["val"].dim() == dim:
+                raise GraphMismatch(NAME, node, "splits or slices the sequence dim, which sequence parallel cuts "
+                                                "over tp")
+            self.dims[node] = dim
+        elif node.target is aten.cat.default and dim is not None:
+            tensors, at = (*node.args, 0)[:2]
+            if any(self.dims.get(t) != dim for t in tensors) or at % x.meta["val"].dim() == dim:
+                raise GraphMismatch(NAME, node, "joins values that do not all hold the rank's tokens on one dim, "
+                                                "or joins along it")
             self.dims[node] = dim
         else:
             dim = self.token_wise(node)

@@ -66,9 +66,8 @@ VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 SOFTMAX = (aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default)
 INSTEAD = {
     aten.einsum.default: "an einsum is not cut by heads here: write it with @ (torch.matmul) over the heads",
-    aten.split_with_sizes.default: "a split into parts of unequal sizes (a fused q, k, v Linear of grouped kv "
-                                   "heads) is not cut here: give q, k and v Linears of their own, each column in "
-                                   "tp_plan",
+    aten.split_with_sizes.default: "parts of unequal sizes (a fused q, k, v Linear of grouped kv heads) are not "
+                                   "cut here: give q, k and v Linears of their own, each column in tp_plan",
     aten.repeat_interleave.self_Tensor: "repeating by a tensor of counts is not cut here: repeat by an int",
     aten.repeat.default: "tiling with repeat is not cut here: repeat each kv head with repeat_interleave(n, dim) "
                          "or expand and reshape",
@@ -178,11 +177,14 @@ class _Sharder:
                                                 f"x @ W.T as F.linear(x, W), or leave it out of tp_plan")
 
     def fused_parts(self, param: fx.Node) -> int:
-        """How many equal parts the outputs of the linears using `param` are split into right away (q, k, v: 3)."""
+        """How many equal parts the outputs of the linears using `param` are split into right away (q, k, v: 3),
+        maybe after ops of that output alone that keep its shape (MPT's clamp of qkv)."""
         parts = set()
         for linear in param.users:
-            users = list(linear.users)
-            out = linear.meta["val"].shape
+            value, out = linear, linear.meta["val"].shape
+            while len(value.users) == 1 and _keeps_shape(next(iter(value.users)), value):
+                value = next(iter(value.users))
+            users = list(value.users)
             split = users[0] if len(users) == 1 and users[0].target is aten.split.Tensor else None
             if split is not None and _dim(split.args[2] if len(split.args) > 2 else 0, len(out)) == len(out) - 1:
                 parts.add(out[-1] // split.args[1])
@@ -335,8 +337,11 @@ class _Sharder:
         else:
             local = shape_out[i] // self.tp if shape_out[i] % self.tp == 0 else None
         if local is None:
+            heads = f"; {shape_out[i]} (heads?) is not divisible by tp={self.tp}: choose a tp that divides it, or " \
+                    f"leave {cut.source} out of tp_plan (fewer kv heads than ranks are read whole)" \
+                if i is not None and cut.blocks == 1 and not padded and shape_out[i] % self.tp else ""
             raise GraphMismatch(NAME, node, f"reshapes {list(shape_in)} to {list(shape_out)}, which does not keep "
-                                            f"dim {cut.dim} (cut by {cut.source}) whole over {self.tp} ranks")
+                                            f"dim {cut.dim} (cut by {cut.source}) whole over {self.tp} ranks{heads}")
         node.args = (x, [local if d == i else n for d, n in enumerate(shape_out)])
         self.cuts[node] = Cut(i, local, shape_out[i], cut.source)
 
@@ -392,7 +397,8 @@ class _Sharder:
         """A slice of another dim keeps the cut; of the cut dim only when it takes the whole dim."""
         x, dim = node.args[0], (*node.args, 0)[1]
         if _dim(dim, len(full_shape(x))) == cut.dim and full_shape(node)[cut.dim] != full_shape(x)[cut.dim]:
-            raise GraphMismatch(NAME, node, f"slices dim {cut.dim}, which {cut.source} cut over the tp ranks")
+            raise GraphMismatch(NAME, node, f"slices dim {cut.dim}, which {cut.source} cut over the tp ranks; "
+                                            f"{INSTEAD[aten.split_with_sizes.default]}")
         self.cuts[node] = cut
 
     def cat(self, node: fx.Node) -> None:
@@ -629,6 +635,13 @@ class _Sharder:
 def full_shape(node: fx.Node) -> tuple[int, ...]:
     """Full (single-device) shape: the rewrite reads meta before shape propagation reruns."""
     return tuple(node.meta["val"].shape)
+
+
+def _keeps_shape(node: fx.Node, x: fx.Node) -> bool:
+    """Whether `node` is an op of `x` alone (numbers aside) that keeps its shape entry by entry."""
+    alone = [a for a in node.all_input_nodes] == [x]
+    return alone and (node.target in SHAPE_PRESERVING or is_elementwise(node.target)) and \
+        tuple(node.meta["val"].shape) == tuple(x.meta["val"].shape)
 
 
 def _given(node: fx.Node, *defaults) -> tuple:

@@ -277,6 +277,19 @@ ATTENTION_FORMS = {
               "        k, v = (t.view(B, T, 1, hs).transpose(1, 2)[:, :, None].expand(B, 1, self.n_head, T, hs)\n"
               "                .reshape(B, self.n_head, T, hs) for t in self.kv(h).split(hs, dim=2))"),
         ('"blocks.*.qkv=column"', '"blocks.*.q=column"')],
+    # fewer kv heads (2) than query heads, from a Linear the plan leaves whole, rotated by rotate_half (slices
+    # and cat) and repeated by HF's repeat_kv: each rank reads its query heads' rows
+    "kv-whole-rotate-half": [
+        ("        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd)",
+         "        self.q = nn.Linear(config.n_embd, config.n_embd, bias=False)\n"
+         "        self.kv = nn.Linear(config.n_embd, 4 * config.n_embd // config.n_head, bias=False)"),
+        (QKV, "        hs = C // self.n_head\n"
+              "        q = self.q(h).view(B, T, self.n_head, hs).transpose(1, 2)\n"
+              "        k, v = (t.view(B, T, 2, hs).transpose(1, 2) for t in self.kv(h).split(2 * hs, dim=2))\n"
+              "        k = k + 0.5 * torch.cat((-k[..., hs // 2:], k[..., :hs // 2]), dim=-1)\n"
+              "        k, v = (t[:, :, None].expand(B, 2, self.n_head // 2, T, hs).reshape(B, self.n_head, T, hs)\n"
+              "                for t in (k, v))"),
+        ('"blocks.*.qkv=column"', '"blocks.*.q=column"')],
     # q, k and v laid out per head (BLOOM's, GPT-NeoX's fused qkv), picked by select
     "qkv-per-head-select": [
         (QKV, "        fused = self.qkv(h).view(B, T, self.n_head, 3, C // self.n_head)\n"
@@ -308,6 +321,10 @@ ATTENTION_FORMS = {
         (SDPA, "        att = (q @ k.transpose(-2, -1)) / k.size(-1) ** 0.5\n"
                "        att = att.masked_fill(att.new_ones(T, T).tril() == 0, float('-inf'))\n"
                "        y = (F.softmax(att, dim=-1) @ v).transpose(1, 2).reshape(B, T, C)")],
+    # MPT's clip_qkv: the fused qkv clamped, then chunked
+    "qkv-clamped-chunk": [
+        (QKV, "        q, k, v = (t.view(B, T, self.n_head, -1).transpose(1, 2)\n"
+              "                   for t in self.qkv(h).clamp(-2.0, 2.0).chunk(3, dim=2))")],
     # nanoGPT's attention without flash: matmuls, a causal mask, softmax
     "matmul-softmax": [
         (SDPA, "        att = (q @ k.transpose(-2, -1)) / k.size(-1) ** 0.5\n"
@@ -334,6 +351,14 @@ def test_attention_written_other_ways_is_cut_by_heads(form, tmp_path):
     assert_trains_as_one_device(attention_form(form, form, tmp_path), n_head=8)
 
 
+def test_fewer_kv_heads_than_ranks_in_a_column_linear_says_to_leave_it_whole(tmp_path, capsys):
+    arch = attention_form("gqa-repeat-interleave", "gqa_over_tp4", tmp_path)
+    assert run_gpt.main(["--arch", arch, "--n-layer", "2", "--n-head", "4", "--tp", "4", "--check-plan"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "2 (heads?) is not divisible by tp=4: choose a tp that divides it, or leave blocks.0.kv " \
+        "out of tp_plan (fewer kv heads than ranks are read whole)" in err[0], err
+
+
 def test_a_post_norm_block_over_pipeline_stages(tmp_path):
     """Post-LN (GPT-1, BERT): a block's column-parallel qkv reads its input, the residual stream, itself. The
     copy into the column-parallel linear was made on the stage before, which sent the input and its copy (an
@@ -349,7 +374,7 @@ def test_a_post_norm_block_over_pipeline_stages(tmp_path):
     assert_trains_as_one_device(f"{tmp_path}/model.py:SPEC", n_head=4, tp=2, pp=2)
 
 
-@pytest.mark.parametrize("form", ["mqa-sdpa", "mqa-repeat-kv", "whole-values-against-heads"])
+@pytest.mark.parametrize("form", ["mqa-sdpa", "mqa-repeat-kv", "whole-values-against-heads", "kv-whole-rotate-half"])
 def test_whole_values_against_heads_under_sequence_parallel(form, tmp_path):
     """A kv head (MQA) or gate from a Linear the plan leaves whole reads the rank's tokens under sequence parallel:
     its value is gathered over the sequence before the cut heads read it (each rank's rows of it, for kv heads
