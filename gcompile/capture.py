@@ -14,7 +14,6 @@ import contextlib
 import inspect
 import io
 import logging
-import operator
 import sys
 from collections.abc import Callable
 
@@ -22,6 +21,7 @@ import torch
 import torch.nn as nn
 from torch.export.graph_signature import InputKind
 
+from gcompile.canonical import as_the_ops_passes_know
 from gcompile.config import ConfigError
 from gcompile.layout import Param
 from gcompile.models.spec import Input, canonical_names
@@ -29,8 +29,6 @@ from gcompile.report import number_reports
 from gcompile.program import Program, Stage, not_a_loss, refresh_meta, source_line
 from gcompile.torch_api import FakeTensorMode
 from gcompile.user_code import failure_line
-
-aten = torch.ops.aten
 
 
 def capture(build: Callable[[], nn.Module], batch: tuple[Input, ...], decays: Callable[[str, tuple[int, ...]], bool],
@@ -92,111 +90,13 @@ def capture(build: Callable[[], nn.Module], batch: tuple[Input, ...], decays: Ca
 
     for node in list(graph.graph.find_nodes(op="call_function", target=torch.ops.aten._assert_tensor_metadata.default)):
         graph.graph.erase_node(node)  # export's dtype/device checks: nothing for a pass to carry around
-    _as_the_ops_passes_know(graph)
+    as_the_ops_passes_know(graph)
     graph.graph.eliminate_dead_code()
     number_reports(graph)
     graph.recompile()
     stage = Stage(index=0, graph=graph, params=params, inputs=roles, outputs=["loss"])
     refresh_meta(stage)
     return Program(stages=[stage], history=["capture"])
-
-
-def _as_the_ops_passes_know(graph: torch.fx.GraphModule) -> None:
-    """Shape ops written other ways, as the one each is: torch.chunk(x, n, dim) a split into parts of
-    ceil(size / n), flatten and unflatten a reshape, broadcast_to an expand, equal slices that tile a dim a
-    split, a fused dim taken apart by unbind a split (`_unbound_as_split`), stack a cat of unsqueezed tensors
-    (GPT-J's rotary), x.new_ones(size) and its kind a tensor made of nothing (a mask: x gives only its dtype).
-    The passes carry a cut through splits, reshapes, expands, unsqueeze and cat (a fused qkv, heads merged
-    back, kv heads repeated); these they refused."""
-    for node in list(graph.graph.nodes):
-        x = node.args[0] if node.op == "call_function" and node.args else None
-        if node.target is aten.chunk.default:
-            chunks, dim = (*node.args[1:], 0)[:2]
-            node.target, node.args = aten.split.Tensor, (x, -(-x.meta["val"].shape[dim] // chunks), dim)
-        elif node.target in (aten.flatten.using_ints, aten.unflatten.int):
-            node.target, node.args = aten.reshape.default, (x, list(node.meta["val"].shape))
-        elif node.target is aten.broadcast_to.default:
-            node.target = aten.expand.default
-        elif node.target is aten.unbind.int:
-            _unbound_as_split(graph.graph, node)
-        elif node.target is aten.stack.default:
-            _stack_as_cat(graph.graph, node)
-        elif node.target in NEW_FILLED:
-            fill = node.args[2] if node.target is aten.new_full.default else NEW_FILLED[node.target]
-            kwargs = {"dtype": node.kwargs.get("dtype") or x.meta["val"].dtype, "device": x.meta["val"].device}
-            node.target, node.args, node.kwargs = aten.full.default, (node.args[1], fill), kwargs
-        if isinstance(node.meta.get("val"), torch.Tensor) and len(node.users) > 1:
-            _slices_as_split(graph.graph, node)
-
-
-NEW_FILLED = {aten.new_zeros.default: 0, aten.new_ones.default: 1, aten.new_empty.default: 0, aten.new_full.default: None}
-"""x.new_*(size, ...) -> the value it is filled with (new_full's is its argument; new_empty's any)."""
-
-
-def _stack_as_cat(graph: torch.fx.Graph, stack: torch.fx.Node) -> None:
-    """torch.stack(tensors, dim): each tensor unsqueezed at dim, joined along it."""
-    tensors, dim = (*stack.args, 0)[:2]
-    dim %= tensors[0].meta["val"].dim() + 1
-    with graph.inserting_before(stack):
-        parts = [graph.call_function(aten.unsqueeze.default, (t, dim)) for t in tensors]
-    for part in parts:
-        part.meta["stack_trace"] = stack.meta.get("stack_trace")
-    stack.target, stack.args = aten.cat.default, (parts, dim)
-
-
-def _slices_as_split(graph: torch.fx.Graph, x: torch.fx.Node) -> None:
-    """`x` read only as equal slices that tile one dim (q, k, v as qkv[..., :C], qkv[..., C:2C], qkv[..., 2C:]):
-    a split into those parts."""
-    if any(s.target is not aten.slice.Tensor or s.args[0] is not x for s in x.users):
-        return
-    shape = x.meta["val"].shape
-    taken = {}  # (start, end) -> the slice
-    for s in x.users:
-        dim, start, end, step = (*s.args[1:], *(0, None, None, 1)[len(s.args) - 1:])
-        taken[dim % len(shape), start or 0, min(shape[dim], shape[dim] if end is None else end), step] = s
-    dims = {dim for dim, _, _, _ in taken}
-    size, n = shape[next(iter(dims))], len(taken)
-    if len(dims) != 1 or n != len(x.users) or size % n or \
-            sorted(key[1:] for key in taken) != [(i * size // n, (i + 1) * size // n, 1) for i in range(n)]:
-        return
-    with graph.inserting_after(x):
-        split = graph.call_function(aten.split.Tensor, (x, size // n, dims.pop()))
-    for (_, start, _, _), s in taken.items():
-        s.target, s.args = operator.getitem, (split, start // (size // n))
-    split.meta["stack_trace"] = s.meta.get("stack_trace")
-
-
-def _unbound_as_split(graph: torch.fx.Graph, unbind: torch.fx.Node) -> None:
-    """A fused dim viewed as (..., k, n, ...) and taken apart on k by unbind, maybe after a permute (timm's
-    attention: qkv.reshape(B, T, 3, H, D).permute(2, 0, 3, 1, 4).unbind(0)): a split of the fused dim into k
-    parts, each viewed as (..., n, ...) and permuted alike."""
-    permute = unbind.args[0] if unbind.args[0].target is aten.permute.default else None
-    view = (permute or unbind).args[0]
-    if view.target not in (aten.view.default, aten.reshape.default) or len(view.users) != 1 or \
-            permute is not None and len(permute.users) != 1:
-        return
-    x, shape = view.args[0], list(view.meta["val"].shape)
-    whole = list(x.meta["val"].shape)
-    at = len(whole) - 1  # the fused dim: the last, viewed as (k, n, ...) from `at` on
-    order = [d % len(shape) for d in permute.args[1]] if permute is not None else list(range(len(shape)))
-    if shape[:at] != whole[:at] or order[(*unbind.args, 0)[1] % len(shape)] != at or \
-            any(user.target is not operator.getitem for user in unbind.users):
-        return
-    with graph.inserting_before(unbind):
-        made = [graph.call_function(aten.split.Tensor, (x, whole[at] // shape[at], at))]
-        for user in list(unbind.users):
-            made.append(graph.call_function(operator.getitem, (made[0], user.args[1])))
-            made.append(graph.call_function(aten.reshape.default, (made[-1], shape[:at] + shape[at + 1:])))
-            if permute is not None:
-                made.append(graph.call_function(aten.permute.default,
-                                                (made[-1], [d - (d > at) for d in order if d != at])))
-            user.replace_all_uses_with(made[-1])
-            graph.erase_node(user)
-    for node in made:
-        node.meta["stack_trace"] = unbind.meta.get("stack_trace")
-    for node in (unbind, permute, view):
-        if node is not None:
-            graph.erase_node(node)
 
 
 def _held(model: nn.Module, target: str) -> bool:

@@ -1,0 +1,115 @@
+"""Shape ops written other ways, rewritten at capture as the one each is, which the passes know.
+
+Models take q, k and v apart, repeat kv heads and build masks in many ways that
+are the same op:
+
+    torch.chunk(x, n, dim)             split into parts of ceil(size / n)
+    flatten, unflatten                 reshape
+    broadcast_to                       expand
+    slices that tile a dim equally     split (qkv[..., :C], qkv[..., C:2C], qkv[..., 2C:])
+    unbind of a fused dim's view       split, each part viewed (and permuted) alike (timm's attention)
+    stack                              cat of unsqueezed tensors (GPT-J's rotary)
+    x.new_ones(size) and its kind      full(size): x gives only the dtype (MPT's mask)
+
+The passes carry a cut or the rank's tokens through the one form; the others
+they refused. Each rewrite gives the same values: the graph computes what it did.
+"""
+
+import operator
+
+import torch
+
+aten = torch.ops.aten
+
+
+def as_the_ops_passes_know(graph: torch.fx.GraphModule) -> None:
+    """Each op of `graph` written another way, as the one it is (the table above), in place."""
+    for node in list(graph.graph.nodes):
+        x = node.args[0] if node.op == "call_function" and node.args else None
+        if node.target is aten.chunk.default:
+            chunks, dim = (*node.args[1:], 0)[:2]
+            node.target, node.args = aten.split.Tensor, (x, -(-x.meta["val"].shape[dim] // chunks), dim)
+        elif node.target in (aten.flatten.using_ints, aten.unflatten.int):
+            node.target, node.args = aten.reshape.default, (x, list(node.meta["val"].shape))
+        elif node.target is aten.broadcast_to.default:
+            node.target = aten.expand.default
+        elif node.target is aten.unbind.int:
+            _unbound_as_split(graph.graph, node)
+        elif node.target is aten.stack.default:
+            _stack_as_cat(graph.graph, node)
+        elif node.target in NEW_FILLED:
+            fill = node.args[2] if node.target is aten.new_full.default else NEW_FILLED[node.target]
+            kwargs = {"dtype": node.kwargs.get("dtype") or x.meta["val"].dtype, "device": x.meta["val"].device}
+            node.target, node.args, node.kwargs = aten.full.default, (node.args[1], fill), kwargs
+        if isinstance(node.meta.get("val"), torch.Tensor) and len(node.users) > 1:
+            _slices_as_split(graph.graph, node)
+
+
+NEW_FILLED = {aten.new_zeros.default: 0, aten.new_ones.default: 1, aten.new_empty.default: 0, aten.new_full.default: None}
+"""x.new_*(size, ...) -> the value it is filled with (new_full's is its argument; new_empty's any)."""
+
+
+def _stack_as_cat(graph: torch.fx.Graph, stack: torch.fx.Node) -> None:
+    """torch.stack(tensors, dim): each tensor unsqueezed at dim, joined along it."""
+    tensors, dim = (*stack.args, 0)[:2]
+    dim %= tensors[0].meta["val"].dim() + 1
+    with graph.inserting_before(stack):
+        parts = [graph.call_function(aten.unsqueeze.default, (t, dim)) for t in tensors]
+    for part in parts:
+        part.meta["stack_trace"] = stack.meta.get("stack_trace")
+    stack.target, stack.args = aten.cat.default, (parts, dim)
+
+
+def _slices_as_split(graph: torch.fx.Graph, x: torch.fx.Node) -> None:
+    """`x` read only as equal slices that tile one dim (q, k, v as qkv[..., :C], qkv[..., C:2C], qkv[..., 2C:]):
+    a split into those parts."""
+    if any(s.target is not aten.slice.Tensor or s.args[0] is not x for s in x.users):
+        return
+    shape = x.meta["val"].shape
+    taken = {}  # (dim, start, end, step) -> the slice
+    for s in x.users:
+        dim, start, end, step = (*s.args[1:], *(0, None, None, 1)[len(s.args) - 1:])
+        taken[dim % len(shape), start or 0, min(shape[dim], shape[dim] if end is None else end), step] = s
+    dims = {dim for dim, _, _, _ in taken}
+    size, n = shape[next(iter(dims))], len(taken)
+    if len(dims) != 1 or n != len(x.users) or size % n or \
+            sorted(key[1:] for key in taken) != [(i * size // n, (i + 1) * size // n, 1) for i in range(n)]:
+        return
+    with graph.inserting_after(x):
+        split = graph.call_function(aten.split.Tensor, (x, size // n, dims.pop()))
+    split.meta["stack_trace"] = next(iter(x.users)).meta.get("stack_trace")
+    for (_, start, _, _), s in taken.items():
+        s.target, s.args = operator.getitem, (split, start // (size // n))
+
+
+def _unbound_as_split(graph: torch.fx.Graph, unbind: torch.fx.Node) -> None:
+    """A fused dim viewed as (..., k, n, ...) and taken apart on k by unbind, maybe after a permute (timm's
+    attention: qkv.reshape(B, T, 3, H, D).permute(2, 0, 3, 1, 4).unbind(0)): a split of the fused dim into k
+    parts, each viewed as (..., n, ...) and permuted alike."""
+    permute = unbind.args[0] if unbind.args[0].target is aten.permute.default else None
+    view = (permute or unbind).args[0]
+    if view.target not in (aten.view.default, aten.reshape.default) or len(view.users) != 1 or \
+            permute is not None and len(permute.users) != 1:
+        return
+    x, shape = view.args[0], list(view.meta["val"].shape)
+    whole = list(x.meta["val"].shape)
+    at = len(whole) - 1  # the fused dim: the last, viewed as (k, n, ...) from `at` on
+    order = [d % len(shape) for d in permute.args[1]] if permute is not None else list(range(len(shape)))
+    if shape[:at] != whole[:at] or order[(*unbind.args, 0)[1] % len(shape)] != at or \
+            any(user.target is not operator.getitem for user in unbind.users):
+        return
+    with graph.inserting_before(unbind):
+        made = [graph.call_function(aten.split.Tensor, (x, whole[at] // shape[at], at))]
+        for user in list(unbind.users):
+            made.append(graph.call_function(operator.getitem, (made[0], user.args[1])))
+            made.append(graph.call_function(aten.reshape.default, (made[-1], shape[:at] + shape[at + 1:])))
+            if permute is not None:
+                made.append(graph.call_function(aten.permute.default,
+                                                (made[-1], [d - (d > at) for d in order if d != at])))
+            user.replace_all_uses_with(made[-1])
+            graph.erase_node(user)
+    for node in made:
+        node.meta["stack_trace"] = unbind.meta.get("stack_trace")
+    for node in (unbind, permute, view):
+        if node is not None:
+            graph.erase_node(node)
