@@ -6,7 +6,7 @@ are the same op:
     torch.chunk(x, n, dim)             split into parts of ceil(size / n)
     flatten, unflatten                 reshape
     broadcast_to                       expand
-    slices that tile a dim equally     split (qkv[..., :C], qkv[..., C:2C], qkv[..., 2C:])
+    slices that tile a dim             split, or split_with_sizes where unequal (qkv[..., :C], qkv[..., C:]...)
     unbind of a fused dim's view       split, each part viewed (and permuted) alike (timm's attention)
     stack                              cat of unsqueezed tensors (GPT-J's rotary)
     x.new_ones(size) and its kind      full(size): x gives only the dtype (MPT's mask)
@@ -61,8 +61,8 @@ def _stack_as_cat(graph: torch.fx.Graph, stack: torch.fx.Node) -> None:
 
 
 def _slices_as_split(graph: torch.fx.Graph, x: torch.fx.Node) -> None:
-    """`x` read only as equal slices that tile one dim (q, k, v as qkv[..., :C], qkv[..., C:2C], qkv[..., 2C:]):
-    a split into those parts."""
+    """`x` read only as slices that tile one dim (q, k, v as qkv[..., :C], qkv[..., C:2C], qkv[..., 2C:]; Phi-3's
+    of grouped kv heads, unequal): a split into those parts."""
     if any(s.target is not aten.slice.Tensor or s.args[0] is not x for s in x.users):
         return
     shape = x.meta["val"].shape
@@ -71,15 +71,18 @@ def _slices_as_split(graph: torch.fx.Graph, x: torch.fx.Node) -> None:
         dim, start, end, step = (*s.args[1:], *(0, None, None, 1)[len(s.args) - 1:])
         taken[dim % len(shape), start or 0, min(shape[dim], shape[dim] if end is None else end), step] = s
     dims = {dim for dim, _, _, _ in taken}
-    size, n = shape[next(iter(dims))], len(taken)
-    if len(dims) != 1 or n != len(x.users) or size % n or \
-            sorted(key[1:] for key in taken) != [(i * size // n, (i + 1) * size // n, 1) for i in range(n)]:
+    bounds = sorted(key[1:] for key in taken)
+    starts, ends, steps = zip(*bounds)
+    if len(dims) != 1 or len(taken) != len(x.users) or set(steps) != {1} or starts[0] != 0 or \
+            ends[-1] != shape[next(iter(dims))] or list(starts[1:]) != list(ends[:-1]):
         return
+    sizes = [end - start for start, end, _ in bounds]
     with graph.inserting_after(x):
-        split = graph.call_function(aten.split.Tensor, (x, size // n, dims.pop()))
+        split = graph.call_function(aten.split.Tensor, (x, sizes[0], dims.pop())) if len(set(sizes)) == 1 else \
+            graph.call_function(aten.split_with_sizes.default, (x, sizes, dims.pop()))
     split.meta["stack_trace"] = next(iter(x.users)).meta.get("stack_trace")
     for (_, start, _, _), s in taken.items():
-        s.target, s.args = operator.getitem, (split, start // (size // n))
+        s.target, s.args = operator.getitem, (split, starts.index(start))
 
 
 def _unbound_as_split(graph: torch.fx.Graph, unbind: torch.fx.Node) -> None:

@@ -23,8 +23,9 @@ class Shard:
     """Mesh axis whose ranks each hold one piece: "tp"."""
     dim: int
     """Tensor dimension that is cut."""
-    blocks: int = 1
-    """The dim holds this many fused parts (Q, K, V = 3); each part is cut on its own."""
+    parts: tuple[int, ...] = ()
+    """The dim holds fused parts of these sizes (Q, K, V; unequal with grouped kv heads), each cut on its own;
+    () for one."""
     padded_size: int | None = None
     """The dim is zero-padded to this size before cutting (vocab padding); None = no padding."""
 
@@ -68,8 +69,8 @@ def local_value(full: torch.Tensor, param: Param, coords: Mapping[str, int],
     for s in param.shards:
         value = _pad(value, s)
         n = axis_sizes[s.axis]
-        blocks = value.unflatten(s.dim, (s.blocks, -1))  # (..., blocks, size/blocks, ...)
-        value = blocks.chunk(n, dim=s.dim + 1)[coords[s.axis]].flatten(s.dim, s.dim + 1)
+        parts = value.split(list(s.parts), s.dim) if s.parts else (value,)
+        value = torch.cat([part.chunk(n, dim=s.dim)[coords[s.axis]] for part in parts], dim=s.dim)
     return value.contiguous()
 
 
@@ -131,6 +132,7 @@ def _assemble(pieces, shards, shapes, axis_sizes) -> torch.Tensor:
     per_rank = len(pieces) // n
     parts = [_assemble(pieces[i * per_rank:(i + 1) * per_rank], shards[1:], shapes[1:], axis_sizes)
              for i in range(n)]
-    blocks = [p.unflatten(s.dim, (s.blocks, -1)) for p in parts]  # (..., blocks, size/blocks/n, ...)
-    value = torch.cat(blocks, dim=s.dim + 1).flatten(s.dim, s.dim + 1)
+    local = [size // n for size in s.parts] or [shapes[1][s.dim]]
+    by_part = zip(*(p.split(local, s.dim) for p in parts))  # per fused part, every rank's piece of it
+    value = torch.cat([torch.cat(pieces, dim=s.dim) for pieces in by_part], dim=s.dim)
     return value.narrow(s.dim, 0, shapes[0][s.dim])  # drop the padding

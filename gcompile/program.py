@@ -243,7 +243,7 @@ def format_stage(stage: Stage) -> str:
     lines = [f"# stage {stage.index}: inputs {stage.inputs} -> outputs {stage.outputs}", "# parameters:"]
     for p, node in zip(stage.params, stage.placeholders()):
         local = tuple(node.meta["val"].shape) if "val" in node.meta else "?"
-        cuts = ", ".join(f"{s.axis}:dim{s.dim}" + (f"x{s.blocks}blocks" if s.blocks > 1 else "")
+        cuts = ", ".join(f"{s.axis}:dim{s.dim}" + (f"x{len(s.parts)}parts" if s.parts else "")
                          + (f" pad{s.padded_size}" if s.padded_size else "") for s in p.shards)
         tied = " tied-copy" if p.tied_copy else ""
         lines.append(f"#   {node.name:<48} {p.name:<40} full {tuple(p.full_shape)} local {local}"

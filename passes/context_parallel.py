@@ -58,7 +58,7 @@ from gcompile.program import BATCH_ROLES, Program, Stage
 from gcompile.report import REPORT
 from passes.rewrite import GraphMismatch, insert_call, rank_constant, whole_model_copy
 from passes.sequence_parallel import TOKEN_WISE
-from passes.tensor_parallel import BROADCASTING, NORMS, SHAPE_PRESERVING, VIEWS, full_shape, is_elementwise
+from passes.tensor_parallel import BROADCASTING, NORMS, SHAPE_PRESERVING, SPLITS, VIEWS, full_shape, is_elementwise
 from passes.token_rows import ALONG, GROUPED_MM, REORDERS, ROUTING, TokenRows
 
 NAME = "context_parallel"
@@ -181,7 +181,7 @@ class _Splitter(TokenRows):
             self.logsumexp(node, dim)
         elif target in GATHER:
             self.gather(node, dim)
-        elif target in (aten.split.Tensor, aten.slice.Tensor, aten.cat.default) or target in SAME_CUT:
+        elif target in (*SPLITS, aten.slice.Tensor, aten.cat.default) or target in SAME_CUT:
             self.same_cut(node, dim)
         elif target is aten.matmul.default and node.args[1] not in self.dims and dim < len(full_shape(x)) - 1:
             self.dims[node] = dim + len(full_shape(node)) - len(full_shape(x))  # x @ W: a linear, token by token
@@ -223,14 +223,14 @@ class _Splitter(TokenRows):
             self.dims[node] = dim
             return
         shape_in = full_shape(node.args[0][0] if node.target is aten.cat.default else node.args[0])
-        if node.target is aten.split.Tensor and (*node.args, 0)[2] % len(shape_in) == dim:
+        if node.target in SPLITS and (*node.args, 0)[2] % len(shape_in) == dim:
             raise GraphMismatch(NAME, node, "splits the sequence dim, which context parallel cuts")
         if node.target is aten.cat.default:
             tensors, at = (*node.args, 0)[:2]
             if any(self.dims.get(t) != dim for t in tensors) or at % len(shape_in) == dim:
                 raise GraphMismatch(NAME, node, "joins values that do not all hold the rank's tokens on one "
                                                 "dim, or joins along that dim")
-        if node.target is not aten.split.Tensor:
+        if node.target not in SPLITS:
             shape_out = full_shape(node)
             if dim >= len(shape_out) or shape_out[dim] != shape_in[dim]:
                 raise GraphMismatch(NAME, node, f"turns {list(shape_in)} into {list(shape_out)}; context parallel "

@@ -43,7 +43,7 @@ from gcompile import tp_ops
 from gcompile.pass_manager import PassContext, register_pass
 from gcompile.program import Program, Stage
 from passes.rewrite import GraphMismatch, insert_call, rank_constant
-from passes.tensor_parallel import NLL_LOSSES, NORMS, VIEWS, is_elementwise
+from passes.tensor_parallel import NLL_LOSSES, NORMS, SPLITS, VIEWS, is_elementwise
 from passes.token_rows import ALONG, GROUPED_MM, REORDERS, ROUTING, TokenRows
 
 NAME = "sequence_parallel"
@@ -137,8 +137,8 @@ class _Sharder(TokenRows):
             self.dims[node] = dim + (node.args[1] % node.meta["val"].dim() <= dim)
         elif node.target in REORDERS and dim is not None:
             self.reorder(node, dim)
-        elif node.target in (aten.split.Tensor, aten.slice.Tensor) and dim is not None:
-            at = (*node.args, 0)[2] if node.target is aten.split.Tensor else (*node.args, 0)[1]
+        elif node.target in (*SPLITS, aten.slice.Tensor) and dim is not None:
+            at = (*node.args, 0)[2] if node.target in SPLITS else (*node.args, 0)[1]
             if at % x.meta["val"].dim() == dim:
                 raise GraphMismatch(NAME, node, "splits or slices the sequence dim, which sequence parallel cuts "
                                                 "over tp")

@@ -66,8 +66,6 @@ VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 SOFTMAX = (aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default)
 INSTEAD = {
     aten.einsum.default: "an einsum is not cut by heads here: write it with @ (torch.matmul) over the heads",
-    aten.split_with_sizes.default: "parts of unequal sizes (a fused q, k, v Linear of grouped kv heads) are not "
-                                   "cut here: give q, k and v Linears of their own, each column in tp_plan",
     aten.repeat_interleave.self_Tensor: "repeating by a tensor of counts is not cut here: repeat by an int",
     aten.repeat.default: "tiling with repeat is not cut here: repeat each kv head with repeat_interleave(n, dim) "
                          "or expand and reshape",
@@ -79,6 +77,7 @@ REDUCTIONS = (aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.
 args[2] (keepdim) is set."""
 SUMS = (aten.sum.dim_IntList, aten.sum.default)
 MEANS = (aten.mean.dim, aten.mean.default)
+SPLITS = (aten.split.Tensor, aten.split_with_sizes.default)
 NLL_LOSSES = (aten.nll_loss_nd.default, aten.nll_loss.default)
 """F.nll_loss: (input, target, weight, reduction, ignore_index), the classes on dim 1."""
 NORMS = (aten.layer_norm.default, aten.rms_norm.default)
@@ -102,12 +101,12 @@ class Cut:
     """Entries of `dim` on one device (before padding)."""
     source: str
     """The module whose parameters cut it, for error messages."""
-    blocks: int = 1
-    """`dim` holds this many fused parts (q, k, v), each cut on its own."""
+    parts: tuple[int, ...] = ()
+    """`dim` holds fused parts (q, k, v) of these full sizes, each cut on its own; () for one."""
 
     def alike(self, other: "Cut") -> bool:
         """Cut the same way, whichever module cut it: element-wise ops may combine them."""
-        return (self.dim, self.local, self.full, self.blocks) == (other.dim, other.local, other.full, other.blocks)
+        return (self.dim, self.local, self.full, self.parts) == (other.dim, other.local, other.full, other.parts)
 
 
 @register_pass(NAME)
@@ -128,6 +127,8 @@ class _Sharder:
         """Placement of each sharded parameter placeholder."""
         self.cuts: dict[fx.Node, Cut] = {}
         """Every activation the rewrite has made rank-local so far."""
+        self.part_cuts: dict[fx.Node, list[Cut]] = {}
+        """Per split along a cut dim into fused parts, how each part is cut."""
         self.copies: dict[fx.Node, fx.Node] = {}
         """copy_to_tp(x) by x, shared by the column-parallel linears that read x and the ops that read it against
         a cut tensor (`whole_operand`)."""
@@ -161,7 +162,7 @@ class _Sharder:
             elif placement == "row":
                 shard = Shard("tp", 1)
             else:
-                shard = Shard("tp", 0, blocks=self.fused_parts(node))
+                shard = Shard("tp", 0, parts=self.fused_parts(node))
             self.stage.params[i] = param = param.with_shard(shard)
             node.meta["val"] = fake_like(node, param.local_shape(self.ctx.coords.axis_sizes))
             self.placement[node] = placement
@@ -176,20 +177,23 @@ class _Sharder:
                                                 f"only a linear (or, for vocab, an embedding) may use it: write "
                                                 f"x @ W.T as F.linear(x, W), or leave it out of tp_plan")
 
-    def fused_parts(self, param: fx.Node) -> int:
-        """How many equal parts the outputs of the linears using `param` are split into right away (q, k, v: 3),
-        maybe after ops of that output alone that keep its shape (MPT's clamp of qkv)."""
+    def fused_parts(self, param: fx.Node) -> tuple[int, ...]:
+        """The sizes of the parts the outputs of the linears using `param` are split into right away (q, k, v;
+        unequal with grouped kv heads), maybe after ops of that output alone that keep its shape (MPT's
+        clip_qkv clamp); () for no split."""
         parts = set()
         for linear in param.users:
             value, out = linear, linear.meta["val"].shape
             while len(value.users) == 1 and _keeps_shape(next(iter(value.users)), value):
                 value = next(iter(value.users))
             users = list(value.users)
-            split = users[0] if len(users) == 1 and users[0].target is aten.split.Tensor else None
-            if split is not None and _dim(split.args[2] if len(split.args) > 2 else 0, len(out)) == len(out) - 1:
-                parts.add(out[-1] // split.args[1])
+            split = users[0] if len(users) == 1 and users[0].target in SPLITS else None
+            if split is None or _dim((*split.args, 0)[2], len(out)) != len(out) - 1:
+                parts.add(())
+            elif split.target is aten.split.Tensor:
+                parts.add((split.args[1],) * (out[-1] // split.args[1]) if split.args[1] < out[-1] else ())
             else:
-                parts.add(1)
+                parts.add(tuple(split.args[1]))
         if len(parts) > 1:
             raise GraphMismatch(NAME, param, f"is used by linears whose outputs are split differently ({parts})")
         return parts.pop()
@@ -211,13 +215,13 @@ class _Sharder:
         param = self.param_of(weight)
         out = linear.meta["val"].shape
         self.cuts[linear] = Cut(dim=len(out) - 1, local=param.local_shape(self.ctx.coords.axis_sizes)[0],
-                                full=out[-1], source=module_of(param.name), blocks=param.shards[0].blocks)
+                                full=out[-1], source=module_of(param.name), parts=param.shards[0].parts)
 
     def rewrite_row(self, linear: fx.Node) -> None:
         x, weight, bias = (*linear.args, None)[:3]
         param = self.param_of(weight)
         cut, ndim = self.cuts.get(x), len(x.meta["val"].shape)
-        if cut is None or cut.dim != ndim - 1 or cut.blocks != 1 or cut.local * self.tp != param.full_shape[1]:
+        if cut is None or cut.dim != ndim - 1 or cut.parts or cut.local * self.tp != param.full_shape[1]:
             got = f"cut by {cut.source} on dim {cut.dim}" if cut else "replicated"
             raise GraphMismatch(NAME, linear, f"is row-parallel ({module_of(param.name)}) and needs its input cut on "
                                               f"the last dim by a column-parallel linear; the input is {got}")
@@ -247,10 +251,10 @@ class _Sharder:
         x = node.args[0]
         cut = self.cuts.get(x)
         if node.target is operator.getitem and cut is not None:
-            self.cuts[node] = cut
+            self.cuts[node] = self.part_cuts[x][node.args[1]] if x in self.part_cuts else cut
         elif node.target in SHAPE_PRESERVING and cut is not None:
             self.cuts[node] = cut
-        elif node.target is aten.split.Tensor and cut is not None:
+        elif node.target in SPLITS and cut is not None:
             self.split(node, cut)
         elif node.target in VIEWS and cut is not None:
             self.view(node, cut)
@@ -312,16 +316,20 @@ class _Sharder:
                                             f"and elementwise ops into a row-parallel linear or the loss")
 
     def split(self, node: fx.Node, cut: Cut) -> None:
+        """Along another dim, each part keeps the cut; along the cut dim into the fused parts the linear was cut
+        by (q, k, v, equal or not), each part is cut on its own."""
         x, size, *rest = node.args
-        ndim = len(x.meta["val"].shape)
-        if _dim(rest[0] if rest else 0, ndim) != cut.dim:
+        if _dim(rest[0] if rest else 0, len(full_shape(x))) != cut.dim:
             self.cuts[node] = cut
             return
-        if cut.blocks != cut.full // size or cut.full % size or size % self.tp:
-            raise GraphMismatch(NAME, node, f"splits dim {cut.dim} into parts of {size}, but {cut.source} cut it "
-                                            f"into {cut.blocks} block(s) of {cut.full // cut.blocks}")
-        node.args = (x, size // self.tp, *rest)
-        self.cuts[node] = Cut(cut.dim, size // self.tp, size, cut.source)
+        sizes = tuple(size) if node.target is aten.split_with_sizes.default else (size,) * -(-cut.full // size)
+        if sizes != (cut.parts or (cut.full,)) or any(n % self.tp for n in sizes):
+            raise GraphMismatch(NAME, node, f"splits dim {cut.dim} into parts of {list(sizes)}, but {cut.source} "
+                                            f"cut it into parts of {list(cut.parts or (cut.full,))}, each over "
+                                            f"{self.tp} ranks")
+        node.args = (x, [n // self.tp for n in sizes] if isinstance(size, list) else size // self.tp, *rest)
+        self.part_cuts[node] = [Cut(cut.dim, n // self.tp, n, cut.source) for n in sizes]
+        self.cuts[node] = cut
 
     def view(self, node: fx.Node, cut: Cut) -> None:
         """A view keeps the cut if the cut dim stays the outermost of the dims it is merged or split into."""
@@ -329,7 +337,7 @@ class _Sharder:
         before = math.prod(shape_in[:cut.dim])
         i = next((i for i, n in enumerate(shape_out) if math.prod(shape_out[:i]) == before and n > 1), None)
         padded = cut.local * self.tp != cut.full
-        if i is None or cut.blocks != 1:
+        if i is None or cut.parts:
             local = None
         elif padded:  # only a view that keeps the dim as it is can carry padding
             same = shape_out[i] == cut.full and math.prod(shape_out[i + 1:]) == math.prod(shape_in[cut.dim + 1:])
@@ -339,7 +347,7 @@ class _Sharder:
         if local is None:
             heads = f"; {shape_out[i]} (heads?) is not divisible by tp={self.tp}: choose a tp that divides it, or " \
                     f"leave {cut.source} out of tp_plan (fewer kv heads than ranks are read whole)" \
-                if i is not None and cut.blocks == 1 and not padded and shape_out[i] % self.tp else ""
+                if i is not None and not cut.parts and not padded and shape_out[i] % self.tp else ""
             raise GraphMismatch(NAME, node, f"reshapes {list(shape_in)} to {list(shape_out)}, which does not keep "
                                             f"dim {cut.dim} (cut by {cut.source}) whole over {self.tp} ranks{heads}")
         node.args = (x, [local if d == i else n for d, n in enumerate(shape_out)])
@@ -375,7 +383,7 @@ class _Sharder:
     def splits_evenly(self, cut: Cut, size: int) -> bool:
         """Whether a whole dim of `size` splits over the tp ranks as `cut` did its own: the same full size, in
         one block, every rank an equal part."""
-        return size == cut.full == cut.local * self.tp and cut.blocks == 1
+        return size == cut.full == cut.local * self.tp and not cut.parts
 
     def rank_part(self, value: fx.Node, dim: int, reader: fx.Node) -> fx.Node:
         """This rank's part along `dim` of a value every rank holds whole, read against a tensor cut there (ALiBi's
@@ -397,8 +405,9 @@ class _Sharder:
         """A slice of another dim keeps the cut; of the cut dim only when it takes the whole dim."""
         x, dim = node.args[0], (*node.args, 0)[1]
         if _dim(dim, len(full_shape(x))) == cut.dim and full_shape(node)[cut.dim] != full_shape(x)[cut.dim]:
-            raise GraphMismatch(NAME, node, f"slices dim {cut.dim}, which {cut.source} cut over the tp ranks; "
-                                            f"{INSTEAD[aten.split_with_sizes.default]}")
+            raise GraphMismatch(NAME, node, f"slices dim {cut.dim}, which {cut.source} cut over the tp ranks; take "
+                                            f"fused parts (q, k, v) apart with torch.split or slices that tile the "
+                                            f"dim")
         self.cuts[node] = cut
 
     def cat(self, node: fx.Node) -> None:
@@ -427,9 +436,9 @@ class _Sharder:
         if _dim(dim, len(full_shape(x))) != cut.dim:
             self.cuts[node] = cut
             return
-        if cut.blocks != 1 or cut.local * self.tp != cut.full:
-            raise GraphMismatch(NAME, node, f"repeats dim {cut.dim}, which {cut.source} cut into {cut.blocks} "
-                                            f"fused part(s) or padded; repeat a tensor cut into whole heads")
+        if cut.parts or cut.local * self.tp != cut.full:
+            raise GraphMismatch(NAME, node, f"repeats dim {cut.dim}, which {cut.source} cut into fused parts or "
+                                            f"padded; repeat a tensor cut into whole heads")
         if node.kwargs.get("output_size") is not None:
             node.kwargs = {**node.kwargs, "output_size": cut.local * repeats}
         self.cuts[node] = Cut(cut.dim, cut.local * repeats, cut.full * repeats, cut.source)
@@ -498,7 +507,7 @@ class _Sharder:
         dim = _dim(dim, len(full_shape(node)))
         if dim != cut.dim:
             self.cuts[node] = cut
-        elif node.target in (aten.log_softmax.int, aten._log_softmax.default) and cut.blocks == 1:
+        elif node.target in (aten.log_softmax.int, aten._log_softmax.default) and not cut.parts:
             dtype = rest[0] if node.target is aten.log_softmax.int and rest else None
             self.cuts[self.replace(node, tp_ops.vocab_parallel_log_softmax,
                                    (x, dim, self.tp_rank(), cut.full, dtype))] = cut
@@ -512,7 +521,7 @@ class _Sharder:
         reduced = [_dim(d, len(full_shape(x))) for d in dims]
         if cut.dim not in reduced:
             self.cuts[node] = cut if keepdim else _moved(cut, cut.dim - sum(d < cut.dim for d in reduced))
-        elif reduced == [cut.dim] and cut.blocks == 1:
+        elif reduced == [cut.dim] and not cut.parts:
             self.replace(node, tp_ops.vocab_parallel_logsumexp, (x, cut.dim, keepdim, self.tp_rank(), cut.full))
         else:
             raise GraphMismatch(NAME, node, f"takes a logsumexp over dims {reduced}, with dim {cut.dim}, which "
@@ -595,7 +604,7 @@ class _Sharder:
                      (log_probs, targets, self.tp_rank(), reduction, ignore_index))
 
     def check_loss(self, node: fx.Node, cut: Cut, weight, name: str) -> None:
-        if cut.dim != 1 or cut.blocks != 1 or weight is not None:
+        if cut.dim != 1 or cut.parts or weight is not None:
             raise GraphMismatch(NAME, node, f"is a {name} the vocab-parallel loss cannot replace: it needs the "
                                             f"classes on dim 1, cut by a vocab-parallel head, and no class weights "
                                             f"(here cut by {cut.source} on dim {cut.dim})")
@@ -655,4 +664,4 @@ def _dim(dim: int, ndim: int) -> int:
 
 
 def _moved(cut: Cut, dim: int) -> Cut:
-    return Cut(dim, cut.local, cut.full, cut.source, cut.blocks)
+    return Cut(dim, cut.local, cut.full, cut.source, cut.parts)

@@ -24,7 +24,7 @@ from gcompile.checkpoint import TMP, TRACKER, iteration_dir
 from gcompile.config import parse_args
 from gcompile.data import build_datasets
 from gcompile.flat import flat_layout
-from gcompile.layout import Param, Shard
+from gcompile.layout import Param, Shard, full_value, local_value
 from gcompile.axes import Coords
 from gcompile.models.gpt2 import GPT, GPT2, NANOGPT_ARGS
 from gcompile.pipeline import build_rank_program
@@ -152,6 +152,18 @@ def test_reshard_between_fp32_and_bf16_main_weights(dp2):
         assert torch.equal(bf16.params, fp32.params.to(torch.bfloat16)), source
         for name in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(getattr(bf16, name), getattr(fp32, name)), (source, name)
+
+
+def test_fused_parts_of_unequal_sizes_cut_each_on_its_own_and_reassemble():
+    """A fused q, k, v of grouped kv heads (8, 4 and 4 rows): rank r holds rows r of each part, in part order; the
+    pieces put back give the full tensor, as a checkpoint reassembles it for another tp."""
+    full = torch.arange(16 * 3, dtype=torch.float32).view(16, 3)
+    param = Param("qkv.weight", (16, 3), shards=(Shard("tp", 0, parts=(8, 4, 4)),))
+    pieces = [local_value(full, param, {"tp": r}, {"tp": 2}) for r in range(2)]
+    q, k, v = full.split([8, 4, 4])
+    for r, piece in enumerate(pieces):
+        assert torch.equal(piece, torch.cat([q.chunk(2)[r], k.chunk(2)[r], v.chunk(2)[r]]))
+    assert torch.equal(full_value(pieces, param, {"tp": 2}), full)
 
 
 def test_spans_place_every_element_once():

@@ -159,6 +159,8 @@ def test_any_pointwise_op_carries_a_tensor_parallel_cut(tmp_path):
 
 QKV = "        q, k, v = (t.view(B, T, self.n_head, -1).transpose(1, 2) for t in self.qkv(h).split(C, dim=2))"
 SDPA = "        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, C)"
+GROUPED = ("        q = q.view(B, T, self.n_head, -1).transpose(1, 2)\n"
+           "        k, v = (t.view(B, T, self.n_head // 2, -1).transpose(1, 2).repeat_interleave(2, dim=1) for t in (k, v))")
 ATTENTION_FORMS = {
     # grouped kv heads repeated with repeat_interleave (not expand and reshape); q and kv without bias, as
     # Llama's: a key's bias shifts every score of a query alike, which softmax ignores, so its gradient is
@@ -321,6 +323,17 @@ ATTENTION_FORMS = {
         (SDPA, "        att = (q @ k.transpose(-2, -1)) / k.size(-1) ** 0.5\n"
                "        att = att.masked_fill(att.new_ones(T, T).tril() == 0, float('-inf'))\n"
                "        y = (F.softmax(att, dim=-1) @ v).transpose(1, 2).reshape(B, T, C)")],
+    # Phi-3's fused qkv of grouped kv heads (half as many as q's): parts of unequal sizes, by torch.split and by
+    # slices; each part cut on its own, so a rank holds its query heads and their kv heads
+    "grouped-qkv-split": [
+        ("        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd)",
+         "        self.qkv = nn.Linear(config.n_embd, 2 * config.n_embd, bias=False)"),
+        (QKV, "        q, k, v = self.qkv(h).split([C, C // 2, C // 2], dim=2)\n" + GROUPED)],
+    "grouped-qkv-slices": [
+        ("        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd)",
+         "        self.qkv = nn.Linear(config.n_embd, 2 * config.n_embd, bias=False)"),
+        (QKV, "        fused = self.qkv(h)\n"
+              "        q, k, v = fused[..., :C], fused[..., C:C + C // 2], fused[..., C + C // 2:]\n" + GROUPED)],
     # MPT's clip_qkv: the fused qkv clamped, then chunked
     "qkv-clamped-chunk": [
         (QKV, "        q, k, v = (t.view(B, T, self.n_head, -1).transpose(1, 2)\n"

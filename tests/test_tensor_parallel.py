@@ -195,7 +195,7 @@ def test_tp_ranks_share_one_graph():
 
 def test_shards_follow_megatron():
     params = {p.name: p for p in rank_program(4, 0, False).layout.params}
-    assert params["transformer.h.0.attn.c_attn.weight"].shards == (Shard("tp", 0, blocks=3),)  # by heads
+    assert params["transformer.h.0.attn.c_attn.weight"].shards == (Shard("tp", 0, parts=(64, 64, 64)),)  # by heads
     assert params["transformer.h.0.attn.c_proj.weight"].shards == (Shard("tp", 1),)
     assert params["transformer.h.0.attn.c_proj.bias"].shards == ()  # added once, after the sum
     assert params["transformer.h.0.mlp.c_fc.weight"].shards == (Shard("tp", 0),)
