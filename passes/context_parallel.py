@@ -56,10 +56,10 @@ from gcompile import collectives, cp_ops, ring_attention, tp_ops
 from gcompile.pass_manager import PassContext, register_pass
 from gcompile.program import BATCH_ROLES, Program, Stage
 from gcompile.report import REPORT
-from passes.rewrite import GraphMismatch, insert_call, rank_constant, whole_model_copy
+from passes.rewrite import GraphMismatch, insert_call, rank_constant, replace_call, whole_model_copy
 from passes.sequence_parallel import TOKEN_WISE
-from passes.tensor_parallel import BROADCASTING, NORMS, SHAPE_PRESERVING, SPLITS, VIEWS, full_shape, is_elementwise
-from passes.token_rows import ALONG, GROUPED_MM, REORDERS, ROUTING, TokenRows
+from passes.tensor_parallel import BROADCASTING, NORMS, SHAPE_PRESERVING, VIEWS, full_shape, is_elementwise
+from passes.token_rows import ALONG, APART, GROUPED_MM, REORDERS, ROUTING, TokenRows
 
 NAME = "context_parallel"
 aten = torch.ops.aten
@@ -181,7 +181,9 @@ class _Splitter(TokenRows):
             self.logsumexp(node, dim)
         elif target in GATHER:
             self.gather(node, dim)
-        elif target in (*SPLITS, aten.slice.Tensor, aten.cat.default) or target in SAME_CUT:
+        elif target in APART:
+            self.along_other_dim(node, dim)
+        elif target in SAME_CUT:
             self.same_cut(node, dim)
         elif target is aten.matmul.default and node.args[1] not in self.dims and dim < len(full_shape(x)) - 1:
             self.dims[node] = dim + len(full_shape(node)) - len(full_shape(x))  # x @ W: a linear, token by token
@@ -217,24 +219,14 @@ class _Splitter(TokenRows):
         self.dims[node] = dim
 
     def same_cut(self, node: fx.Node, dim: int) -> None:
-        """An op that leaves the sequence dim where it is and whole (a norm, a split of heads, rotate_half, GQA's
-        kv heads repeated)."""
+        """An op that leaves the sequence dim where it is and whole (a norm, GQA's kv heads repeated, a cast)."""
         if node.target is operator.getitem:  # a part of a split
             self.dims[node] = dim
             return
-        shape_in = full_shape(node.args[0][0] if node.target is aten.cat.default else node.args[0])
-        if node.target in SPLITS and (*node.args, 0)[2] % len(shape_in) == dim:
-            raise GraphMismatch(NAME, node, "splits the sequence dim, which context parallel cuts")
-        if node.target is aten.cat.default:
-            tensors, at = (*node.args, 0)[:2]
-            if any(self.dims.get(t) != dim for t in tensors) or at % len(shape_in) == dim:
-                raise GraphMismatch(NAME, node, "joins values that do not all hold the rank's tokens on one "
-                                                "dim, or joins along that dim")
-        if node.target not in SPLITS:
-            shape_out = full_shape(node)
-            if dim >= len(shape_out) or shape_out[dim] != shape_in[dim]:
-                raise GraphMismatch(NAME, node, f"turns {list(shape_in)} into {list(shape_out)}; context parallel "
-                                                f"needs the sequence dim {dim} kept whole")
+        shape_in, shape_out = full_shape(node.args[0]), full_shape(node)
+        if dim >= len(shape_out) or shape_out[dim] != shape_in[dim]:
+            raise GraphMismatch(NAME, node, f"turns {list(shape_in)} into {list(shape_out)}; context parallel "
+                                            f"needs the sequence dim {dim} kept whole")
         if node.target in NORMS and len(node.args[1]) > len(shape_in) - 1 - dim:
             raise GraphMismatch(NAME, node, f"normalizes over {node.args[1]}, which includes the sequence dim")
         if node.target in (aten.mean.dim, aten.sum.dim_IntList) and \
@@ -300,30 +292,25 @@ class _Splitter(TokenRows):
             if bound.get("dropout_p", 0.0):
                 raise GraphMismatch(NAME, node, "has attention dropout, which the p2p ring does not support; use "
                                                 "cp_comm_type all_gather or a2a, or dropout 0")
-            out = insert_call(node, ring_attention.attention, (q, k, v, self.n, self.cp_rank,
-                                                               bool(bound.get("is_causal")), bound.get("scale"),
-                                                               cp_ops.GROUP), NAME)
+            fn, args = ring_attention.attention, (q, k, v, self.n, self.cp_rank, bool(bound.get("is_causal")),
+                                                  bound.get("scale"), cp_ops.GROUP)
         elif self.comm_type == "a2a":
             heads = {full_shape(t)[1] for t in (q, k, v)}
             if any(h % self.n for h in heads):
                 raise GraphMismatch(NAME, node, f"has {' and '.join(map(str, sorted(heads)))} heads on this rank, "
                                                 f"which cp={self.n} does not divide; cp_comm_type a2a gives each cp "
                                                 f"rank 1/cp of the heads (K and V's too): use p2p or all_gather")
-            out = insert_call(node, cp_ops.heads_attention, (q, k, v, self.n, bool(bound.get("is_causal")),
-                                                             bound.get("dropout_p", 0.0), bound.get("scale"),
-                                                             bound.get("enable_gqa", False), mask, self.cp_rank),
-                              NAME)
+            fn, args = cp_ops.heads_attention, (q, k, v, self.n, bool(bound.get("is_causal")),
+                                                bound.get("dropout_p", 0.0), bound.get("scale"),
+                                                bound.get("enable_gqa", False), mask, self.cp_rank)
         else:
             if mask is not None:
                 mask = insert_call(node, cp_ops.gathered_mask, (mask, self.n, self.cp_rank), NAME, before=True)
             elif bound.get("is_causal"):
                 mask = self.causal_mask(node, full_shape(k)[2], q.meta["val"].dtype)
-            out = insert_call(node, cp_ops.attention, (q, k, v, self.n, mask, bound.get("dropout_p", 0.0),
-                                                       bound.get("scale"), bound.get("enable_gqa", False)), NAME)
-        out.meta["val"] = node.meta["val"]
-        node.replace_all_uses_with(out)
-        node.graph.erase_node(node)
-        self.dims[out] = 2
+            fn, args = cp_ops.attention, (q, k, v, self.n, mask, bound.get("dropout_p", 0.0), bound.get("scale"),
+                                          bound.get("enable_gqa", False))
+        self.dims[replace_call(node, fn, args, NAME)] = 2
 
     def causal_mask(self, attention: fx.Node, seq: int, dtype: torch.dtype) -> fx.Node:
         """One mask per stage and dtype, made before the first attention that needs it."""

@@ -28,6 +28,18 @@ def insert_call(anchor: fx.Node, fn: Callable, args: tuple, pass_name: str, befo
     return node
 
 
+def replace_call(node: fx.Node, fn: Callable, args: tuple, pass_name: str) -> fx.Node:
+    """`node` replaced by `fn(*args)`, in its place and its module (so on its pipeline stage), keeping its full-shape
+    value until the pass manager derives the new one; the call."""
+    call = insert_call(node, fn, args, pass_name)
+    call.meta["val"] = node.meta["val"]
+    if "nn_module_stack" in node.meta:
+        call.meta["nn_module_stack"] = node.meta["nn_module_stack"]
+    node.replace_all_uses_with(call)
+    node.graph.erase_node(node)
+    return call
+
+
 def fake_like(node: fx.Node, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
     """A fake tensor of `shape` in the fake mode of `node`'s value (same dtype unless given)."""
     val = node.meta["val"]

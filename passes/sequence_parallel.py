@@ -42,9 +42,9 @@ import torch.fx as fx
 from gcompile import tp_ops
 from gcompile.pass_manager import PassContext, register_pass
 from gcompile.program import Program, Stage
-from passes.rewrite import GraphMismatch, insert_call, rank_constant
-from passes.tensor_parallel import NLL_LOSSES, NORMS, SPLITS, VIEWS, is_elementwise
-from passes.token_rows import ALONG, GROUPED_MM, REORDERS, ROUTING, TokenRows
+from passes.rewrite import GraphMismatch, insert_call, rank_constant, replace_call
+from passes.tensor_parallel import NLL_LOSSES, NORMS, VIEWS, is_elementwise
+from passes.token_rows import ALONG, APART, GROUPED_MM, REORDERS, ROUTING, TokenRows
 
 NAME = "sequence_parallel"
 SEQ_DIM = 1
@@ -89,7 +89,7 @@ class _Sharder(TokenRows):
                 if len(shape) < 2 or shape[SEQ_DIM] != seq:
                     raise GraphMismatch(NAME, node, f"sums a {list(shape)} tensor over tp, which has no sequence "
                                                     f"dim of {seq} at dim {SEQ_DIM} to scatter")
-                self.dims[_replace(node, tp_ops.reduce_scatter_to_sequence, (node.args[0], SEQ_DIM, self.n))] = SEQ_DIM
+                self.dims[replace_call(node, tp_ops.reduce_scatter_to_sequence, (node.args[0], SEQ_DIM, self.n), NAME)] = SEQ_DIM
             elif node.target in (tp_ops.copy_to_tp, tp_ops.scatter_to_tp) and node.args[0] in self.dims:
                 self.gather(node)
             elif any(a in self.dims for a in node.all_input_nodes):
@@ -108,7 +108,7 @@ class _Sharder(TokenRows):
             raise GraphMismatch(NAME, node, "gathers the rank's tokens from a view of them as rows; a "
                                             "column-parallel block reads (B, T, ...) activations")
         target, part = node.target, node.args[1:]
-        gathered = _replace(node, tp_ops.gather_from_sequence, (x, self.dims[x], self.n))
+        gathered = replace_call(node, tp_ops.gather_from_sequence, (x, self.dims[x], self.n), NAME)
         if target is tp_ops.scatter_to_tp:
             rows = insert_call(gathered, tp_ops.rank_part, (gathered, *part), NAME)
             gathered.replace_all_uses_with(rows, delete_user_cb=lambda user: user is not rows)
@@ -137,18 +137,8 @@ class _Sharder(TokenRows):
             self.dims[node] = dim + (node.args[1] % node.meta["val"].dim() <= dim)
         elif node.target in REORDERS and dim is not None:
             self.reorder(node, dim)
-        elif node.target in (*SPLITS, aten.slice.Tensor) and dim is not None:
-            at = (*node.args, 0)[2] if node.target in SPLITS else (*node.args, 0)[1]
-            if at % x.meta["val"].dim() == dim:
-                raise GraphMismatch(NAME, node, "splits or slices the sequence dim, which sequence parallel cuts "
-                                                "over tp")
-            self.dims[node] = dim
-        elif node.target is aten.cat.default and dim is not None:
-            tensors, at = (*node.args, 0)[:2]
-            if any(self.dims.get(t) != dim for t in tensors) or at % x.meta["val"].dim() == dim:
-                raise GraphMismatch(NAME, node, "joins values that do not all hold the rank's tokens on one dim, "
-                                                "or joins along it")
-            self.dims[node] = dim
+        elif node.target in APART and dim is not None:
+            self.along_other_dim(node, dim)
         else:
             dim = self.token_wise(node)
             node.args = tuple(self.local_operand(a, node, dim) for a in node.args)
@@ -218,14 +208,3 @@ class _Sharder(TokenRows):
         """The loss is every tp rank's alike: the rank's mean becomes the micro-batch's."""
         whole = insert_call(mean, tp_ops.mean_over_sequence, (mean, self.n), NAME)
         mean.replace_all_uses_with(whole, delete_user_cb=lambda user: user is not whole)
-
-
-def _replace(node: fx.Node, fn, args: tuple) -> fx.Node:
-    new = insert_call(node, fn, args, NAME)
-    new.meta["val"] = node.meta["val"]  # full shapes until the pass manager re-derives them
-    if "nn_module_stack" in node.meta:  # in the block the replaced node was (tensor_parallel's copy into a
-        # column-parallel linear: on the linear's pipeline stage)
-        new.meta["nn_module_stack"] = node.meta["nn_module_stack"]
-    node.replace_all_uses_with(new)
-    node.graph.erase_node(node)
-    return new

@@ -48,7 +48,7 @@ from gcompile.pass_manager import PassContext, register_pass
 from gcompile.program import Program, Stage
 from gcompile.tp_plan import Plan, module_of, padded_vocab_size, parse_plan
 from gcompile.torch_api import is_op_overload
-from passes.rewrite import GraphMismatch, fake_like, insert_call, rank_constant
+from passes.rewrite import GraphMismatch, fake_like, insert_call, rank_constant, replace_call
 
 NAME = "tensor_parallel"
 aten = torch.ops.aten
@@ -497,8 +497,8 @@ class _Sharder:
             (_, _, weight, eps), bias = _given(node, None, None), None
         at = cut.dim - (ndim - len(shape))
         weight, bias = (self.rank_part(p, at, node) if isinstance(p, fx.Node) else p for p in (weight, bias))
-        self.cuts[self.replace(node, tp_ops.norm_over_tp, (x, len(shape), weight, bias, eps, math.prod(shape),
-                                                           node.target is aten.layer_norm.default))] = cut
+        self.cuts[replace_call(node, tp_ops.norm_over_tp, (x, len(shape), weight, bias, eps, math.prod(shape),
+                                                           node.target is aten.layer_norm.default), NAME)] = cut
 
     def softmax(self, node: fx.Node, cut: Cut) -> None:
         """Along another dim than the cut one, each rank's entries are normalised over what it holds; a
@@ -509,8 +509,8 @@ class _Sharder:
             self.cuts[node] = cut
         elif node.target in (aten.log_softmax.int, aten._log_softmax.default) and not cut.parts:
             dtype = rest[0] if node.target is aten.log_softmax.int and rest else None
-            self.cuts[self.replace(node, tp_ops.vocab_parallel_log_softmax,
-                                   (x, dim, self.tp_rank(), cut.full, dtype))] = cut
+            self.cuts[replace_call(node, tp_ops.vocab_parallel_log_softmax,
+                                   (x, dim, self.tp_rank(), cut.full, dtype), NAME)] = cut
         else:
             raise GraphMismatch(NAME, node, f"normalises over dim {cut.dim}, which {cut.source} cut over the tp "
                                             f"ranks; only a log_softmax (for a loss) can be")
@@ -522,7 +522,8 @@ class _Sharder:
         if cut.dim not in reduced:
             self.cuts[node] = cut if keepdim else _moved(cut, cut.dim - sum(d < cut.dim for d in reduced))
         elif reduced == [cut.dim] and not cut.parts:
-            self.replace(node, tp_ops.vocab_parallel_logsumexp, (x, cut.dim, keepdim, self.tp_rank(), cut.full))
+            replace_call(node, tp_ops.vocab_parallel_logsumexp, (x, cut.dim, keepdim, self.tp_rank(), cut.full),
+                         NAME)
         else:
             raise GraphMismatch(NAME, node, f"takes a logsumexp over dims {reduced}, with dim {cut.dim}, which "
                                             f"{cut.source} cut over the tp ranks; take it over that dim alone")
@@ -536,7 +537,7 @@ class _Sharder:
                                             f"only picks along the cut dim (a target's entry of the vocab) are cut")
         if node.kwargs.get("sparse_grad") or len(node.args) > 3 and node.args[3]:
             raise GraphMismatch(NAME, node, "gathers with sparse_grad, which the vocab-parallel gather does not do")
-        self.replace(node, tp_ops.vocab_parallel_gather, (x, cut.dim, index, self.tp_rank()))
+        replace_call(node, tp_ops.vocab_parallel_gather, (x, cut.dim, index, self.tp_rank()), NAME)
 
     def attention(self, node: fx.Node) -> None:
         q, k, v, *rest = node.args
@@ -593,29 +594,21 @@ class _Sharder:
         with label smoothing."""
         logits, targets, weight, reduction, ignore_index, smoothing = _given(node, None, 1, -100, 0.0)
         self.check_loss(node, cut, weight, "cross-entropy")
-        self.replace(node, tp_ops.vocab_parallel_cross_entropy,
-                     (logits, targets, self.tp_rank(), cut.full, ignore_index, reduction, smoothing))
+        replace_call(node, tp_ops.vocab_parallel_cross_entropy,
+                     (logits, targets, self.tp_rank(), cut.full, ignore_index, reduction, smoothing), NAME)
 
     def nll_loss(self, node: fx.Node, cut: Cut) -> None:
         """F.nll_loss of log-probabilities cut on the classes (dim 1): each target's from the rank holding it."""
         log_probs, targets, weight, reduction, ignore_index = _given(node, None, 1, -100)
         self.check_loss(node, cut, weight, "nll_loss")
-        self.replace(node, tp_ops.vocab_parallel_nll_loss,
-                     (log_probs, targets, self.tp_rank(), reduction, ignore_index))
+        replace_call(node, tp_ops.vocab_parallel_nll_loss,
+                     (log_probs, targets, self.tp_rank(), reduction, ignore_index), NAME)
 
     def check_loss(self, node: fx.Node, cut: Cut, weight, name: str) -> None:
         if cut.dim != 1 or cut.parts or weight is not None:
             raise GraphMismatch(NAME, node, f"is a {name} the vocab-parallel loss cannot replace: it needs the "
                                             f"classes on dim 1, cut by a vocab-parallel head, and no class weights "
                                             f"(here cut by {cut.source} on dim {cut.dim})")
-
-    def replace(self, node: fx.Node, op, args: tuple) -> fx.Node:
-        """`node` replaced by a call of `op` with `args`; the call."""
-        call = insert_call(node, op, args, NAME)
-        call.meta["val"] = node.meta["val"]  # the full shape, as the rest of the pass reads them
-        node.replace_all_uses_with(call)
-        self.graph.erase_node(node)
-        return call
 
     def tp_rank(self) -> fx.Node:
         return rank_constant(self.stage, "tp_rank", self.ctx.coords.axis_rank("tp"))

@@ -29,7 +29,7 @@ from gcompile import collectives, tp_ops
 from gcompile.models import moe  # noqa: F401  registers gcompile::grouped_mm, the experts' op
 from gcompile.report import REPORT
 from passes.rewrite import GraphMismatch, insert_call
-from passes.tensor_parallel import full_shape, is_elementwise
+from passes.tensor_parallel import SPLITS, full_shape, is_elementwise
 
 aten = torch.ops.aten
 
@@ -41,6 +41,8 @@ ALONG = {aten.softmax.int: lambda node: node.args[1], aten._softmax.default: lam
 """Ops along one dim, by how to read that dim."""
 REORDERS = (aten.transpose.int, aten.permute.default, aten.expand.default)
 """Ops that move the tokens' dim with its entries (`TokenRows.reorder`)."""
+APART = (*SPLITS, aten.slice.Tensor, aten.cat.default)
+"""Ops that take values apart or join them, along another dim than the tokens' (`TokenRows.along_other_dim`)."""
 ROUTING = (aten.one_hot.default, aten.zeros_like.default)
 """Ops whose output holds the rank's rows where their input does (one more dim for one_hot)."""
 GROUPED_MM = torch.ops.gcompile.grouped_mm.default
@@ -114,6 +116,23 @@ class TokenRows:
             node.args = (x, [n // self.n if i == at and n != -1 else n for i, n in enumerate(sizes)],
                          *node.args[2:])
             self.dims[node] = at
+
+    def along_other_dim(self, node: fx.Node, dim: int) -> None:
+        """split, slice or cat along another dim than the tokens' (q, k and v apart, rotate_half): the tokens
+        stay where they are."""
+        x = node.args[0][0] if node.target is aten.cat.default else node.args[0]
+        ndim = len(full_shape(x))
+        if node.target is aten.cat.default:
+            tensors, at = (*node.args, 0)[:2]
+            crosses = any(self.dims.get(t) != dim for t in tensors) or at % ndim == dim
+        elif node.target is aten.slice.Tensor:
+            crosses = full_shape(node)[dim] != full_shape(x)[dim]
+        else:
+            crosses = (*node.args, 0)[2] % ndim == dim
+        if crosses:
+            raise GraphMismatch(self.name, node, f"splits, slices or joins along the sequence dim {dim}, or joins "
+                                                 f"values that do not all hold the rank's tokens there")
+        self.dims[node] = dim
 
     def inherit_merged(self, node: fx.Node) -> None:
         """`node` holds the rank's tokens as the first input whose tokens' dim has its size (any, for an op that
