@@ -287,7 +287,8 @@ class _Splitter(TokenRows):
         if mask is not None and (mask in self.dims or self.comm_type == "p2p"):
             raise GraphMismatch(NAME, node, "has an explicit attention mask, which context parallel takes whole "
                                             "(made of positions, not of the batch) and with cp_comm_type all_gather "
-                                            "or a2a (the p2p ring knows only is_causal=True)")
+                                            "or a2a: run with --cp-comm-type all_gather or a2a (the default p2p "
+                                            "ring knows only is_causal=True)")
         if self.comm_type == "p2p":
             if bound.get("dropout_p", 0.0):
                 raise GraphMismatch(NAME, node, "has attention dropout, which the p2p ring does not support; use "

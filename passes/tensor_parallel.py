@@ -346,7 +346,8 @@ class _Sharder:
             local = shape_out[i] // self.tp if shape_out[i] % self.tp == 0 else None
         if local is None:
             heads = f"; {shape_out[i]} (heads?) is not divisible by tp={self.tp}: choose a tp that divides it, or " \
-                    f"leave {cut.source} out of tp_plan (fewer kv heads than ranks are read whole)" \
+                    f"give kv heads a Linear of their own and leave it out of tp_plan (fewer kv heads than " \
+                    f"ranks are then read whole)" \
                 if i is not None and not cut.parts and not padded and shape_out[i] % self.tp else ""
             raise GraphMismatch(NAME, node, f"reshapes {list(shape_in)} to {list(shape_out)}, which does not keep "
                                             f"dim {cut.dim} (cut by {cut.source}) whole over {self.tp} ranks{heads}")
@@ -605,10 +606,13 @@ class _Sharder:
                      (log_probs, targets, self.tp_rank(), reduction, ignore_index), NAME)
 
     def check_loss(self, node: fx.Node, cut: Cut, weight, name: str) -> None:
-        if cut.dim != 1 or cut.parts or weight is not None:
+        if weight is not None:
+            raise GraphMismatch(NAME, node, f"is a {name} with class weights, which the vocab-parallel loss does not "
+                                            f"take: drop weight=, or leave {cut.source} out of tp_plan")
+        if cut.dim != 1 or cut.parts:
             raise GraphMismatch(NAME, node, f"is a {name} the vocab-parallel loss cannot replace: it needs the "
-                                            f"classes on dim 1, cut by a vocab-parallel head, and no class weights "
-                                            f"(here cut by {cut.source} on dim {cut.dim})")
+                                            f"classes on dim 1, cut by a vocab-parallel head (here cut by "
+                                            f"{cut.source} on dim {cut.dim})")
 
     def tp_rank(self) -> fx.Node:
         return rank_constant(self.stage, "tp_rank", self.ctx.coords.axis_rank("tp"))

@@ -368,8 +368,8 @@ def test_fewer_kv_heads_than_ranks_in_a_column_linear_says_to_leave_it_whole(tmp
     arch = attention_form("gqa-repeat-interleave", "gqa_over_tp4", tmp_path)
     assert run_gpt.main(["--arch", arch, "--n-layer", "2", "--n-head", "4", "--tp", "4", "--check-plan"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "2 (heads?) is not divisible by tp=4: choose a tp that divides it, or leave blocks.0.kv " \
-        "out of tp_plan (fewer kv heads than ranks are read whole)" in err[0], err
+    assert len(err) == 1 and "2 (heads?) is not divisible by tp=4: choose a tp that divides it, or give kv heads a " \
+        "Linear of their own and leave it out of tp_plan" in err[0], err
 
 
 def test_a_post_norm_block_over_pipeline_stages(tmp_path):
@@ -554,8 +554,8 @@ def test_losses_written_other_ways_train_as_on_one_device(form, layout, tmp_path
 
 @pytest.mark.parametrize("loss, parallel, message", [
     (f"F.cross_entropy({Z}, {Y}, weight=torch.linspace(0.5, 1.5, logits.size(-1)))", ["--tp", "2"],
-     "is a cross-entropy the vocab-parallel loss cannot replace: it needs the classes on dim 1, cut by a "
-     "vocab-parallel head, and no class weights"),
+     "is a cross-entropy with class weights, which the vocab-parallel loss does not take: drop weight=, or leave "
+     "head out of tp_plan"),
     (f"F.cross_entropy({Z}, {Y}) - 0.1 * F.log_softmax({Z}, -1).mean()", ["--tp", "2"],
      "reduces over dim 1, which head cut over the tp ranks (padded to a multiple of the ranks: no sum or mean "
      "over it)"),
