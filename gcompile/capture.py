@@ -23,6 +23,7 @@ from torch.export.graph_signature import InputKind
 
 from gcompile.canonical import as_the_ops_passes_know
 from gcompile.config import ConfigError
+from gcompile.held import held_values
 from gcompile.layout import Param
 from gcompile.models.spec import Input, canonical_names
 from gcompile.report import number_reports
@@ -63,17 +64,16 @@ def capture(build: Callable[[], nn.Module], batch: tuple[Input, ...], decays: Ca
 
     canonical = canonical_names(model)
     placeholders = list(graph.graph.find_nodes(op="placeholder"))
-    params, kept = [], {}
+    params, kept, held = [], {}, {}
     for spec, node in zip(exported.graph_signature.input_specs, placeholders):
         if spec.kind == InputKind.USER_INPUT:
             continue
         if spec.kind == InputKind.CONSTANT_TENSOR and not _held(model, spec.target):  # made in forward
             _fold_constant(graph, node, exported.constants[spec.target], type(model).__name__)
             continue
-        if spec.kind != InputKind.PARAMETER:
-            held = "a buffer (register_buffer)" if spec.kind == InputKind.BUFFER else "a tensor attribute"
-            raise ConfigError(f"{type(model).__name__} holds {held}, {spec.target}: only parameters are carried "
-                              f"through the passes; compute it in forward (e.g. from torch.arange)")
+        if spec.kind != InputKind.PARAMETER:  # a buffer or a tensor attribute: a constant input of its own
+            held[spec.target] = node
+            continue
         name = canonical[spec.target]
         if name in kept:  # second placeholder of a tied parameter
             node.replace_all_uses_with(kept[name])
@@ -82,11 +82,16 @@ def capture(build: Callable[[], nn.Module], batch: tuple[Input, ...], decays: Ca
         kept[name] = node
         shape = tuple(node.meta["val"].shape)
         params.append(Param(name=name, full_shape=shape, decays=decays(name, shape)))
+    _check_no_updates(held, type(model).__name__)
     roles = [i.role for i in batch]
-    # Parameter placeholders must come first; export orders parameters before user inputs.
-    order = [n.target for n in graph.graph.find_nodes(op="placeholder")]
-    if order[len(params):] != roles:
-        raise AssertionError(f"capture: expected parameters, then the user inputs {roles}; got {order}")
+    # Parameter placeholders must come first; export orders parameters, then buffers, before user inputs.
+    order = list(graph.graph.find_nodes(op="placeholder"))
+    if order[len(params):len(params) + len(held)] != list(held.values()) or \
+            [n.target for n in order[len(params) + len(held):]] != roles:
+        raise AssertionError(f"capture: expected parameters, buffers, then the user inputs {roles}; got {order}")
+    with _default_dtype(dtype):
+        values = held_values(build, list(held), type(model).__name__) if held else {}
+    constants = {f"{HELD}{target}": values[target] for target in held}
 
     for node in list(graph.graph.find_nodes(op="call_function", target=torch.ops.aten._assert_tensor_metadata.default)):
         graph.graph.erase_node(node)  # export's dtype/device checks: nothing for a pass to carry around
@@ -94,9 +99,48 @@ def capture(build: Callable[[], nn.Module], batch: tuple[Input, ...], decays: Ca
     graph.graph.eliminate_dead_code()
     number_reports(graph)
     graph.recompile()
-    stage = Stage(index=0, graph=graph, params=params, inputs=roles, outputs=["loss"])
+    stage = Stage(index=0, graph=graph, params=params, inputs=[*constants, *roles], outputs=["loss"],
+                  rank_constants=constants)
     refresh_meta(stage)
     return Program(stages=[stage], history=["capture"])
+
+
+HELD = "held:"
+"""The role of a tensor the model holds (a buffer): this, then its name in the model (held:blocks.0.inv_freq)."""
+
+
+def _check_no_updates(held: dict[str, torch.fx.Node], model: str) -> None:
+    """ConfigError for a forward that writes a buffer, or a view of one (BatchNorm's running statistics, a step
+    counter): the ranks hold a buffer as a constant, so an update would be lost, silently."""
+    written = [target for target, node in held.items() if _written(node)]
+    if written:
+        raise ConfigError(f"{model}.forward updates {', '.join(written)} in place (BatchNorm's running statistics, "
+                          f"a counter): the ranks hold buffers as constants; use a LayerNorm or RMSNorm, or keep "
+                          f"the state out of the model")
+
+
+def _written(value: torch.fx.Node) -> bool:
+    """Whether an op writes `value` or a view of it (by its schema's alias annotations; batch_norm, which has
+    none, updates its running statistics in training)."""
+    aliases, seen = [value], {value}
+    while aliases:
+        node = aliases.pop()
+        for user in node.users:
+            if user.target == torch.ops.aten.batch_norm.default and user.args[5] and node in user.args[3:5]:
+                return True
+            schema = getattr(user.target, "_schema", None)
+            if schema is None:
+                continue
+            for i, argument in enumerate(schema.arguments):
+                given = user.args[i] if i < len(user.args) else user.kwargs.get(argument.name)
+                if given is not node or argument.alias_info is None:
+                    continue
+                if argument.alias_info.is_write:
+                    return True
+                if user not in seen:  # a view of it
+                    seen.add(user)
+                    aliases.append(user)
+    return False
 
 
 def _held(model: nn.Module, target: str) -> bool:

@@ -184,10 +184,12 @@ class MemoryEstimate:
     messages: int = 0
     """Pipeline messages held at the activations' peak: received ones not yet used, and outputs to send from the
     compute that made them until their WAIT_SEND (gcompile.send_release)."""
+    constants: int = 0
+    """Tensors the model holds (buffers: a causal mask, a rotary table) that the rank's stages read."""
 
     @property
     def total(self) -> int:
-        return self.state + self.activations + self.gathered + self.messages
+        return self.state + self.activations + self.gathered + self.messages + self.constants
 
     @property
     def state(self) -> int:
@@ -202,9 +204,10 @@ class MemoryEstimate:
         mib = 2 ** 20  # as MeasuredMemory's, which the plan checker prints beside it
         gathered = f" + gathered {self.gathered / mib:.3f}" if self.gathered else ""
         messages = f" + messages {self.messages / mib:.3f}" if self.messages else ""
+        constants = f" + constants {self.constants / mib:.3f}" if self.constants else ""
         return (f"{self.total / mib:{width}.3f} MiB = weights {self.weights / mib:.3f} + grads {self.grads / mib:.3f} "
                 f"+ optimizer {self.optimizer / mib:.3f} + activations {self.activations / mib:.3f}{gathered}"
-                f"{messages}")
+                f"{messages}{constants}")
 
 
 @dataclass(frozen=True)
@@ -246,9 +249,12 @@ def estimate_memory(program: RankProgram) -> MemoryEstimate:
     optimizer = sum(b for name, b in held.items() if name not in ("params", "grads"))  # main weights, AdamW
     # states, flags, as the step reads them
     activations, messages = _held_at_peak(program)
+    constants = {role: value.nbytes for stage in program.stages.values()
+                 for role, value in stage.rank_constants.items() if isinstance(value, torch.Tensor)}
     return MemoryEstimate(weights=layout.numel * settings.param_dtype.itemsize, grads=held["grads"] + reduced,
                           optimizer=optimizer, activations=activations, messages=messages,
-                          gathered=max((_gathered_bytes(stage) for stage in program.stages.values()), default=0))
+                          gathered=max((_gathered_bytes(stage) for stage in program.stages.values()), default=0),
+                          constants=sum(constants.values()))
 
 
 def _held_at_peak(program: RankProgram) -> tuple[int, int]:
@@ -354,9 +360,13 @@ def _saved(stage) -> list[fx.Node]:
 
 def _held_bytes(stage, nodes: list[fx.Node]) -> int:
     """Bytes that tensors of the forward graph hold: each storage once (a view, such as a weight's transpose
-    or a reshaped output, holds its base's), the weights' not at all (the state holds them)."""
-    weights = set(list(stage.forward.graph.find_nodes(op="placeholder"))[:len(stage.params)])
-    return sum(_nbytes(base) for base in {_base(n) for n in nodes} if base not in weights)
+    or a reshaped output, holds its base's), the weights' and buffers' not at all (the state and the
+    constants hold them)."""
+    placeholders = list(stage.forward.graph.find_nodes(op="placeholder"))
+    held = set(placeholders[:len(stage.params)]) | {node for node, role in zip(placeholders[len(stage.params):],
+                                                                                stage.inputs)
+                                                    if isinstance(stage.rank_constants.get(role), torch.Tensor)}
+    return sum(_nbytes(base) for base in {_base(n) for n in nodes} if base not in held)
 
 
 def _base(node: fx.Node) -> fx.Node:

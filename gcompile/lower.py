@@ -42,10 +42,11 @@ from gcompile.rank_program import LoweredStage
 
 
 def lower_stage(stage: Stage, recompute: bool = False, needs_grad: tuple[bool, ...] | None = None) -> LoweredStage:
-    """`needs_grad`: per placeholder, whether backward gives its gradient (default: each floating-point one)."""
-    placeholders = stage.placeholders()
+    """`needs_grad`: per placeholder, whether backward gives its gradient (default: each floating-point one but
+    the constants)."""
+    placeholders, constants = stage.placeholders(), stage.constant_nodes()
     vals = [n.meta["val"] for n in placeholders]
-    needs_grad = needs_grad or tuple(v.dtype.is_floating_point for v in vals)
+    needs_grad = needs_grad or tuple(v.dtype.is_floating_point and n not in constants for n, v in zip(placeholders, vals))
     fake_mode = vals[0].fake_mode
     with fake_mode:
         args = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device).requires_grad_(grad)

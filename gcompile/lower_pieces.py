@@ -72,8 +72,9 @@ def lower_by_pieces(stage: Stage, lower: LowerPiece) -> LoweredStage | None:
     backward = _stitch_backward(stage, pieces, lowered, saved, kept, needs_grad)
     if backward is None:
         return None
+    constants = stage.constant_nodes()
     merge_constants(forward, {p for p, n in zip(forward.graph.find_nodes(op="placeholder"), stage.placeholders())
-                              if n in _rank_constants(stage)})
+                              if n in constants})
     merge_constants(backward)
     wait_one_behind(backward)
     return LoweredStage(index=stage.index, forward=forward, backward=backward, params=list(stage.params),
@@ -89,7 +90,7 @@ def _place(stage: Stage) -> tuple[dict[fx.Node, int], set[fx.Node]] | None:
     makes it. None where the blocks are not of one module list, a node would read a later piece, or the stage
     returns what no piece makes."""
     nodes = [n for n in stage.graph.graph.nodes if n.op not in ("placeholder", "output")]
-    constants = _constants(stage.graph, _rank_constants(stage))
+    constants = _constants(stage.graph, stage.constant_nodes())
     nodes = [n for n in nodes if n not in constants]
     params, of_params = set(stage.placeholders()[:len(stage.params)]), set()
     for node in nodes:
@@ -122,10 +123,6 @@ def _place(stage: Stage) -> tuple[dict[fx.Node, int], set[fx.Node]] | None:
     return placed, constants
 
 
-def _rank_constants(stage: Stage) -> set[fx.Node]:
-    return {node for role, node in stage.input_nodes().items() if role in stage.rank_constants}
-
-
 def _constants(gm: fx.GraphModule, sources: set[fx.Node]) -> set[fx.Node]:
     """The call nodes made of no input but `sources` (rotary tables; a cp rank's positions), random ones aside."""
     found = set()
@@ -151,12 +148,13 @@ def merge_constants(gm: fx.GraphModule, sources: set[fx.Node] = frozenset()) -> 
 
 def _needs_grad(stage: Stage) -> dict[fx.Node, bool]:
     """Whether autograd gives each node a gradient: a floating-point value computed from one that has one
-    (every floating-point placeholder has one, as gcompile.lower gives them)."""
-    found = {}
+    (every floating-point placeholder but a constant has one, as gcompile.lower gives them)."""
+    found, constants = {}, stage.constant_nodes()
     for node in stage.graph.graph.nodes:
         val = node.meta.get("val")
         floating = isinstance(val, torch.Tensor) and val.dtype.is_floating_point
-        found[node] = floating and (node.op == "placeholder" or any(found[p] for p in node.all_input_nodes))
+        found[node] = floating and (node.op == "placeholder" and node not in constants or
+                                    any(found[p] for p in node.all_input_nodes))
     return found
 
 

@@ -30,11 +30,13 @@ class HeldBytes:
     messages: int
     """Pipeline activations and gradients received or sent, or handed between local stages, not yet done with."""
     other: int
-    """The microbatches' tokens, losses and constants."""
+    """The microbatches' tokens, losses and per-rank numbers."""
+    constants: int = 0
+    """Tensors the model holds (buffers, gcompile.held), counted before the activations that view them."""
 
     @property
     def total(self) -> int:
-        return self.state + self.activations + self.messages + self.other
+        return self.state + self.activations + self.messages + self.other + self.constants
 
 
 @dataclass(frozen=True)
@@ -51,9 +53,10 @@ class StepPeak:
         p = self.peak
         allocator = "" if self.allocator_peak is None else \
             f"; CUDA allocator peak {self.allocator_peak / MIB:.1f} MiB (max_memory_allocated)"
+        constants = f" + constants {p.constants / MIB:.1f}" if p.constants else ""
         return (f"peak {p.total / MIB:.1f} MiB measured (state {p.state / MIB:.1f} + activations "
-                f"{p.activations / MIB:.1f} + messages {p.messages / MIB:.1f} + other {p.other / MIB:.1f})"
-                f"{allocator}")
+                f"{p.activations / MIB:.1f} + messages {p.messages / MIB:.1f} + other {p.other / MIB:.1f}"
+                f"{constants}){allocator}")
 
     def metrics(self) -> dict[str, int]:
         """The figures as metrics.jsonl keys (TensorBoard tags with '-' for '_')."""
@@ -76,8 +79,10 @@ class PeakMeter:
             torch.cuda.reset_peak_memory_stats(device)
 
     def sample(self, state: Iterable[torch.Tensor], activations: Iterable[torch.Tensor],
-               messages: Iterable[torch.Tensor], other: Iterable[torch.Tensor]) -> None:
-        """One boundary; a storage counts in the first group that holds it (state, then activations, ...)."""
+               messages: Iterable[torch.Tensor], other: Iterable[torch.Tensor],
+               constants: Iterable[torch.Tensor] = ()) -> None:
+        """One boundary; a storage counts in the first group that holds it (state, then constants, then
+        activations, ...)."""
         seen = set()
 
         def held(tensors: Iterable[torch.Tensor]) -> int:
@@ -89,7 +94,8 @@ class PeakMeter:
                     total += storage.nbytes()
             return total
 
-        now = HeldBytes(held(state), held(activations), held(messages), held(other))
+        state_bytes, constant_bytes = held(state), held(constants)
+        now = HeldBytes(state_bytes, held(activations), held(messages), held(other), constant_bytes)
         self.boundaries += 1
         if now.total > self.peak.total:
             self.peak = now

@@ -8,8 +8,8 @@ Calling convention of a stage graph (an FX GraphModule of pre-autograd ATen ops)
 (full shape and the cuts a pass declared). `inputs` are named by role: "idx" and
 "targets" come from the microbatch; a name in `rank_constants` is a 0-d int64
 tensor holding a per-rank number (a vocab shard's start, say), passed as an input
-rather than baked in so that all ranks of a stage share one graph; any other name
-is an activation received from the previous stage. `outputs` are "loss" on the last stage and activations for the
+rather than baked in so that all ranks of a stage share one graph, or a tensor the
+model holds (a buffer: "held:<its name>"); any other name is an activation received from the previous stage. `outputs` are "loss" on the last stage and activations for the
 next stage elsewhere. Placeholder `meta["val"]` (a fake tensor) is the truth for
 input shapes; `refresh_meta` re-derives every other node's shape after a rewrite.
 
@@ -44,8 +44,9 @@ class Stage:
     """Roles of the remaining placeholders: "idx", "targets" or an activation name."""
     outputs: list[str]
     """Roles of the outputs: "loss" or an activation name."""
-    rank_constants: dict[str, int] = field(default_factory=dict)
-    """Input roles fed with a per-rank number (as a 0-d int64 tensor), by role."""
+    rank_constants: dict[str, int | torch.Tensor] = field(default_factory=dict)
+    """Input roles fed with a constant, by role: a per-rank number (as a 0-d int64 tensor), or a buffer's
+    value (gcompile.held), which no gradient reaches."""
     recompute_from_params: bool = False
     """Backward recomputes what forward derives from parameters alone rather than keeping it (FSDP's
     reshard after forward: the parameter all-gathers run again in backward)."""
@@ -63,6 +64,10 @@ class Stage:
     def input_nodes(self) -> dict[str, fx.Node]:
         return dict(zip(self.inputs, self.placeholders()[len(self.params):]))
 
+    def constant_nodes(self) -> set[fx.Node]:
+        """The placeholders of `rank_constants`."""
+        return {node for role, node in self.input_nodes().items() if role in self.rank_constants}
+
     def output_node(self) -> fx.Node:
         return self.graph.graph.output_node()
 
@@ -71,7 +76,7 @@ BATCH_ROLES = ("idx", "targets")
 """The microbatch's inputs, by role: token ids and next-token targets, in forward's order."""
 
 
-def activation_roles(inputs: list[str], rank_constants: dict[str, int]) -> list[str]:
+def activation_roles(inputs: list[str], rank_constants: dict) -> list[str]:
     """The input roles received from the previous stage (not batch data, not rank constants)."""
     return [r for r in inputs if r not in BATCH_ROLES and r not in rank_constants]
 

@@ -72,7 +72,7 @@ class LoweredStage:
     outputs: list[str]
     num_saved: int
     """Tensors forward saves for backward, per microbatch."""
-    rank_constants: dict[str, int]
+    rank_constants: dict[str, int | torch.Tensor]
     backward_last: fx.GraphModule | None = None
     """The backward of the stage's last microbatch (under optim_grads: of every microbatch) when it also
     starts dp reductions of finished buckets:

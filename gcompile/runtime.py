@@ -101,8 +101,15 @@ class Runtime:
             self.grad_views = {s: [grads[p.name] for p in st.params] for s, st in program.stages.items()}
             if not program.grads_between_steps:
                 state.release_grads()
-        self.constants = {s: {role: torch.tensor(value, device=state.params.device)
-                              for role, value in st.rank_constants.items()} for s, st in program.stages.items()}
+        self.held = {}
+        """The model's buffers by role, on the device once however many of the rank's stages read one."""
+
+        def constant(role: str, value: int | torch.Tensor) -> torch.Tensor:
+            if isinstance(value, torch.Tensor):
+                return self.held.setdefault(role, value.to(state.params.device))
+            return torch.tensor(value, device=state.params.device)
+        self.constants = {s: {role: constant(role, value) for role, value in st.rank_constants.items()}
+                          for s, st in program.stages.items()}
         self.loss_grad = torch.full((), 1.0 / program.schedule.num_microbatches, dtype=torch.float32,
                                     device=state.params.device)
         """The gradient of the step's loss (the mean over microbatches, times the fp16 loss scale)
@@ -217,7 +224,8 @@ class Runtime:
             activations=_tensors(*self.saved.values(), *self.weight_args.values()),
             messages=_tensors(*self.messages.values(),
                               [s.tensor for sent in self.sends.values() for s in sent]),
-            other=_tensors(*self.batch, self.losses, *(c.values() for c in self.constants.values()), [self.loss_grad]))
+            other=_tensors(*self.batch, self.losses, *(c.values() for c in self.constants.values()), [self.loss_grad]),
+            constants=self.held.values())
 
     def _forward(self, a: Instruction, training: bool):
         stage = self.program.stages[a.stage]

@@ -18,6 +18,7 @@ from gcompile.pipeline import BuildCache
 from gcompile.train import split_microbatches, train
 from gcompile.world import build_world
 from tests.reference import random_batches
+from tests.test_own_model import attention_form
 
 M = 8
 """Microbatches per step: gpipe keeps all of them in flight, 1f1b at most pp."""
@@ -157,3 +158,18 @@ def test_a_rank_under_full_recompute_peaks_inside_a_backward():
     (stage,) = program.stages.values()
     assert _recomputed_bytes(stage) > 0
     assert estimate_memory(program).activations == _recomputed_bytes(stage) + _saved_bytes(stage)
+
+
+def test_a_models_buffers_are_counted_once_per_rank_in_the_estimate_and_the_peak(tmp_path):
+    """A cos/sin cache per block (gcompile.held) is handed to each stage that reads it: pp 2 x vpp 2 over 4 blocks
+    gives a rank 2 blocks of 2 buffers of 32 x 16 fp32, which the estimate and the measured peak count as
+    constants, not again among the activations that view them (saved per microbatch, the estimate counted
+    them 3 times more)."""
+    arch = attention_form("rotary-cache-buffers", "cached_rotary_memory", tmp_path)
+    cfg = build_config({"model": dict(arch=arch, n_layer=4, n_head=4, n_embd=64, block_size=32),
+                        "parallel": dict(pp=2, virtual_pipeline_size=2),
+                        "train": dict(micro_batch_size=1, global_batch_size=M, seq_length=32)})
+    for rank, (peak, _, program) in measured_step(cfg, BuildCache()).items():
+        estimate = estimate_memory(program)
+        assert estimate.constants == peak.peak.constants == 2 * 2 * 32 * 16 * 4, (rank, estimate, peak)
+        assert estimate.activations == peak.peak.activations, (rank, estimate, peak)

@@ -338,6 +338,43 @@ ATTENTION_FORMS = {
          "        self.qkv = nn.Linear(config.n_embd, 2 * config.n_embd, bias=False)"),
         (QKV, "        fused = self.qkv(h)\n"
               "        q, k, v = fused[..., :C], fused[..., C:C + C // 2], fused[..., C + C // 2:]\n" + GROUPED)],
+    # HF's rotary: inv_freq a buffer (register_buffer, not persistent), the angles made from it in forward
+    "rotary-inv-freq-buffer": [
+        ("        self.n_head = config.n_head",
+         "        self.n_head = config.n_head\n"
+         "        hs = config.n_embd // config.n_head\n"
+         "        self.register_buffer('inv_freq', 1.0 / 10000 ** (torch.arange(0, hs, 2).float() / hs), persistent=False)"),
+        (SDPA, "        angle = torch.outer(torch.arange(T, device=x.device).float(), self.inv_freq)\n"
+               "        cos, sin = torch.cat((angle, angle), dim=-1).cos(), torch.cat((angle, angle), dim=-1).sin()\n"
+               "        half = q.size(-1) // 2\n"
+               "        q, k = (t * cos + torch.cat((-t[..., half:], t[..., :half]), dim=-1) * sin for t in (q, k))\n"
+               + SDPA)],
+    # a cos/sin cache of block_size rows in persistent buffers, its first T rows read
+    "rotary-cache-buffers": [
+        ("        self.n_head = config.n_head",
+         "        self.n_head = config.n_head\n"
+         "        hs = config.n_embd // config.n_head\n"
+         "        angle = torch.arange(config.block_size).float()[:, None] * 0.1 ** torch.arange(hs // 2)\n"
+         "        self.register_buffer('cos_cached', torch.cat((angle, angle), dim=-1).cos())\n"
+         "        self.register_buffer('sin_cached', torch.cat((angle, angle), dim=-1).sin())"),
+        (SDPA, "        cos, sin, half = self.cos_cached[:T], self.sin_cached[:T], q.size(-1) // 2\n"
+               "        q, k = (t * cos + torch.cat((-t[..., half:], t[..., :half]), dim=-1) * sin for t in (q, k))\n"
+               + SDPA)],
+    # minGPT's causal mask: a (1, 1, block_size, block_size) buffer, sliced to T
+    "causal-mask-buffer": [
+        ("        self.n_head = config.n_head",
+         "        self.n_head = config.n_head\n"
+         "        self.register_buffer('bias', torch.tril(torch.ones(config.block_size, config.block_size))\n"
+         "                             .view(1, 1, config.block_size, config.block_size))"),
+        (SDPA, "        att = (q @ k.transpose(-2, -1)) / k.size(-1) ** 0.5\n"
+               "        att = F.softmax(att.masked_fill(self.bias[:, :, :T, :T] == 0, float('-inf')), dim=-1)\n"
+               "        y = (att @ v).transpose(1, 2).reshape(B, T, C)")],
+    # a mask held as a plain tensor attribute (not registered), handed to SDPA
+    "mask-tensor-attribute": [
+        ("        self.n_head = config.n_head",
+         "        self.n_head = config.n_head\n"
+         "        self.mask = torch.ones(config.block_size, config.block_size, dtype=torch.bool).tril()"),
+        (SDPA, SDPA.replace("is_causal=True", "attn_mask=self.mask[:T, :T]"))],
     # MPT's clip_qkv: the fused qkv clamped, then chunked
     "qkv-clamped-chunk": [
         (QKV, "        q, k, v = (t.view(B, T, self.n_head, -1).transpose(1, 2)\n"
@@ -366,6 +403,19 @@ def attention_form(form: str, name: str, tmp_path) -> str:
 def test_attention_written_other_ways_is_cut_by_heads(form, tmp_path):
     """Attention forms the tensor-parallel pass refused, each cut by heads at tp 2 as on one device."""
     assert_trains_as_one_device(attention_form(form, form, tmp_path), n_head=8)
+
+
+@pytest.mark.parametrize("form,parallel", [
+    ("rotary-inv-freq-buffer", dict(tp=2, pp=2)), ("rotary-cache-buffers", dict(cp=2)),
+    ("causal-mask-buffer", dict(tp=2, sequence_parallel=True)),
+    ("mask-tensor-attribute", dict(cp=2, cp_comm_type="all_gather"))],
+    ids=["inv-freq-tp2-pp2", "cos-sin-cache-cp2", "causal-mask-tp2-sp", "mask-attribute-cp2-all-gather"])
+def test_tensors_the_model_holds_are_constants_of_every_rank(form, parallel, tmp_path):
+    """Buffers (register_buffer, persistent or not) and tensor attributes: each stage that reads one is handed
+    its value as __init__ made it; context parallel cuts a table or mask read against the tokens to the rank's
+    positions. They were refused ("compute it in forward"), the first thing many real models met."""
+    name = f"{form}_{'_'.join(map(str, parallel.values()))}".replace("-", "_")
+    assert_trains_as_one_device(attention_form(form, name, tmp_path), n_head=8, **parallel)
 
 
 def test_fewer_kv_heads_than_ranks_in_a_column_linear_says_to_leave_it_whole(tmp_path, capsys):
@@ -600,3 +650,4 @@ def test_a_skip_over_several_stages_is_refused_with_the_fix(tmp_path, capsys):
     assert "stage 3 reads a tensor made on stage 0" in err and err.endswith(
         "use fewer stages (--pp, --virtual-pipeline-size) or --pipeline-layers that put the two on neighbouring "
         "stages\n"), err
+

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from gcompile.held import parameters_on_meta
 from gcompile.program import BATCH_ROLES
 
 
@@ -62,12 +63,14 @@ class ModelSpec:
     def build(self, config, seed: int, device="cpu", dtype=torch.float32) -> nn.Module:
         """The eager single-device model on its initial weights (`init_value` of every parameter).
 
-        Built on meta first so that no throwaway initialisation runs; `to_empty` unties parameters
-        that modules share (a tied embedding and head), so they are tied again, as the module tied them.
+        Its parameters are built on meta so that no throwaway initialisation runs, its buffers as
+        the module makes them (`to_empty` leaves them uninitialised: they are put back); `to_empty`
+        unties parameters that modules share (a tied embedding and head), so they are tied again, as
+        the module tied them.
         """
-        with torch.device("meta"):
+        with parameters_on_meta(), torch.device("cpu"):
             model = self.module(config)
-        aliases = canonical_names(model)
+        aliases, buffers = canonical_names(model), {name: b.clone() for name, b in model.named_buffers()}
         model.to_empty(device=device)
         for name, owner_name in aliases.items():
             if name != owner_name:
@@ -76,6 +79,8 @@ class ModelSpec:
         with torch.no_grad():
             for name, p in model.named_parameters():
                 p.copy_(self.init_value(name, tuple(p.shape), config, seed))
+            for name, b in model.named_buffers():
+                b.copy_(buffers[name])
         return model.to(dtype)
 
 
