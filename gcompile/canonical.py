@@ -10,6 +10,7 @@ are the same op:
     unbind of a fused dim's view       split, each part viewed (and permuted) alike (timm's attention)
     stack                              cat of unsqueezed tensors (GPT-J's rotary)
     x.new_ones(size) and its kind      full(size): x gives only the dtype (MPT's mask)
+    cat with empty tensors             cat of the others, or a clone of the one (HF's DynamicCache's empty start)
 
 The passes carry a cut or the rank's tokens through the one form; the others
 they refused. Each rewrite gives the same values: the graph computes what it did.
@@ -37,6 +38,10 @@ def as_the_ops_passes_know(graph: torch.fx.GraphModule) -> None:
             _unbound_as_split(graph.graph, node)
         elif node.target is aten.stack.default:
             _stack_as_cat(graph.graph, node)
+        elif node.target is aten.cat.default and any(not t.meta["val"].numel() for t in node.args[0]):
+            tensors = [t for t in node.args[0] if t.meta["val"].numel()] or node.args[0][:1]
+            node.target, node.args = (aten.clone.default, (tensors[0],)) if len(tensors) == 1 else \
+                (aten.cat.default, (tensors, *node.args[1:]))
         elif node.target in NEW_FILLED:
             fill = node.args[2] if node.target is aten.new_full.default else NEW_FILLED[node.target]
             kwargs = {"dtype": node.kwargs.get("dtype") or x.meta["val"].dtype, "device": x.meta["val"].device}

@@ -153,16 +153,17 @@ def _held(model: nn.Module, target: str) -> bool:
 
 
 def _fold_constant(graph: torch.fx.GraphModule, node: torch.fx.Node, value: torch.Tensor, model: str) -> None:
-    """A tensor forward made of one Python number (HF Gemma's torch.tensor(hidden ** 0.5), an index list [-2]),
-    which export lifts to an input: made in the graph instead (torch.full), so the program's inputs stay the
-    parameters and the batch. One of more numbers is refused with its line."""
-    if value.numel() != 1:
+    """A tensor forward made of one Python number (HF Gemma's torch.tensor(hidden ** 0.5), an index list [-2])
+    or of none (the empty key and value tensors HF's DynamicCache starts from), which export lifts to an input:
+    made in the graph instead (torch.full), so the program's inputs stay the parameters and the batch. One of
+    more numbers is refused with its line (under the fake mode capture builds in, its numbers are unknown)."""
+    if value.numel() > 1:
         line = next((where for user in node.users if (where := source_line(user))), "its line unrecorded")
         raise ConfigError(f"{model}.forward makes a tensor of {value.numel()} numbers from Python data "
                           f"(torch.tensor of a list, at {line}), which capture cannot carry to the ranks; make it "
                           f"with torch ops (torch.arange, torch.full, torch.linspace)")
     with graph.graph.inserting_before(node):
-        made = graph.graph.call_function(torch.ops.aten.full.default, (list(value.shape), value.item()),
+        made = graph.graph.call_function(torch.ops.aten.full.default, (list(value.shape), value.item() if value.numel() else 0),
                                          {"dtype": value.dtype, "device": node.meta["val"].device})
     made.meta.update(node.meta)
     node.replace_all_uses_with(made)

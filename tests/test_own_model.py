@@ -651,3 +651,56 @@ def test_a_skip_over_several_stages_is_refused_with_the_fix(tmp_path, capsys):
         "use fewer stages (--pp, --virtual-pipeline-size) or --pipeline-layers that put the two on neighbouring "
         "stages\n"), err
 
+
+HF_LLAMA = '''
+from dataclasses import dataclass
+
+import torch.nn as nn
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from gcompile.models.spec import spec_with_defaults
+
+
+@dataclass(frozen=True)
+class Config:
+    vocab_size: int = 257
+    block_size: int = 32
+    n_layer: int = 2
+    n_head: int = 4
+    n_embd: int = 64
+
+
+class HFLlama(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.lm = LlamaForCausalLM(LlamaConfig(
+            vocab_size=config.vocab_size, hidden_size=config.n_embd, intermediate_size=4 * config.n_embd,
+            num_hidden_layers=config.n_layer, num_attention_heads=config.n_head,
+            num_key_value_heads=config.n_head // 2, max_position_embeddings=config.block_size,
+            attn_implementation="sdpa"))
+
+    def forward(self, idx, targets):
+        logits = self.lm(input_ids=idx).logits
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
+
+
+LAYERS = "lm.model.layers.*."
+TP_PLAN = (*(LAYERS + f"self_attn.{p}_proj=column" for p in "qkv"), LAYERS + "self_attn.o_proj=row",
+           LAYERS + "mlp.gate_proj=column", LAYERS + "mlp.up_proj=column", LAYERS + "mlp.down_proj=row",
+           "lm.model.embed_tokens=vocab", "lm.lm_head=vocab")
+SPEC = spec_with_defaults("NAME", Config, HFLlama, tp_plan=TP_PLAN)
+'''
+
+
+@pytest.mark.parametrize("parallel", [dict(tp=2, sequence_parallel=True), dict(tp=2, cp=2, cp_comm_type="a2a"),
+                                      dict(pp=2)], ids=["tp2-sp", "tp2-cp2-a2a", "pp2"])
+def test_a_hugging_face_model_as_it_is(parallel, tmp_path):
+    """transformers' LlamaForCausalLM, unchanged, as your own model: its rotary's inv_freq is a buffer (it was
+    refused), its forward starts a DynamicCache from empty tensors (refused as a tensor of 0 numbers from Python
+    data, then cat with them, which tp and cp could not cut) and slices its last hidden states whole (an alias,
+    which sequence parallel did not know)."""
+    pytest.importorskip("transformers")
+    name = "hf_llama_" + "_".join(map(str, parallel.values()))
+    (tmp_path / "hf_llama.py").write_text(HF_LLAMA.replace('"NAME"', f'"{name}"'))
+    assert_trains_as_one_device(f"{tmp_path}/hf_llama.py:SPEC", n_head=4, **parallel)
