@@ -38,13 +38,14 @@ def held_values(build: Callable[[], nn.Module], targets: list[str], model: str) 
 
 
 @contextlib.contextmanager
-def parameters_on_meta():
-    """Every parameter registered while this runs is moved to the meta device (as `accelerate`'s
-    init_empty_weights does): the module's own initialisation then runs on shapes alone."""
+def parameters_on_meta(keep: Callable[[nn.Module, str, nn.Parameter], bool] = lambda *_: False):
+    """Every parameter registered while this runs (but those `keep(module, name, param)` keeps) is moved to
+    the meta device (as `accelerate`'s init_empty_weights does): the module's own initialisation then runs on
+    shapes alone."""
     register = nn.Module.register_parameter
 
     def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        if param is not None and not param.is_meta:
+        if param is not None and not param.is_meta and not keep(module, name, param):
             param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
         register(module, name, param)
 

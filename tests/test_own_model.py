@@ -114,9 +114,21 @@ class ScaledConfig:
     n_embd: int = 8
 
 
+class ZeroCenteredRMSNorm(nn.Module):
+    """Gemma's: the weight starts at zero and scales by 1 + weight."""
+
+    def __init__(self, size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(size))
+
+    def forward(self, x):
+        return F.rms_norm(x, x.shape[-1:]) * (1 + self.weight)
+
+
 class Scaled(nn.Module):
     """Parameters GPT-2's rule does not know (a gain per block, a layer scale, a 0-d temperature) beside ones it
-    does (a norm's weight, a Linear's weight and bias, an embedding)."""
+    does (a Linear's weight and bias, an embedding), and norms: torch's, one with a weight per head (Cohere's
+    QK-norm) and one whose weight starts at zero."""
 
     def __init__(self, config: ScaledConfig):
         super().__init__()
@@ -126,23 +138,28 @@ class Scaled(nn.Module):
         self.layer_scale = nn.Parameter(torch.full((config.n_layer,), 0.1))
         self.temperature = nn.Parameter(torch.tensor(0.5))
         self.norm = nn.LayerNorm(config.n_embd)
+        self.head_norm = nn.LayerNorm((2, config.n_embd // 2))
+        self.zero_norm = ZeroCenteredRMSNorm(config.n_embd)
 
     def forward(self, idx, targets):
         x = self.embed(idx)
         for i, block in enumerate(self.blocks):
             x = x + block(x) * self.gains[i] * self.layer_scale[i]
+        x = self.zero_norm(self.head_norm(x.unflatten(-1, (2, -1))).flatten(-2))
         logits = self.norm(x) @ self.embed.weight.t() / self.temperature
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
 def test_an_own_model_keeps_its_values_for_parameters_gpt2s_rule_does_not_know():
     """GPT-2's rule zeroed `gains.0` as if a bias (the model never trained: every step the same loss, grad norm
-    0) and drew the 0-d temperature as a matrix."""
+    0), drew the 0-d temperature and a 2-D norm weight as matrices, and set to one a norm weight that starts at
+    zero (Gemma's norms then scaled by 2)."""
     model = spec_with_defaults("scaled", ScaledConfig, Scaled).build(ScaledConfig(), seed=3)
     assert all(torch.equal(g, torch.ones(8)) for g in model.gains)
     assert torch.equal(model.layer_scale, torch.full((2,), 0.1))
     assert model.temperature.item() == 0.5
     assert torch.equal(model.norm.weight, torch.ones(8)) and torch.equal(model.norm.bias, torch.zeros(8))
+    assert torch.equal(model.head_norm.weight, torch.ones(2, 4)) and torch.equal(model.zero_norm.weight, torch.zeros(8))
     assert torch.equal(model.blocks[0].bias, torch.zeros(8))
     assert 0.01 < model.blocks[0].weight.std().item() < 0.04  # N(0, 0.02), not torch's own init
 

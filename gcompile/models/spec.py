@@ -115,26 +115,39 @@ def named_by_default_init(name: str, shape: tuple[int, ...]) -> bool:
 
 
 def own_init(module: Callable[[Any], nn.Module]) -> Callable[[str, tuple[int, ...], Any, int], torch.Tensor]:
-    """`default_init` where it knows the parameter; any other (a gain or layer scale: `gains.0`, `alpha`)
-    starts at the value `module` gives it, built once per process on the CPU with the run's seed. The rule
-    would zero a 1-D gain of ones, and a model scaled by it never trains."""
+    """`default_init` where it knows the parameter; any other (a gain or layer scale: `gains.0`, `alpha`), and
+    every norm's, starts at the value `module` gives it, built once per process on the CPU with the run's seed.
+    The rule would zero a 1-D gain of ones, and a model scaled by it never trains; it drew a 2-D norm weight
+    (Cohere's QK-norm, one row per head) as a matrix, and set to one a norm weight that starts at zero (Gemma's,
+    which scales by 1 + weight)."""
 
     def init_value(name: str, shape: tuple[int, ...], config, seed: int) -> torch.Tensor:
-        if named_by_default_init(name, shape):
-            return default_init(name, shape, config, seed)
-        return _unnamed_values(module, config, seed)[name].clone()
+        own = _own_values(module, config, seed)
+        return own[name].clone() if name in own else default_init(name, shape, config, seed)
 
     return init_value
 
 
 @functools.lru_cache(maxsize=2)
-def _unnamed_values(module: Callable[[Any], nn.Module], config, seed: int) -> dict[str, torch.Tensor]:
-    """The parameters GPT-2's rule does not know, as `module(config)` makes them with `seed`."""
-    with torch.random.fork_rng(devices=[]), torch.device("cpu"):
+def _own_values(module: Callable[[Any], nn.Module], config, seed: int) -> dict[str, torch.Tensor]:
+    """The parameters `own_init` takes from `module(config)`, as it makes them with `seed`; the others are
+    built on meta, so that no matrix is allocated for it."""
+    with torch.random.fork_rng(devices=[]), torch.device("cpu"), parameters_on_meta(keep=_its_own):
         torch.manual_seed(seed)
         model = module(config)
-    return {name: p.detach().float() for name, p in model.named_parameters()
-            if not named_by_default_init(name, tuple(p.shape))}
+    return {name: p.detach().float() for name, p in model.named_parameters() if not p.is_meta}
+
+
+def _its_own(owner: nn.Module, name: str, param: nn.Parameter) -> bool:
+    """Whether `own_init` keeps the module's value of `param`, `owner`'s parameter `name`: a norm's, or one
+    GPT-2's rule does not know."""
+    return is_norm(owner) or not named_by_default_init(name, tuple(param.shape))
+
+
+def is_norm(module: nn.Module) -> bool:
+    """torch's norms, and any module whose class is named like one (LlamaRMSNorm, CohereLayerNorm)."""
+    return isinstance(module, (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase)) or \
+        type(module).__name__.endswith("Norm")
 
 
 def default_tp_errors(model: nn.Module, name: str, placement: str, tp: int) -> list[str]:
