@@ -11,6 +11,7 @@ are the same op:
     stack                              cat of unsqueezed tensors (GPT-J's rotary)
     x.new_ones(size) and its kind      full(size): x gives only the dtype (MPT's mask)
     cat with empty tensors             cat of the others, or a clone of the one (HF's DynamicCache's empty start)
+    alias (a slice of every entry)     the tensor itself (HF's x[..., :rotary_dim] of a full rotary)
 
 The passes carry a cut or the rank's tokens through the one form; the others
 they refused. Each rewrite gives the same values: the graph computes what it did.
@@ -46,6 +47,10 @@ def as_the_ops_passes_know(graph: torch.fx.GraphModule) -> None:
             fill = node.args[2] if node.target is aten.new_full.default else NEW_FILLED[node.target]
             kwargs = {"dtype": node.kwargs.get("dtype") or x.meta["val"].dtype, "device": x.meta["val"].device}
             node.target, node.args, node.kwargs = aten.full.default, (node.args[1], fill), kwargs
+        elif node.target is aten.alias.default:
+            node.replace_all_uses_with(x)
+            graph.graph.erase_node(node)
+            continue
         if isinstance(node.meta.get("val"), torch.Tensor) and len(node.users) > 1:
             _slices_as_split(graph.graph, node)
 

@@ -147,12 +147,16 @@ def norm_over_tp(x: torch.Tensor, normalized: int, weight: torch.Tensor | None, 
     return (y if bias is None else y + bias).to(x.dtype)
 
 
-def vocab_parallel_embedding(weight: torch.Tensor, idx: torch.Tensor, tp_rank: torch.Tensor) -> torch.Tensor:
-    """This rank's part of the embedding: ids outside its rows give zeros (summed over tp afterwards)."""
+def vocab_parallel_embedding(weight: torch.Tensor, idx: torch.Tensor, tp_rank: torch.Tensor,
+                             padding_idx: int = -1) -> torch.Tensor:
+    """This rank's part of the embedding: ids outside its rows give zeros (summed over tp afterwards). The row
+    of `padding_idx` (a global id; -1: none) gets no gradient, as `nn.Embedding(padding_idx=...)`'s."""
     rows = weight.shape[0]  # V_padded/tp
     local = idx - tp_rank * rows
     outside = (local < 0) | (local >= rows)
     out = F.embedding(local.masked_fill(outside, 0), weight)  # (B, T, C)
+    if padding_idx >= 0:
+        out = torch.where((idx == padding_idx).unsqueeze(-1), out.detach(), out)
     return out.masked_fill(outside.unsqueeze(-1), 0.0)
 
 

@@ -54,10 +54,10 @@ TOKEN_WISE = (aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor
               aten.gelu.default, aten.relu.default, aten.silu.default, aten.tanh.default, aten.clone.default,
               aten.neg.default, aten.rsqrt.default, aten.pow.Tensor_Scalar, aten.to.dtype, aten._to_copy.default,
               aten.layer_norm.default, aten.rms_norm.default, aten.type_as.default, aten.linear.default,
-              aten.mean.dim, aten.sum.dim_IntList, aten.alias.default, aten.detach.default)
+              aten.mean.dim, aten.sum.dim_IntList)
 """Ops that compute each token from that token alone: they run unchanged on a slice of the sequence
 (a norm over the hidden dim, LayerNorm or RMSNorm's mean of squares, included; `_check_token_wise`
-refuses a reduction over the sequence; an alias: HF's `hidden_states[:, slice(0, None)]` before its head)."""
+refuses a reduction over the sequence)."""
 REDUCTIONS = (aten.mean.dim, aten.sum.dim_IntList)
 
 

@@ -234,9 +234,12 @@ class _Sharder:
 
     def rewrite_embedding(self, embedding: fx.Node) -> None:
         weight, idx, *options = embedding.args
-        if options not in ([], [-1], [-1, False], [-1, False, False]):
-            raise GraphMismatch(NAME, embedding, f"has options {options} a vocab-parallel embedding does not support")
-        partial = insert_call(embedding, tp_ops.vocab_parallel_embedding, (weight, idx, self.tp_rank()), NAME)
+        padding_idx, *rest = options or [-1]
+        if rest not in ([], [False], [False, False]):
+            raise GraphMismatch(NAME, embedding, f"has options {options} a vocab-parallel embedding does not support "
+                                                 f"(scale_grad_by_freq, sparse)")
+        partial = insert_call(embedding, tp_ops.vocab_parallel_embedding, (weight, idx, self.tp_rank(), padding_idx),
+                              NAME)
         total = insert_call(partial, tp_ops.reduce_from_tp, (partial,), NAME)
         embedding.replace_all_uses_with(total)
         self.graph.erase_node(embedding)

@@ -41,7 +41,7 @@ ALONG = {aten.softmax.int: lambda node: node.args[1], aten._softmax.default: lam
 """Ops along one dim, by how to read that dim."""
 REORDERS = (aten.transpose.int, aten.permute.default, aten.expand.default)
 """Ops that move the tokens' dim with its entries (`TokenRows.reorder`)."""
-APART = (*SPLITS, aten.slice.Tensor, aten.cat.default)
+APART = (*SPLITS, aten.slice.Tensor, aten.select.int, aten.cat.default)
 """Ops that take values apart or join them, along another dim than the tokens' (`TokenRows.along_other_dim`)."""
 ROUTING = (aten.one_hot.default, aten.zeros_like.default)
 """Ops whose output holds the rank's rows where their input does (one more dim for one_hot)."""
@@ -118,21 +118,24 @@ class TokenRows:
             self.dims[node] = at
 
     def along_other_dim(self, node: fx.Node, dim: int) -> None:
-        """split, slice or cat along another dim than the tokens' (q, k and v apart, rotate_half): the tokens
-        stay where they are."""
+        """split, slice, select or cat along another dim than the tokens' (q, k and v apart, rotate_half; Falcon's
+        and BLOOM's q, k and v picked from a fused dim): the tokens stay where they are, a dim before them fewer
+        after a select."""
         x = node.args[0][0] if node.target is aten.cat.default else node.args[0]
-        ndim = len(full_shape(x))
+        ndim, out = len(full_shape(x)), dim
         if node.target is aten.cat.default:
             tensors, at = (*node.args, 0)[:2]
             crosses = any(self.dims.get(t) != dim for t in tensors) or at % ndim == dim
         elif node.target is aten.slice.Tensor:
             crosses = full_shape(node)[dim] != full_shape(x)[dim]
+        elif node.target is aten.select.int:
+            crosses, out = node.args[1] % ndim == dim, dim - (node.args[1] % ndim < dim)
         else:
             crosses = (*node.args, 0)[2] % ndim == dim
         if crosses:
-            raise GraphMismatch(self.name, node, f"splits, slices or joins along the sequence dim {dim}, or joins "
-                                                 f"values that do not all hold the rank's tokens there")
-        self.dims[node] = dim
+            raise GraphMismatch(self.name, node, f"splits, slices, selects or joins along the sequence dim {dim}, or "
+                                                 f"joins values that do not all hold the rank's tokens there")
+        self.dims[node] = out
 
     def inherit_merged(self, node: fx.Node) -> None:
         """`node` holds the rank's tokens as the first input whose tokens' dim has its size (any, for an op that

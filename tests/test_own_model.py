@@ -392,6 +392,14 @@ ATTENTION_FORMS = {
          "        self.n_head = config.n_head\n"
          "        self.mask = torch.ones(config.block_size, config.block_size, dtype=torch.bool).tril()"),
         (SDPA, SDPA.replace("is_causal=True", "attn_mask=self.mask[:T, :T]"))],
+    # Phi-3's rotary over the first rotary_dim entries of each head, here all of them: a slice of every entry (an
+    # alias) and an empty one, joined back by cat
+    "rotary-dim-slices": [
+        (SDPA, "        hs, half = q.size(-1), q.size(-1) // 2\n"
+               "        angle = torch.arange(T).float()[:, None] * 0.1 ** torch.arange(half)\n"
+               "        cos, sin = torch.cat((angle, angle), dim=-1).cos(), torch.cat((angle, angle), dim=-1).sin()\n"
+               "        q, k = (torch.cat((t[..., :hs] * cos + torch.cat((-t[..., half:hs], t[..., :half]), dim=-1) * sin,\n"
+               "                           t[..., hs:]), dim=-1) for t in (q, k))\n" + SDPA)],
     # MPT's clip_qkv: the fused qkv clamped, then chunked
     "qkv-clamped-chunk": [
         (QKV, "        q, k, v = (t.view(B, T, self.n_head, -1).transpose(1, 2)\n"
@@ -433,6 +441,13 @@ def test_tensors_the_model_holds_are_constants_of_every_rank(form, parallel, tmp
     positions. They were refused ("compute it in forward"), the first thing many real models met."""
     name = f"{form}_{'_'.join(map(str, parallel.values()))}".replace("-", "_")
     assert_trains_as_one_device(attention_form(form, name, tmp_path), n_head=8, **parallel)
+
+
+@pytest.mark.parametrize("form", ["qkv-per-head-select", "rotary-dim-slices"])
+def test_attention_forms_under_context_parallel(form, tmp_path):
+    """q, k and v picked from a fused dim by select (Falcon's, BLOOM's) and a rotary over slices of the head dim
+    (Phi-3's) hold the rank's tokens where their input does. Both were refused at cp."""
+    assert_trains_as_one_device(attention_form(form, f"{form}_cp".replace("-", "_"), tmp_path), n_head=8, cp=2)
 
 
 def test_fewer_kv_heads_than_ranks_in_a_column_linear_says_to_leave_it_whole(tmp_path, capsys):
@@ -549,6 +564,20 @@ def test_a_vocab_parallel_head_with_a_bias(parallel, tmp_path):
     assert head in source
     (tmp_path / "model.py").write_text(source.replace(head, head.replace(", bias=False", "")))
     assert_trains_as_one_device(f"{tmp_path}/model.py:SPEC", n_head=4, **parallel)
+
+
+def test_a_vocab_parallel_embedding_with_a_padding_row(tmp_path):
+    """nn.Embedding(padding_idx=...) (HF's pad_token_id: Gemma, Cohere, OLMo) cut over the vocab: the rank holding
+    the padding row gives it no gradient, as one device does. It was refused at any tp. The row is token 149,
+    the first of the test's first batch."""
+    source = open("examples/parallel_block.py").read().replace('"parallel_block"', '"padded_embedding"')
+    embed = "self.embed = nn.Embedding(config.vocab_size, config.n_embd)"
+    assert embed in source
+    (tmp_path / "model.py").write_text(source.replace(embed, embed.replace(")", ", padding_idx=149)")))
+    cfg = build_config({"model": dict(arch=f"{tmp_path}/model.py:SPEC", n_layer=2, block_size=32),
+                        "train": dict(micro_batch_size=2, global_batch_size=4, seq_length=32)})
+    assert random_batches(cfg, 1)[0][0, 0] == 149
+    assert_trains_as_one_device(f"{tmp_path}/model.py:SPEC", n_head=4, tp=2)
 
 
 def test_a_head_written_as_a_matmul_is_refused_with_f_linear(tmp_path, capsys):
