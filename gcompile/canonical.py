@@ -12,6 +12,7 @@ are the same op:
     x.new_ones(size) and its kind      full(size): x gives only the dtype (MPT's mask)
     cat with empty tensors             cat of the others, or a clone of the one (HF's DynamicCache's empty start)
     alias (a slice of every entry)     the tensor itself (HF's x[..., :rotary_dim] of a full rotary)
+    x @ W.T (+ b), W a 2-D parameter   linear(x, W, b) (Falcon's Linear, a tied head by hand)
 
 The passes carry a cut or the rank's tokens through the one form; the others
 they refused. Each rewrite gives the same values: the graph computes what it did.
@@ -47,6 +48,8 @@ def as_the_ops_passes_know(graph: torch.fx.GraphModule) -> None:
             fill = node.args[2] if node.target is aten.new_full.default else NEW_FILLED[node.target]
             kwargs = {"dtype": node.kwargs.get("dtype") or x.meta["val"].dtype, "device": x.meta["val"].device}
             node.target, node.args, node.kwargs = aten.full.default, (node.args[1], fill), kwargs
+        elif node.target is aten.matmul.default and _transposed_parameter(node.args[1]) is not None:
+            _matmul_as_linear(graph.graph, node)
         elif node.target is aten.alias.default:
             node.replace_all_uses_with(x)
             graph.graph.erase_node(node)
@@ -57,6 +60,35 @@ def as_the_ops_passes_know(graph: torch.fx.GraphModule) -> None:
 
 NEW_FILLED = {aten.new_zeros.default: 0, aten.new_ones.default: 1, aten.new_empty.default: 0, aten.new_full.default: None}
 """x.new_*(size, ...) -> the value it is filled with (new_full's is its argument; new_empty's any)."""
+
+
+TRANSPOSES = (aten.numpy_T.default, aten.t.default, aten.transpose.int, aten.permute.default)
+
+
+def _transposed_parameter(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The 2-D parameter (a placeholder that requires grad) that `node` is the transpose of, or None."""
+    if not isinstance(node, torch.fx.Node) or node.target not in TRANSPOSES:
+        return None
+    weight = node.args[0]
+    if weight.op != "placeholder" or weight.meta["val"].dim() != 2 or not weight.meta["val"].requires_grad:
+        return None
+    swaps = node.target is aten.transpose.int and node.args[1] % 2 != node.args[2] % 2 or \
+        node.target is aten.permute.default and [d % 2 for d in node.args[1]] == [1, 0] or \
+        node.target in (aten.numpy_T.default, aten.t.default)
+    return weight if swaps else None
+
+
+def _matmul_as_linear(graph: torch.fx.Graph, matmul: torch.fx.Node) -> None:
+    """x @ W.T -> linear(x, W); a 1-D parameter added right after, its only reader, becomes the bias."""
+    x, weight = matmul.args[0], _transposed_parameter(matmul.args[1])
+    matmul.target, matmul.args = aten.linear.default, (x, weight)
+    (user, *others) = list(matmul.users) or [None]
+    if user is not None and not others and user.target is aten.add.Tensor and user.args[0] is matmul and \
+            isinstance(bias := user.args[1], torch.fx.Node) and bias.op == "placeholder" and \
+            tuple(bias.meta["val"].shape) == tuple(matmul.meta["val"].shape[-1:]):
+        matmul.args = (x, weight, bias)
+        user.replace_all_uses_with(matmul)
+        graph.erase_node(user)
 
 
 def _stack_as_cat(graph: torch.fx.Graph, stack: torch.fx.Node) -> None:

@@ -174,8 +174,8 @@ class _Sharder:
         for user in node.users:
             if not any(user.target is op and len(user.args) > i and user.args[i] is node for op, i in allowed):
                 raise GraphMismatch(NAME, user, f"uses {name}, which the plan makes {placement}-parallel; "
-                                                f"only a linear (or, for vocab, an embedding) may use it: write "
-                                                f"x @ W.T as F.linear(x, W), or leave it out of tp_plan")
+                                                f"only a linear (F.linear or x @ W.T; for vocab, an embedding too) "
+                                                f"may use it: leave it out of tp_plan")
 
     def fused_parts(self, param: fx.Node) -> tuple[int, ...]:
         """The sizes of the parts the outputs of the linears using `param` are split into right away (q, k, v;

@@ -580,15 +580,29 @@ def test_a_vocab_parallel_embedding_with_a_padding_row(tmp_path):
     assert_trains_as_one_device(f"{tmp_path}/model.py:SPEC", n_head=4, tp=2)
 
 
-def test_a_head_written_as_a_matmul_is_refused_with_f_linear(tmp_path, capsys):
-    source = open("examples/parallel_block.py").read().replace('"parallel_block"', '"matmul_head"')
-    assert "logits = self.head(self.norm(x))" in source
-    (tmp_path / "model.py").write_text(source.replace("logits = self.head(self.norm(x))",
-                                                      "logits = self.norm(x) @ self.head.weight.T"))
+def test_linears_written_as_matmuls(tmp_path):
+    """x @ W.T (+ b) of a Linear's weight, as Falcon's Linear and a tied head written by hand do, is that linear
+    (gcompile.canonical): column, row and vocab-parallel under sequence parallel. It was refused ("write x @ W.T
+    as F.linear(x, W)"), which meant editing the model."""
+    source = open("examples/parallel_block.py").read().replace('"parallel_block"', '"matmul_linears"')
+    for old, new in [("logits = self.head(self.norm(x))", "logits = self.norm(x) @ self.head.weight.T"),
+                     ("self.qkv(h)", "(h @ self.qkv.weight.t() + self.qkv.bias)"),
+                     ("x + self.out(y)", "x + torch.matmul(y, self.out.weight.transpose(0, 1)) + self.out.bias")]:
+        assert old in source, old
+        source = source.replace(old, new)
+    (tmp_path / "model.py").write_text(source)
+    assert_trains_as_one_device(f"{tmp_path}/model.py:SPEC", n_head=4, tp=2, sequence_parallel=True)
+
+
+def test_a_cut_weight_read_by_other_than_a_linear_is_refused(tmp_path, capsys):
+    source = open("examples/parallel_block.py").read().replace('"parallel_block"', '"weight_penalty"')
+    loss = "return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))"
+    assert loss in source
+    (tmp_path / "model.py").write_text(source.replace(loss, loss + " + 1e-4 * self.head.weight.pow(2).sum()"))
     assert run_gpt.main(["--arch", f"{tmp_path}/model.py:SPEC", "--n-layer", "2", "--tp", "2", "--check-plan"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "uses head.weight, which the plan makes vocab-parallel; only a linear (or, for vocab, an " \
-        "embedding) may use it: write x @ W.T as F.linear(x, W), or leave it out of tp_plan" in err[0], err
+    assert len(err) == 1 and "uses head.weight, which the plan makes vocab-parallel; only a linear (F.linear or " \
+        "x @ W.T; for vocab, an embedding too) may use it: leave it out of tp_plan" in err[0], err
 
 
 def test_a_head_left_whole_under_sequence_parallel_is_refused_naming_the_head(tmp_path, capsys):
