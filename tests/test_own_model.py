@@ -82,6 +82,17 @@ def test_a_graph_the_pass_cannot_cut_names_the_node_and_line(capsys):
     assert "tensor_parallel" in err and "parallel_block.py" in err and err.count("\n") == 1, err
 
 
+def test_a_plan_that_names_what_tp_cannot_cut_is_refused_only_at_tp_above_1(tmp_path, capsys):
+    """HF GPT-2's plan names its Conv1D modules, which tp cannot cut: the model was refused even at tp 1."""
+    (tmp_path / "norm_plan.py").write_text(open("examples/parallel_block.py").read().replace(
+        '"parallel_block"', '"norm_plan"').replace('"blocks.*.qkv=column"', '"blocks.*.ln=column"'))
+    arch = f"{tmp_path}/norm_plan.py:SPEC"
+    assert run_gpt.main(["--arch", arch, "--n-layer", "2", "--check-plan"]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    assert run_gpt.main(["--arch", arch, "--n-layer", "2", "--tp", "2", "--check-plan"]) == 2
+    assert "tp_plan: blocks.0.ln is LayerNorm, but column applies to Linear" in capsys.readouterr().err
+
+
 def test_a_model_file_imports_the_module_beside_it(tmp_path, capsys):
     """As `python path/to/file.py` makes its folder importable: a model split over two files loads by path."""
     (tmp_path / "block_beside.py").write_text(open("examples/parallel_block.py").read()
