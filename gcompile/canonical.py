@@ -13,6 +13,7 @@ are the same op:
     cat with empty tensors             cat of the others, or a clone of the one (HF's DynamicCache's empty start)
     alias (a slice of every entry)     the tensor itself (HF's x[..., :rotary_dim] of a full rotary)
     x @ W.T (+ b), W a 2-D parameter   linear(x, W, b) (Falcon's Linear, a tied head by hand)
+    addmm(b, x, W), W a 2-D parameter  linear(x, W.t(), b) (HF's Conv1D, GPT-2's: its weight is (in, out))
 
 The passes carry a cut or the rank's tokens through the one form; the others
 they refused. Each rewrite gives the same values: the graph computes what it did.
@@ -50,6 +51,12 @@ def as_the_ops_passes_know(graph: torch.fx.GraphModule) -> None:
             node.target, node.args, node.kwargs = aten.full.default, (node.args[1], fill), kwargs
         elif node.target is aten.matmul.default and _transposed_parameter(node.args[1]) is not None:
             _matmul_as_linear(graph.graph, node)
+        elif node.target is aten.addmm.default and _is_parameter(node.args[2]) and len(node.args) == 3 and \
+                not node.kwargs:
+            with graph.graph.inserting_before(node):
+                transposed = graph.graph.call_function(aten.t.default, (node.args[2],))
+            transposed.meta["stack_trace"] = node.meta.get("stack_trace")
+            node.target, node.args = aten.linear.default, (node.args[1], transposed, node.args[0])
         elif node.target is aten.alias.default:
             node.replace_all_uses_with(x)
             graph.graph.erase_node(node)
@@ -65,13 +72,17 @@ NEW_FILLED = {aten.new_zeros.default: 0, aten.new_ones.default: 1, aten.new_empt
 TRANSPOSES = (aten.numpy_T.default, aten.t.default, aten.transpose.int, aten.permute.default)
 
 
+def _is_parameter(node) -> bool:
+    """Whether `node` is a 2-D parameter: a placeholder that requires grad."""
+    return isinstance(node, torch.fx.Node) and node.op == "placeholder" and node.meta["val"].dim() == 2 and \
+        node.meta["val"].requires_grad
+
+
 def _transposed_parameter(node: torch.fx.Node) -> torch.fx.Node | None:
-    """The 2-D parameter (a placeholder that requires grad) that `node` is the transpose of, or None."""
-    if not isinstance(node, torch.fx.Node) or node.target not in TRANSPOSES:
+    """The 2-D parameter that `node` is the transpose of, or None."""
+    if not isinstance(node, torch.fx.Node) or node.target not in TRANSPOSES or not _is_parameter(node.args[0]):
         return None
     weight = node.args[0]
-    if weight.op != "placeholder" or weight.meta["val"].dim() != 2 or not weight.meta["val"].requires_grad:
-        return None
     swaps = node.target is aten.transpose.int and node.args[1] % 2 != node.args[2] % 2 or \
         node.target is aten.permute.default and [d % 2 for d in node.args[1]] == [1, 0] or \
         node.target in (aten.numpy_T.default, aten.t.default)

@@ -723,12 +723,13 @@ def test_a_skip_over_several_stages_is_refused_with_the_fix(tmp_path, capsys):
         "stages\n"), err
 
 
-HF_LLAMA = '''
+
+HF_MODEL = '''
 from dataclasses import dataclass
 
 import torch.nn as nn
 import torch.nn.functional as F
-from transformers import LlamaConfig, LlamaForCausalLM
+import transformers
 
 from gcompile.models.spec import spec_with_defaults
 
@@ -742,36 +743,65 @@ class Config:
     n_embd: int = 64
 
 
-class HFLlama(nn.Module):
+class HF(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.lm = LlamaForCausalLM(LlamaConfig(
-            vocab_size=config.vocab_size, hidden_size=config.n_embd, intermediate_size=4 * config.n_embd,
-            num_hidden_layers=config.n_layer, num_attention_heads=config.n_head,
-            num_key_value_heads=config.n_head // 2, max_position_embeddings=config.block_size,
-            attn_implementation="sdpa"))
+        self.lm = transformers.CAUSAL_LM(transformers.MODELConfig(
+            vocab_size=config.vocab_size, hidden_size=config.n_embd, num_hidden_layers=config.n_layer,
+            num_attention_heads=config.n_head, max_position_embeddings=config.block_size,
+            attn_implementation="sdpa", **OPTIONS))
 
     def forward(self, idx, targets):
         logits = self.lm(input_ids=idx).logits
         return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
 
 
-LAYERS = "lm.model.layers.*."
-TP_PLAN = (*(LAYERS + f"self_attn.{p}_proj=column" for p in "qkv"), LAYERS + "self_attn.o_proj=row",
-           LAYERS + "mlp.gate_proj=column", LAYERS + "mlp.up_proj=column", LAYERS + "mlp.down_proj=row",
-           "lm.model.embed_tokens=vocab", "lm.lm_head=vocab")
-SPEC = spec_with_defaults("NAME", Config, HFLlama, tp_plan=TP_PLAN)
+SPEC = spec_with_defaults("NAME", Config, HF, tp_plan=TP_PLAN)
 '''
+LAYERS = "lm.model.layers.*."
+LLAMA_PLAN = (*(LAYERS + f"self_attn.{p}_proj=column" for p in "qkv"), LAYERS + "self_attn.o_proj=row",
+              LAYERS + "mlp.gate_proj=column", LAYERS + "mlp.up_proj=column", LAYERS + "mlp.down_proj=row",
+              "lm.model.embed_tokens=vocab", "lm.lm_head=vocab")
+HF_MODELS = {
+    # inv_freq a buffer; a DynamicCache started from empty tensors; the last hidden states sliced whole
+    "Llama": (dict(intermediate_size=256, num_key_value_heads=2), LLAMA_PLAN),
+    # q, k and v in one Linear and gate and up in another, taken apart by slices and chunk; a rotary over a slice
+    # of every entry of the head dim joined to an empty one
+    "Phi3": (dict(intermediate_size=256, num_key_value_heads=2, pad_token_id=None),
+             (LAYERS + "self_attn.qkv_proj=column", LAYERS + "self_attn.o_proj=row",
+              LAYERS + "mlp.gate_up_proj=column", LAYERS + "mlp.down_proj=row", "lm.model.embed_tokens=vocab",
+              "lm.lm_head=vocab")),
+    # a padding row in the vocab-parallel embedding (pad_token_id: token 149, the first of the test's batches);
+    # norms whose weight starts at zero
+    "Gemma": (dict(intermediate_size=256, num_key_value_heads=2, head_dim=16, pad_token_id=149), LLAMA_PLAN),
+    # its Linear is x @ W.T + b; q, k and v picked from a fused dim by select
+    "Falcon": (dict(new_decoder_architecture=True, num_kv_heads=2),
+               tuple(f"lm.transformer.h.*.{m}" for m in ("self_attention.query_key_value=column",
+                                                         "self_attention.dense=row", "mlp.dense_h_to_4h=column",
+                                                         "mlp.dense_4h_to_h=row")) +
+               ("lm.transformer.word_embeddings=vocab", "lm.lm_head=vocab")),
+    # its Conv1D (a weight of (in, out), addmm): context parallel only, as tp cannot cut a Conv1D yet
+    "GPT2LMHeadModel": (dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0), ("lm.transformer.wte=vocab", "lm.lm_head=vocab")),
+}
 
 
-@pytest.mark.parametrize("parallel", [dict(tp=2, sequence_parallel=True), dict(tp=2, cp=2, cp_comm_type="a2a"),
-                                      dict(pp=2)], ids=["tp2-sp", "tp2-cp2-a2a", "pp2"])
-def test_a_hugging_face_model_as_it_is(parallel, tmp_path):
-    """transformers' LlamaForCausalLM, unchanged, as your own model: its rotary's inv_freq is a buffer (it was
-    refused), its forward starts a DynamicCache from empty tensors (refused as a tensor of 0 numbers from Python
-    data, then cat with them, which tp and cp could not cut) and slices its last hidden states whole (an alias,
-    which sequence parallel did not know)."""
+@pytest.mark.parametrize("model,parallel", [
+    ("Llama", dict(tp=2, sequence_parallel=True)), ("Llama", dict(tp=2, cp=2, cp_comm_type="a2a")),
+    ("Llama", dict(pp=2)), ("Phi3", dict(tp=2, sequence_parallel=True)), ("Gemma", dict(tp=2)),
+    ("Falcon", dict(tp=2, sequence_parallel=True)), ("Falcon", dict(cp=2, cp_comm_type="a2a")),
+    ("GPT2LMHeadModel", dict(cp=2, cp_comm_type="a2a"))],
+    ids=["llama-tp2-sp", "llama-tp2-cp2-a2a", "llama-pp2", "phi3-tp2-sp", "gemma-tp2", "falcon-tp2-sp",
+         "falcon-cp2-a2a", "gpt2-cp2-a2a"])
+def test_a_hugging_face_model_as_it_is(model, parallel, tmp_path):
+    """transformers' models, unchanged, as your own model, each a wrapper that returns the loss and a tp plan
+    naming its Linears: each met refusals (the comments of HF_MODELS) in real HF code that the forms above
+    were written after."""
     pytest.importorskip("transformers")
-    name = "hf_llama_" + "_".join(map(str, parallel.values()))
-    (tmp_path / "hf_llama.py").write_text(HF_LLAMA.replace('"NAME"', f'"{name}"'))
-    assert_trains_as_one_device(f"{tmp_path}/hf_llama.py:SPEC", n_head=4, **parallel)
+    options, plan = HF_MODELS[model]
+    name = f"hf_{model}_" + "_".join(map(str, parallel.values()))
+    causal_lm, family = (model, model.removesuffix("LMHeadModel")) if model.endswith("Model") else \
+        (f"{model}ForCausalLM", model)
+    (tmp_path / "hf.py").write_text(HF_MODEL.replace("CAUSAL_LM", causal_lm).replace("MODEL", family)
+                                    .replace('"NAME"', f'"{name}"')
+                                    .replace("**OPTIONS", f"**{options!r}").replace("TP_PLAN", repr(plan)))
+    assert_trains_as_one_device(f"{tmp_path}/hf.py:SPEC", n_head=4, **parallel)
