@@ -14,6 +14,7 @@ are the same op:
     alias (a slice of every entry)     the tensor itself (HF's x[..., :rotary_dim] of a full rotary)
     x @ W.T (+ b), W a 2-D parameter   linear(x, W, b) (Falcon's Linear, a tied head by hand)
     addmm(b, x, W), W a 2-D parameter  linear(x, W.t(), b) (HF's Conv1D, GPT-2's: its weight is (in, out))
+    view(linear(view(x, (-1, C))), ...) linear(x): the rows flattened for a 2-D op, then viewed back (Conv1D's)
 
 The passes carry a cut or the rank's tokens through the one form; the others
 they refused. Each rewrite gives the same values: the graph computes what it did.
@@ -57,6 +58,7 @@ def as_the_ops_passes_know(graph: torch.fx.GraphModule) -> None:
                 transposed = graph.graph.call_function(aten.t.default, (node.args[2],))
             transposed.meta["stack_trace"] = node.meta.get("stack_trace")
             node.target, node.args = aten.linear.default, (node.args[1], transposed, node.args[0])
+            _on_the_rows_as_they_were(graph.graph, node)
         elif node.target is aten.alias.default:
             node.replace_all_uses_with(x)
             graph.graph.erase_node(node)
@@ -100,6 +102,24 @@ def _matmul_as_linear(graph: torch.fx.Graph, matmul: torch.fx.Node) -> None:
         matmul.args = (x, weight, bias)
         user.replace_all_uses_with(matmul)
         graph.erase_node(user)
+
+
+VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+
+
+def _on_the_rows_as_they_were(graph: torch.fx.Graph, linear: torch.fx.Node) -> None:
+    """linear(x.view(-1, C)).view(*x.shape[:-1], out) -> linear(x): a linear works on any leading dims, and the
+    passes follow the tokens' dim through it, where rows of batch and tokens merged they could not."""
+    flat, users = linear.args[0], list(linear.users)
+    if flat.target not in VIEWS or len(users) != 1 or users[0].target not in VIEWS:
+        return
+    x, back = flat.args[0], users[0]
+    if tuple(back.meta["val"].shape) != (*x.meta["val"].shape[:-1], linear.meta["val"].shape[-1]):
+        return
+    linear.args = (x, *linear.args[1:])
+    linear.meta["val"] = back.meta["val"]
+    back.replace_all_uses_with(linear)
+    graph.erase_node(back)
 
 
 def _stack_as_cat(graph: torch.fx.Graph, stack: torch.fx.Node) -> None:

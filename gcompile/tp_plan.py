@@ -87,18 +87,26 @@ def plan_errors(spec: ModelSpec, config, entries: tuple[str, ...], tp: int, writ
               if written and not any(fnmatch.fnmatchcase(name, pattern) for name in every)]
     for name in owners:
         placement, module = plan.placement(name), modules[name]
-        if placement in ("column", "row") and not isinstance(module, nn.Linear):
-            errors.append(f"tp_plan: {name} is {type(module).__name__}, but {placement} applies to Linear")
+        if placement in ("column", "row") and not isinstance(module, nn.Linear) and not _holds_a_matrix(module):
+            errors.append(f"tp_plan: {name} is {type(module).__name__}, but {placement} applies to Linear (or a "
+                          f"module with a 2-D weight that forward uses as a linear's, HF's Conv1D)")
         elif placement == "vocab" and not isinstance(module, (nn.Embedding, nn.Linear)):
             errors.append(f"tp_plan: {name} is {type(module).__name__}, but vocab applies to an Embedding "
                           f"or the output head's Linear")
-        elif placement in ("column", "row"):
+        elif placement in ("column", "row") and isinstance(module, nn.Linear):  # the pass checks the others'
             errors += spec.tp_errors(model, name, placement, tp)
     if tp > 1 and not errors and all(plan.placement(name) == "replicate" for name in owners):
         errors.append(f"tp={tp}, but the tp plan of {spec.name} cuts none of its parameters: each tp rank would "
                       f"compute the whole model; give --tp-plan (e.g. \"blocks.*.up=column,blocks.*.down=row\") "
                       f"or --tp 1")
     return tuple(dict.fromkeys(errors))
+
+
+def _holds_a_matrix(module: nn.Module) -> bool:
+    """Whether `module`, not an Embedding, has a 2-D `weight` that the tensor-parallel pass may find used as a
+    linear's (HF's Conv1D, whose weight is (in, out)); it refuses any other use, naming it."""
+    weight = getattr(module, "weight", None)
+    return not isinstance(module, nn.Embedding) and isinstance(weight, nn.Parameter) and weight.dim() == 2
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:

@@ -156,22 +156,32 @@ class _Sharder:
             if placement == "replicate" or (placement == "row" and param.name.endswith(".bias")):
                 continue  # a row-parallel bias is added once, after the sum over ranks
             self.check_uses(node, param.name, placement)
+            transposes = [user for user in node.users if user.target is aten.t.default]  # HF's Conv1D: (in, out)
+            out_dim = 1 if transposes else 0
             if placement == "vocab":
                 v = self.ctx.config.parallel.make_vocab_size_divisible_by
                 shard = Shard("tp", 0, padded_size=padded_vocab_size(param.full_shape[0], v, self.tp))
             elif placement == "row":
-                shard = Shard("tp", 1)
+                shard = Shard("tp", 1 - out_dim)
             else:
-                shard = Shard("tp", 0, parts=self.fused_parts(node))
+                shard = Shard("tp", out_dim, parts=self.fused_parts(node))
+            if param.full_shape[shard.dim] % self.tp and shard.padded_size is None:
+                raise GraphMismatch(NAME, node, f"{param.name} has {param.full_shape[shard.dim]} entries on the dim "
+                                                f"{placement}-parallel cuts (dim {shard.dim}), not divisible by "
+                                                f"tp={self.tp}")
             self.stage.params[i] = param = param.with_shard(shard)
             node.meta["val"] = fake_like(node, param.local_shape(self.ctx.coords.axis_sizes))
-            self.placement[node] = placement
+            for user in [node, *transposes]:
+                self.placement[user] = placement
 
     def check_uses(self, node: fx.Node, name: str, placement: str) -> None:
         allowed = {(aten.linear.default, 1), (aten.linear.default, 2)}
         if placement == "vocab":
             allowed = {(aten.linear.default, 1), (aten.linear.default, 2), (aten.embedding.default, 0)}
         for user in node.users:
+            if user.target is aten.t.default and placement != "vocab" and user.users and \
+                    all(u.target is aten.linear.default and u.args[1] is user for u in user.users):
+                continue  # a linear of the transpose: HF's Conv1D, its weight (in, out) (gcompile.canonical)
             if not any(user.target is op and len(user.args) > i and user.args[i] is node for op, i in allowed):
                 raise GraphMismatch(NAME, user, f"uses {name}, which the plan makes {placement}-parallel; "
                                                 f"only a linear (F.linear or x @ W.T; for vocab, an embedding too) "
@@ -182,7 +192,7 @@ class _Sharder:
         unequal with grouped kv heads), maybe after ops of that output alone that keep its shape (MPT's
         clip_qkv clamp); () for no split."""
         parts = set()
-        for linear in param.users:
+        for linear in [u for user in param.users for u in (user.users if user.target is aten.t.default else [user])]:
             value, out = linear, linear.meta["val"].shape
             while len(value.users) == 1 and _keeps_shape(next(iter(value.users)), value):
                 value = next(iter(value.users))
@@ -214,14 +224,15 @@ class _Sharder:
         linear.args = (self.copies[x], *linear.args[1:])
         param = self.param_of(weight)
         out = linear.meta["val"].shape
-        self.cuts[linear] = Cut(dim=len(out) - 1, local=param.local_shape(self.ctx.coords.axis_sizes)[0],
-                                full=out[-1], source=module_of(param.name), parts=param.shards[0].parts)
+        shard = param.shards[0]
+        self.cuts[linear] = Cut(dim=len(out) - 1, local=param.local_shape(self.ctx.coords.axis_sizes)[shard.dim],
+                                full=out[-1], source=module_of(param.name), parts=shard.parts)
 
     def rewrite_row(self, linear: fx.Node) -> None:
         x, weight, bias = (*linear.args, None)[:3]
         param = self.param_of(weight)
         cut, ndim = self.cuts.get(x), len(x.meta["val"].shape)
-        if cut is None or cut.dim != ndim - 1 or cut.parts or cut.local * self.tp != param.full_shape[1]:
+        if cut is None or cut.dim != ndim - 1 or cut.parts or cut.local * self.tp != param.full_shape[param.shards[0].dim]:
             got = f"cut by {cut.source} on dim {cut.dim}" if cut else "replicated"
             raise GraphMismatch(NAME, linear, f"is row-parallel ({module_of(param.name)}) and needs its input cut on "
                                               f"the last dim by a column-parallel linear; the input is {got}")
@@ -638,6 +649,8 @@ class _Sharder:
             self.stage.placeholders().index(weight) < len(self.stage.params) else None
 
     def param_of(self, node: fx.Node):
+        """The parameter of a placeholder, or of its transpose (HF's Conv1D)."""
+        node = node.args[0] if node.target is aten.t.default else node
         return self.stage.params[self.stage.placeholders().index(node)]
 
 

@@ -605,6 +605,50 @@ def test_linears_written_as_matmuls(tmp_path):
     assert_trains_as_one_device(f"{tmp_path}/model.py:SPEC", n_head=4, tp=2, sequence_parallel=True)
 
 
+CONV1D = '''
+
+class Conv1D(nn.Module):
+    """HF's: a Linear whose weight is (in, out), applied by addmm to the rows flattened."""
+
+    def __init__(self, nf, nx):
+        super().__init__()
+        self.nf = nf
+        self.weight = nn.Parameter(torch.empty(nx, nf))
+        self.bias = nn.Parameter(torch.zeros(nf))
+
+    def forward(self, x):
+        return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(*x.shape[:-1], self.nf)
+'''
+
+
+def conv1d_model(name: str, tmp_path) -> str:
+    """examples/parallel_block.py with qkv and out as Conv1D modules."""
+    source = open("examples/parallel_block.py").read().replace('"parallel_block"', f'"{name}"')
+    for old, new in [("\n\nclass ParallelBlock(", CONV1D + "\n\nclass ParallelBlock("),
+                     ("self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd)",
+                      "self.qkv = Conv1D(3 * config.n_embd, config.n_embd)"),
+                     ("self.out = nn.Linear(config.n_embd, config.n_embd)", "self.out = Conv1D(config.n_embd, config.n_embd)")]:
+        assert old in source, old
+        source = source.replace(old, new)
+    (tmp_path / "model.py").write_text(source)
+    return f"{tmp_path}/model.py:SPEC"
+
+
+def test_a_linear_whose_weight_is_in_by_out(tmp_path):
+    """HF's Conv1D (GPT-2's): column- and row-parallel by the other dim of its weight than a Linear's, under
+    sequence parallel. The plan refused it (Conv1D is not a Linear), and cp refused its addmm."""
+    assert_trains_as_one_device(conv1d_model("conv1d_qkv", tmp_path), n_head=4, tp=2, sequence_parallel=True)
+
+
+def test_a_conv1d_that_tp_cannot_cut_evenly_is_one_line(tmp_path, capsys):
+    arch = conv1d_model("conv1d_uneven", tmp_path)
+    assert run_gpt.main(["--arch", arch, "--n-layer", "2", "--n-embd", "60", "--n-head", "6", "--tp", "8",
+                         "--check-plan"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "blocks.0.qkv.weight has 180 entries on the dim column-parallel cuts (dim 1), not " \
+        "divisible by tp=8" in err[0], err
+
+
 def test_a_cut_weight_read_by_other_than_a_linear_is_refused(tmp_path, capsys):
     source = open("examples/parallel_block.py").read().replace('"parallel_block"', '"weight_penalty"')
     loss = "return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))"
@@ -780,8 +824,11 @@ HF_MODELS = {
                                                          "self_attention.dense=row", "mlp.dense_h_to_4h=column",
                                                          "mlp.dense_4h_to_h=row")) +
                ("lm.transformer.word_embeddings=vocab", "lm.lm_head=vocab")),
-    # its Conv1D (a weight of (in, out), addmm): context parallel only, as tp cannot cut a Conv1D yet
-    "GPT2LMHeadModel": (dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0), ("lm.transformer.wte=vocab", "lm.lm_head=vocab")),
+    # its Conv1D: a weight of (in, out), used by addmm on the rows flattened
+    "GPT2LMHeadModel": (dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+                        tuple(f"lm.transformer.h.*.{m}" for m in ("attn.c_attn=column", "attn.c_proj=row",
+                                                                  "mlp.c_fc=column", "mlp.c_proj=row")) +
+                        ("lm.transformer.wte=vocab", "lm.lm_head=vocab")),
 }
 
 
@@ -789,9 +836,9 @@ HF_MODELS = {
     ("Llama", dict(tp=2, sequence_parallel=True)), ("Llama", dict(tp=2, cp=2, cp_comm_type="a2a")),
     ("Llama", dict(pp=2)), ("Phi3", dict(tp=2, sequence_parallel=True)), ("Gemma", dict(tp=2)),
     ("Falcon", dict(tp=2, sequence_parallel=True)), ("Falcon", dict(cp=2, cp_comm_type="a2a")),
-    ("GPT2LMHeadModel", dict(cp=2, cp_comm_type="a2a"))],
+    ("GPT2LMHeadModel", dict(tp=2, sequence_parallel=True)), ("GPT2LMHeadModel", dict(cp=2, cp_comm_type="a2a"))],
     ids=["llama-tp2-sp", "llama-tp2-cp2-a2a", "llama-pp2", "phi3-tp2-sp", "gemma-tp2", "falcon-tp2-sp",
-         "falcon-cp2-a2a", "gpt2-cp2-a2a"])
+         "falcon-cp2-a2a", "gpt2-tp2-sp", "gpt2-cp2-a2a"])
 def test_a_hugging_face_model_as_it_is(model, parallel, tmp_path):
     """transformers' models, unchanged, as your own model, each a wrapper that returns the loss and a tp plan
     naming its Linears: each met refusals (the comments of HF_MODELS) in real HF code that the forms above
