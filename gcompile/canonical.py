@@ -105,6 +105,7 @@ def _matmul_as_linear(graph: torch.fx.Graph, matmul: torch.fx.Node) -> None:
 
 
 VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+"""The views a pass follows a cut or the tokens' dim through."""
 
 
 def _on_the_rows_as_they_were(graph: torch.fx.Graph, linear: torch.fx.Node) -> None:

@@ -163,7 +163,8 @@ def _fold_constant(graph: torch.fx.GraphModule, node: torch.fx.Node, value: torc
                           f"(torch.tensor of a list, at {line}), which capture cannot carry to the ranks; make it "
                           f"with torch ops (torch.arange, torch.full, torch.linspace)")
     with graph.graph.inserting_before(node):
-        made = graph.graph.call_function(torch.ops.aten.full.default, (list(value.shape), value.item() if value.numel() else 0),
+        fill = value.item() if value.numel() else 0
+        made = graph.graph.call_function(torch.ops.aten.full.default, (list(value.shape), fill),
                                          {"dtype": value.dtype, "device": node.meta["val"].device})
     made.meta.update(node.meta)
     node.replace_all_uses_with(made)

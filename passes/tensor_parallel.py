@@ -43,6 +43,7 @@ import torch
 import torch.fx as fx
 
 from gcompile import tp_ops
+from gcompile.canonical import VIEWS
 from gcompile.layout import Param, Shard
 from gcompile.pass_manager import PassContext, register_pass
 from gcompile.program import Program, Stage
@@ -62,7 +63,6 @@ BROADCASTING = (aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tens
                 aten.where.ScalarOther, aten.where.ScalarSelf)
 """Element-wise ops over several tensors: cut inputs must be cut alike, the others broadcast over the cut dim
 (RoPE's q * cos, SwiGLU's silu(gate) * up)."""
-VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 SOFTMAX = (aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default)
 INSTEAD = {
     aten.einsum.default: "an einsum is not cut by heads here: write it with @ (torch.matmul) over the heads",

@@ -82,6 +82,14 @@ def test_a_graph_the_pass_cannot_cut_names_the_node_and_line(capsys):
     assert "tensor_parallel" in err and "parallel_block.py" in err and err.count("\n") == 1, err
 
 
+def refusal(capsys, arch: str, *flags: str) -> str:
+    """The one line `run_gpt.py --arch arch *flags --check-plan` refuses with, exiting with status 2."""
+    assert run_gpt.main(["--arch", arch, *flags, "--check-plan"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    return err[0]
+
+
 def test_a_plan_that_names_what_tp_cannot_cut_is_refused_only_at_tp_above_1(tmp_path, capsys):
     """HF GPT-2's plan names its Conv1D modules, which tp cannot cut: the model was refused even at tp 1."""
     (tmp_path / "norm_plan.py").write_text(open("examples/parallel_block.py").read().replace(
@@ -463,10 +471,9 @@ def test_attention_forms_under_context_parallel(form, tmp_path):
 
 def test_fewer_kv_heads_than_ranks_in_a_column_linear_says_to_leave_it_whole(tmp_path, capsys):
     arch = attention_form("gqa-repeat-interleave", "gqa_over_tp4", tmp_path)
-    assert run_gpt.main(["--arch", arch, "--n-layer", "2", "--n-head", "4", "--tp", "4", "--check-plan"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "2 (heads?) is not divisible by tp=4: choose a tp that divides it, or give kv heads a " \
-        "Linear of their own and leave it out of tp_plan" in err[0], err
+    line = refusal(capsys, arch, "--n-layer", "2", "--n-head", "4", "--tp", "4")
+    assert "2 (heads?) is not divisible by tp=4: choose a tp that divides it, or give kv heads a " \
+        "Linear of their own and leave it out of tp_plan" in line, line
 
 
 def test_a_post_norm_block_over_pipeline_stages(tmp_path):
@@ -505,10 +512,9 @@ def test_an_attention_mask_under_context_parallel(form, parallel, tmp_path):
 
 def test_an_attention_mask_in_the_p2p_ring_is_one_line(tmp_path, capsys):
     arch = attention_form("sdpa-bool-window", "window_p2p", tmp_path)
-    assert run_gpt.main(["--arch", arch, "--n-layer", "2", "--cp", "2", "--check-plan"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "has an explicit attention mask, which context parallel takes whole (made of " \
-        "positions, not of the batch) and with cp_comm_type all_gather or a2a" in err[0], err
+    line = refusal(capsys, arch, "--n-layer", "2", "--cp", "2")
+    assert "has an explicit attention mask, which context parallel takes whole (made of " \
+        "positions, not of the batch) and with cp_comm_type all_gather or a2a" in line, line
 
 
 RMS_NORM = '''
@@ -548,9 +554,8 @@ def test_an_attention_form_the_pass_refuses_says_what_to_write(sdpa, message, tm
     # model's name is its own in a process
     assert SDPA in source
     (tmp_path / "model.py").write_text(source.replace(SDPA, sdpa))
-    assert run_gpt.main(["--arch", f"{tmp_path}/model.py:SPEC", "--n-layer", "2", "--tp", "2", "--check-plan"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and message in err[0], err
+    line = refusal(capsys, f"{tmp_path}/model.py:SPEC", "--n-layer", "2", "--tp", "2")
+    assert message in line, line
 
 
 EMBED = "        x = self.embed(idx) + self.positions(torch.arange(T, device=idx.device))  # (B, T, C)"
@@ -642,11 +647,9 @@ def test_a_linear_whose_weight_is_in_by_out(tmp_path):
 
 def test_a_conv1d_that_tp_cannot_cut_evenly_is_one_line(tmp_path, capsys):
     arch = conv1d_model("conv1d_uneven", tmp_path)
-    assert run_gpt.main(["--arch", arch, "--n-layer", "2", "--n-embd", "60", "--n-head", "6", "--tp", "8",
-                         "--check-plan"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "blocks.0.qkv.weight has 180 entries on the dim column-parallel cuts (dim 1), not " \
-        "divisible by tp=8" in err[0], err
+    line = refusal(capsys, arch, "--n-layer", "2", "--n-embd", "60", "--n-head", "6", "--tp", "8")
+    assert "blocks.0.qkv.weight has 180 entries on the dim column-parallel cuts (dim 1), not " \
+        "divisible by tp=8" in line, line
 
 
 def test_a_cut_weight_read_by_other_than_a_linear_is_refused(tmp_path, capsys):
@@ -654,32 +657,28 @@ def test_a_cut_weight_read_by_other_than_a_linear_is_refused(tmp_path, capsys):
     loss = "return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))"
     assert loss in source
     (tmp_path / "model.py").write_text(source.replace(loss, loss + " + 1e-4 * self.head.weight.pow(2).sum()"))
-    assert run_gpt.main(["--arch", f"{tmp_path}/model.py:SPEC", "--n-layer", "2", "--tp", "2", "--check-plan"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "uses head.weight, which the plan makes vocab-parallel; only a linear (F.linear or " \
-        "x @ W.T; for vocab, an embedding too) may use it: leave it out of tp_plan" in err[0], err
+    line = refusal(capsys, f"{tmp_path}/model.py:SPEC", "--n-layer", "2", "--tp", "2")
+    assert "uses head.weight, which the plan makes vocab-parallel; only a linear (F.linear or " \
+        "x @ W.T; for vocab, an embedding too) may use it: leave it out of tp_plan" in line, line
 
 
 def test_a_head_left_whole_under_sequence_parallel_is_refused_naming_the_head(tmp_path, capsys):
     source = open("examples/parallel_block.py").read().replace('"parallel_block"', '"whole_head_sp"')
     assert '"head=vocab")' in source
     (tmp_path / "model.py").write_text(source.replace(', "head=vocab")', ")"))
-    assert run_gpt.main(["--arch", f"{tmp_path}/model.py:SPEC", "--n-layer", "2", "--tp", "2", "--sequence-parallel",
-                         "--check-plan"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "is the loss over logits of the rank's tokens only: make the output head vocab-parallel " \
-        "in tp_plan" in err[0], err
+    line = refusal(capsys, f"{tmp_path}/model.py:SPEC", "--n-layer", "2", "--tp", "2", "--sequence-parallel")
+    assert "is the loss over logits of the rank's tokens only: make the output head vocab-parallel " \
+        "in tp_plan" in line, line
 
 
 def test_a_tensor_forward_makes_of_a_list_is_refused_at_its_line(tmp_path, capsys):
     source = open("examples/parallel_block.py").read().replace('"parallel_block"', '"listed_scale"')
     (tmp_path / "model.py").write_text(source.replace(EMBED, EMBED.replace(
         "self.embed(idx)", "self.embed(idx) * torch.tensor([1.0, 2.0]).mean()")))
-    assert run_gpt.main(["--arch", f"{tmp_path}/model.py:SPEC", "--n-layer", "2", "--check-plan"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "ParallelBlockModel.forward makes a tensor of 2 numbers from Python data (torch.tensor " \
-        "of a list, at " in err[0] and "model.py:64: x = self.embed(idx) * torch.tensor([1.0, 2.0]).mean()" in err[0] \
-        and err[0].endswith("make it with torch ops (torch.arange, torch.full, torch.linspace)"), err
+    line = refusal(capsys, f"{tmp_path}/model.py:SPEC", "--n-layer", "2")
+    assert "ParallelBlockModel.forward makes a tensor of 2 numbers from Python data (torch.tensor " \
+        "of a list, at " in line and "model.py:64: x = self.embed(idx) * torch.tensor([1.0, 2.0]).mean()" in line \
+        and line.endswith("make it with torch ops (torch.arange, torch.full, torch.linspace)"), line
 
 
 LOSS = "        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))"
@@ -735,9 +734,8 @@ def test_losses_written_other_ways_train_as_on_one_device(form, layout, tmp_path
 def test_a_loss_a_layout_cannot_split_is_one_line(loss, parallel, message, tmp_path, capsys):
     source = open("examples/parallel_block.py").read().replace('"parallel_block"', f'"refused_loss_{len(loss)}"')
     (tmp_path / "model.py").write_text(source.replace(LOSS, f"        return {loss}"))
-    assert run_gpt.main(["--arch", f"{tmp_path}/model.py:SPEC", "--n-layer", "2", *parallel, "--check-plan"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and message in err[0], err
+    line = refusal(capsys, f"{tmp_path}/model.py:SPEC", "--n-layer", "2", *parallel)
+    assert message in line, line
 
 
 def test_an_own_models_config_fields_are_flags(tmp_path, capsys):
