@@ -182,6 +182,8 @@ def _causal(node: fx.Node) -> bool:
 
 
 def _tensors(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):  # most nodes: flattening a tree is most of what costing a graph costs
+        return [value]
     return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
 
 

@@ -242,12 +242,13 @@ def _forward_program(captured: Program, forward_passes: list[str], ctx: PassCont
 
 def _forward_passes(captured: Program, forward_passes: list[str], ctx: PassContext, cache: BuildCache,
                     captured_key: tuple, log: Callable[[str], None]) -> Program:
-    """Run the forward passes. The built-in ones before pipeline_split see the whole model and read only the
+    """Run the forward passes. The built-in ones before pipeline_split (all, without a pipeline: a layout of pp 1
+    shares them with one of pp 2) see the whole model and read only the
     tp, cp and ep axes (WHOLE_MODEL_AXES), so ranks that differ only in their pp or dp position share their
     result and its dumps (a 16-stage world runs them once per 16 ranks), and so do the planner's layouts that
     differ only in pp, dp and vpp (gpt2-small on 8 ranks: a third of its planning time); a user pass may read
     anything, so with user passes every rank runs them all."""
-    split = forward_passes.index("pipeline_split") if "pipeline_split" in forward_passes else 0
+    split = forward_passes.index("pipeline_split") if "pipeline_split" in forward_passes else len(forward_passes)
     whole, per_rank = forward_passes[:split], forward_passes[split:]
     if not whole or ctx.config.parallel.passes:
         return run_passes(captured.clone(), forward_passes, ctx, log)
@@ -262,6 +263,8 @@ def _forward_passes(captured: Program, forward_passes: list[str], ctx: PassConte
     program, dumped = cache.whole_model[key]
     for name, text in dumped.items():
         dump_text(ctx.dump_dir, name, text)  # again into the first rank's folder: the same text
+    if not per_rank:  # one stage: the caller rewrites its outputs in place
+        return program.clone()
     program = replace(program, history=list(program.history))  # run_passes appends to it
     return run_passes(program, per_rank, ctx, log, first_number=len(whole) + 1)
 
