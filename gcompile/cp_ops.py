@@ -13,6 +13,7 @@ gets the same attention work.
     heads_attention(q, k, v, n, ...)   Ulysses': q, k, v exchanged over "cp" (all-to-all) from the rank's tokens of
                                        every head to every token of the rank's heads, attention over the whole
                                        sequence, the output exchanged back
+    to_heads(x, seq, n) / to_tokens    those exchanges alone, around attention written by hand (q @ k^T ... @ v)
 
 The rank's index comes in as a 0-d int64 tensor, `cp_rank`, so every cp rank
 runs the same graph text.
@@ -43,7 +44,7 @@ def causal_mask(seq: int, n: int, cp_rank: torch.Tensor, dtype: torch.dtype) -> 
     """The additive causal mask of the rank's queries against the gathered keys (0 or -inf), (T/n, T): the
     gathered keys are not in sequence order, so it is built from each query's and key's global position.
     Made once and shared by every attention of a stage, so backward keeps one, not one per layer."""
-    keys = torch.cat([positions(seq, n, r) for r in range(n)]).to(cp_rank.device)  # (T,)
+    keys = _gathered(seq, n, cp_rank.device)  # (T,)
     allowed = positions(seq, n, cp_rank)[:, None] >= keys[None, :]  # (T/n, T)
     return torch.zeros(allowed.shape, dtype=dtype, device=cp_rank.device).masked_fill(~allowed, float("-inf"))
 
@@ -55,8 +56,7 @@ def gathered_mask(mask: torch.Tensor, n: int, cp_rank: torch.Tensor) -> torch.Te
     if mask.dim() >= 2 and mask.shape[-2] > 1:
         mask = mask.index_select(-2, positions(mask.shape[-2], n, cp_rank))
     if mask.shape[-1] > 1:
-        keys = torch.cat([positions(mask.shape[-1], n, r) for r in range(n)]).to(mask.device)
-        mask = mask.index_select(-1, keys)
+        mask = mask.index_select(-1, _gathered(mask.shape[-1], n, mask.device))
     return mask
 
 
@@ -73,21 +73,34 @@ def heads_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int, i
                     scale: float | None, enable_gqa: bool, mask: torch.Tensor | None = None,
                     cp_rank: torch.Tensor | None = None) -> torch.Tensor:
     """Exact attention of the rank's tokens (B, heads, T/n, hs) as Ulysses computes it: an all-to-all each for q,
-    k and v gives each rank 1/n of the heads over the whole sequence, in sequence order (the load-balanced chunks
-    put back), so the attention is one device's for those heads; a fourth returns the output to the rank's
-    tokens. The heads (K and V's too) must divide by n. A `mask` over the whole sequence applies as it is, but for
-    a heads dim, of which the rank's 1/n is read."""
-    seq = q.shape[2] * n
-    gathered = torch.cat([positions(seq, n, r) for r in range(n)]).to(q.device)  # position of each gathered token
-    in_order = gathered.argsort()
-    q, k, v = (_Exchange.apply(t, 1, 2, n).index_select(2, in_order) for t in (q, k, v))
+    k and v gives each rank 1/n of the heads over the whole sequence (`to_heads`), so the attention is one
+    device's for those heads; a fourth returns the output to the rank's tokens (`to_tokens`). The heads (K and
+    V's too) must divide by n. A `mask` over the whole sequence applies as it is, but for a heads dim, of which
+    the rank's 1/n is read."""
+    q, k, v = (to_heads(t, 2, n) for t in (q, k, v))
     if mask is not None and mask.dim() >= 3 and mask.shape[-3] > 1:
         mask = tp_ops.rank_part(mask, mask.dim() - 3, n, cp_rank)
     y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal,
                                        scale=scale, enable_gqa=enable_gqa)
-    y = _Exchange.apply(y.index_select(2, gathered), 2, 1, n)
-    return y.transpose(1, 2).contiguous().transpose(1, 2)  # SDPA's layout, (B, T, heads, hs) in memory, which
-    # the graph's views of its output may rely on (capture drops a .contiguous() that did nothing)
+    return to_tokens(y, 2, n).transpose(1, 2).contiguous().transpose(1, 2)  # SDPA's layout, (B, T, heads, hs) in
+    # memory, which the graph's views of its output may rely on (capture drops a .contiguous() that did nothing)
+
+
+def to_heads(x: torch.Tensor, seq: int, n: int) -> torch.Tensor:
+    """The rank's tokens of every head (heads on dim 1, T/n tokens on dim `seq`) exchanged over "cp" for every
+    token of the rank's 1/n of the heads, in sequence order (the load-balanced chunks put back)."""
+    gathered = _gathered(x.shape[seq] * n, n, x.device)
+    return _Exchange.apply(x, 1, seq, n).index_select(seq, gathered.argsort())
+
+
+def to_tokens(x: torch.Tensor, seq: int, n: int) -> torch.Tensor:
+    """`to_heads` undone: every token of the rank's heads back to the rank's tokens of every head."""
+    return _Exchange.apply(x.index_select(seq, _gathered(x.shape[seq], n, x.device)), seq, 1, n)
+
+
+def _gathered(seq: int, n: int, device: torch.device) -> torch.Tensor:
+    """The global position of each token an exchange gathers: rank 0's tokens, then rank 1's, ..."""
+    return torch.cat([positions(seq, n, r) for r in range(n)]).to(device)
 
 
 class _Exchange(torch.autograd.Function):

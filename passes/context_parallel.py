@@ -15,7 +15,8 @@ Requires: the whole model in one stage (runs after tensor_parallel and sequence_
   before pipeline_split); "idx" and
   "targets" are (B, T) inputs; every op that reads the rank's tokens is one this
   pass knows to be token-wise, a view or transpose that keeps the sequence dim
-  whole, attention (an explicit mask only whole, made of positions, and not with p2p), the mean or
+  whole, attention (an explicit mask only whole, made of positions, and not with p2p; written by
+  hand, q @ k^T then element-wise ops and a softmax over the keys then @ v, only with a2a), the mean or
   summed cross-entropy or nll_loss
   and a logsumexp or gather over the vocab (tensor parallel's vocab-parallel ops included),
   or a MoE layer's routing (rows picked and
@@ -40,6 +41,9 @@ Rewrite (n = cp, P = the rank's global positions, T/n of them):
                                                mask = causal_mask(T, n, cp_rank)  # P >= key positions, one per stage
                                                heads_attention(q, k, v, n, ...)  # a2a: all-to-alls to 1/n of the
                                                                                  # heads over all T, and back
+    s = matmul(q, kt)            # by hand     s = matmul(to_heads(q, 2, n), to_heads(kt, 3, n))   # a2a only
+    p = softmax(tanh(s) + b)                   p = softmax(tanh(s) + rank_part(b, 1, n, cp_rank))  # b per head
+    matmul(p, v)                               to_tokens(matmul(p, to_heads(v, 2, n)), 2, n)
     cross_entropy_loss(z, t)                   cross_entropy_loss(z, t) * share   # the mean over the rank's tokens,
                                                                           # by its share of the counted ones
     cross_entropy_loss(z, t, None, 2)          cross_entropy_loss(z, t, None, 2) * n   # a sum
@@ -58,7 +62,7 @@ from gcompile.program import BATCH_ROLES, Program, Stage
 from gcompile.report import REPORT
 from passes.rewrite import GraphMismatch, insert_call, rank_constant, replace_call, whole_model_copy
 from passes.sequence_parallel import TOKEN_WISE
-from passes.tensor_parallel import BROADCASTING, NORMS, SHAPE_PRESERVING, VIEWS, full_shape, is_elementwise
+from passes.tensor_parallel import BROADCASTING, NORMS, SHAPE_PRESERVING, SOFTMAX, VIEWS, full_shape, is_elementwise
 from passes.token_rows import ALONG, APART, GROUPED_MM, REORDERS, ROUTING, TokenRows
 
 NAME = "context_parallel"
@@ -108,6 +112,9 @@ class _Splitter(TokenRows):
         self.merged, self.counts, self.totals = {}, set(), {}
         self.means: list[fx.Node] = []
         """Means over the rank's tokens outside the loss ops (a MoE layer's mean router probabilities)."""
+        self.by_heads: set[fx.Node] = set()
+        """Values of attention written by hand between q @ k^T and @ v under a2a: the rank's 1/n of the heads over
+        the whole sequence (Ulysses), so whole on the sequence dims."""
 
     def run(self) -> None:
         graph = self.stage.graph.graph
@@ -119,7 +126,9 @@ class _Splitter(TokenRows):
         for node in graph.find_nodes(op="call_function", target=tp_ops.scatter_to_sequence):
             node.update_arg(0, self.local(node.args[0], node.args[1], node))  # the cp cut first, then sp's
         for node in list(graph.nodes):
-            if node not in self.dims and any(a in self.dims for a in node.all_input_nodes):
+            if any(a in self.by_heads for a in node.all_input_nodes):
+                self.head_wise(node)
+            elif node not in self.dims and any(a in self.dims for a in node.all_input_nodes):
                 self.propagate(node)
             elif node not in self.counts and any(a in self.counts for a in node.all_input_nodes):
                 self.read_count(node)
@@ -188,11 +197,7 @@ class _Splitter(TokenRows):
         elif target is aten.matmul.default and node.args[1] not in self.dims and dim < len(full_shape(x)) - 1:
             self.dims[node] = dim + len(full_shape(node)) - len(full_shape(x))  # x @ W: a linear, token by token
         elif target in (aten.matmul.default, aten.bmm.default):
-            raise GraphMismatch(NAME, node, "multiplies values that hold the rank's tokens, as attention written by "
-                                            "hand does (q @ k^T): context parallel rewrites attention only as "
-                                            "F.scaled_dot_product_attention(q, k, v, is_causal=True) (or with a "
-                                            "mask made of positions), whose scores it never sees: scores changed "
-                                            "by hand (soft-capping) cannot be split over cp")
+            self.scores(node)
         else:
             raise GraphMismatch(NAME, node, "reads the rank's tokens but is not known to work token by token; "
                                             "context parallel knows element-wise ops, norms over the hidden dim, "
@@ -296,11 +301,7 @@ class _Splitter(TokenRows):
             fn, args = ring_attention.attention, (q, k, v, self.n, self.cp_rank, bool(bound.get("is_causal")),
                                                   bound.get("scale"), cp_ops.GROUP)
         elif self.comm_type == "a2a":
-            heads = {full_shape(t)[1] for t in (q, k, v)}
-            if any(h % self.n for h in heads):
-                raise GraphMismatch(NAME, node, f"has {' and '.join(map(str, sorted(heads)))} heads on this rank, "
-                                                f"which cp={self.n} does not divide; cp_comm_type a2a gives each cp "
-                                                f"rank 1/cp of the heads (K and V's too): use p2p or all_gather")
+            self.check_heads(node, q, k, v, advice=": use p2p or all_gather")
             fn, args = cp_ops.heads_attention, (q, k, v, self.n, bool(bound.get("is_causal")),
                                                 bound.get("dropout_p", 0.0), bound.get("scale"),
                                                 bound.get("enable_gqa", False), mask, self.cp_rank)
@@ -312,6 +313,68 @@ class _Splitter(TokenRows):
             fn, args = cp_ops.attention, (q, k, v, self.n, mask, bound.get("dropout_p", 0.0), bound.get("scale"),
                                           bound.get("enable_gqa", False))
         self.dims[replace_call(node, fn, args, NAME)] = 2
+
+    def scores(self, node: fx.Node) -> None:
+        """q @ k^T of attention written by hand (soft-capped, masked by a buffer): under a2a, q and k^T exchanged
+        to the rank's heads over the whole sequence, so the scores and what is made of them up to @ v are one
+        device's for those heads (`head_wise`). p2p and all_gather would need the scores of the rank's queries
+        only, which a graph written by hand does not say how to compute."""
+        q, keys = node.args[:2]
+        if self.comm_type != "a2a" or node.target is not aten.matmul.default or len(full_shape(node)) != 4 or \
+                self.dims.get(q) != 2 or self.dims.get(keys) != 3:
+            raise GraphMismatch(NAME, node, "multiplies values that hold the rank's tokens, as attention written by "
+                                            "hand does (q @ k^T): context parallel rewrites it with "
+                                            "--cp-comm-type a2a from (B, heads, T, head_dim) q and k^T, else only "
+                                            "F.scaled_dot_product_attention(q, k, v, is_causal=True) (or with a "
+                                            "mask made of positions)")
+        self.check_heads(node, q, keys)
+        node.args = (*(insert_call(node, cp_ops.to_heads, (t, self.dims[t], self.n), NAME, before=True)
+                       for t in (q, keys)), *node.args[2:])
+        self.by_heads.add(node)
+
+    def head_wise(self, node: fx.Node) -> None:
+        """A node that reads the scores of attention written by hand (`scores`): element-wise ops and a softmax
+        over the keys stay with the rank's heads; @ v exchanges v likewise and the result back to the rank's
+        tokens. Anything else (a view, a reduction over heads, the scores returned) is refused."""
+        first, *others = node.args if node.op == "call_function" else (None,)
+        if node.target is aten.matmul.default and first in self.by_heads and others[0] not in self.by_heads:
+            v = others[0]
+            if self.dims.get(v) != 2:
+                raise GraphMismatch(NAME, node, "multiplies attention scores written by hand by a value that does "
+                                                "not hold the rank's tokens as (B, heads, T, head_dim)")
+            self.check_heads(node, v)
+            node.update_arg(1, insert_call(node, cp_ops.to_heads, (v, 2, self.n), NAME, before=True))
+            back = insert_call(node, cp_ops.to_tokens, (node, 2, self.n), NAME)
+            back.meta["val"] = node.meta["val"]
+            node.replace_all_uses_with(back, delete_user_cb=lambda user: user is not back)
+            self.dims[back] = 2
+            return
+        softmax = node.target in SOFTMAX and node.args[1] % len(full_shape(node)) == len(full_shape(node)) - 1
+        if not (softmax or node.target in SHAPE_PRESERVING or node.target in BROADCASTING or
+                is_elementwise(node.target)):
+            raise GraphMismatch(NAME, node, "reads attention scores written by hand (q @ k^T), which context "
+                                            "parallel takes only through element-wise ops and a softmax over the "
+                                            "keys to @ v")
+        ndim, args = len(full_shape(node)), []
+        for a in node.args:
+            if isinstance(a, fx.Node) and a not in self.by_heads:
+                if a in self.dims:
+                    raise GraphMismatch(NAME, node, "combines attention scores written by hand with a value that "
+                                                    "holds the rank's tokens; a mask must be made of positions")
+                heads = 1 - (ndim - len(full_shape(a)))  # the dim of `a` against the scores' heads
+                if heads >= 0 and full_shape(a)[heads] > 1:
+                    a = insert_call(node, tp_ops.rank_part, (a, heads, self.n, self.cp_rank), NAME, before=True)
+            args.append(a)
+        node.args = tuple(args)
+        self.by_heads.add(node)
+
+    def check_heads(self, node: fx.Node, *values: fx.Node, advice: str = "") -> None:
+        """The heads (dim 1) of each of `values` divide by cp, as a2a's exchanges need."""
+        heads = {full_shape(t)[1] for t in values}
+        if any(h % self.n for h in heads):
+            raise GraphMismatch(NAME, node, f"has {' and '.join(map(str, sorted(heads)))} heads on this rank, "
+                                            f"which cp={self.n} does not divide; cp_comm_type a2a gives each cp "
+                                            f"rank 1/cp of the heads (K and V's too){advice}")
 
     def causal_mask(self, attention: fx.Node, seq: int, dtype: torch.dtype) -> fx.Node:
         """One mask per stage and dtype, made before the first attention that needs it."""

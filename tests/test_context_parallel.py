@@ -90,13 +90,38 @@ def test_a_head_written_as_a_matmul_works_token_by_token(tmp_path):
     assert_trains_as_one_device(f"{tmp_path}/model.py:SPEC", n_head=4, cp=2)
 
 
-def test_attention_written_by_hand_is_refused_with_what_to_write(tmp_path, capsys):
-    arch = attention_form("matmul-softmax", "cp_by_hand", tmp_path)
-    assert run_gpt.main(["--arch", arch, "--n-layer", "2", "--cp", "2", "--check-plan"]) == 2
+@pytest.mark.parametrize("form, parallel", [("matmul-softmax", dict(cp=2)),
+                                            ("soft-capped", dict(tp=2, sequence_parallel=True, cp=2)),
+                                            ("alibi-by-hand", dict(cp=2, pp=2))])
+def test_attention_written_by_hand_runs_by_heads_under_a2a(form, parallel, tmp_path):
+    """Ulysses around q @ k^T ... @ v: q, k^T and v exchanged to the rank's heads over the whole sequence, so the
+    scores and what is made of them (nanoGPT's mask, Gemma-2's soft cap, ALiBi's bias per head, cut to the rank's
+    heads) are one device's."""
+    arch = attention_form(form, f"cp_by_hand_{form.replace('-', '_')}", tmp_path)
+    assert_trains_as_one_device(arch, n_head=8 if "tp" in parallel else 4, cp_comm_type="a2a", **parallel)
+
+
+@pytest.mark.parametrize("name, comm_type, written, refusal", [
+    ("cp_by_hand_p2p", "p2p", None, "node matmul (aten.matmul.default) multiplies values that hold the rank's tokens, as attention "
+                  "written by hand does (q @ k^T): context parallel rewrites it with --cp-comm-type a2a"),
+    ("cp_by_hand_batch_mask", "a2a", ("        att = F.softmax(att.masked_fill(~mask, float('-inf')), dim=-1)\n",
+             "        att = F.softmax(att.masked_fill(~mask, float('-inf')), dim=-1)\n"
+             "        att = att.masked_fill((x[..., 0] > 0)[:, None, None, :], 0.0)\n"),
+     "combines attention scores written by hand with a value that holds the rank's tokens; a mask must be made of "
+     "positions"),
+    ("cp_by_hand_heads_mean", "a2a", ("y = (att @ v)", "y = (att.mean(1, keepdim=True) @ v)"),
+     "reads attention scores written by hand (q @ k^T), which context parallel takes only through element-wise "
+     "ops and a softmax over the keys to @ v")])
+def test_attention_written_by_hand_is_refused_with_what_to_write(name, comm_type, written, refusal, tmp_path, capsys):
+    arch = attention_form("matmul-softmax", name, tmp_path)
+    if written:
+        source = open(arch.partition(":")[0]).read()
+        assert written[0] in source
+        open(arch.partition(":")[0], "w").write(source.replace(written[0], written[1]))
+    assert run_gpt.main(["--arch", arch, "--n-layer", "2", "--cp", "2", "--cp-comm-type", comm_type,
+                         "--check-plan"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "node matmul (aten.matmul.default) multiplies values that hold the rank's tokens, as " \
-        "attention written by hand does (q @ k^T): context parallel rewrites attention only as " \
-        "F.scaled_dot_product_attention(q, k, v, is_causal=True)" in err[0], err
+    assert len(err) == 1 and refusal in err[0], err
 
 
 def test_gpt2_all_gather_matches_eager():

@@ -423,6 +423,21 @@ ATTENTION_FORMS = {
     "qkv-clamped-chunk": [
         (QKV, "        q, k, v = (t.view(B, T, self.n_head, -1).transpose(1, 2)\n"
               "                   for t in self.qkv(h).clamp(-2.0, 2.0).chunk(3, dim=2))")],
+    # Gemma-2's: scores soft-capped by tanh, an additive causal mask made of positions
+    "soft-capped": [
+        (SDPA, "        att = (q @ k.transpose(-2, -1)) / k.size(-1) ** 0.5\n"
+               "        att = torch.tanh(att / 5.0) * 5.0\n"
+               "        mask = torch.full((T, T), float('-inf'), device=x.device).triu(1)\n"
+               "        att = F.softmax(att + mask, dim=-1, dtype=torch.float32).to(q.dtype)\n"
+               "        y = (att @ v).transpose(1, 2).reshape(B, T, C)")],
+    # ALiBi by hand: a bias per head, linear in the distance to the key, added to the scores
+    "alibi-by-hand": [
+        (SDPA, "        att = (q @ k.transpose(-2, -1)) / k.size(-1) ** 0.5\n"
+               "        slopes = 2.0 ** -torch.arange(1, self.n_head + 1, device=x.device).float()\n"
+               "        distance = torch.arange(T, device=x.device)[None, :] - torch.arange(T, device=x.device)[:, None]\n"
+               "        bias = slopes[:, None, None] * distance.float()  # (heads, T, T)\n"
+               "        att = att + bias.masked_fill(distance > 0, float('-inf'))\n"
+               "        y = (F.softmax(att, dim=-1) @ v).transpose(1, 2).reshape(B, T, C)")],
     # nanoGPT's attention without flash: matmuls, a causal mask, softmax
     "matmul-softmax": [
         (SDPA, "        att = (q @ k.transpose(-2, -1)) / k.size(-1) ** 0.5\n"
@@ -791,7 +806,7 @@ class HF(nn.Module):
         self.lm = transformers.CAUSAL_LM(transformers.MODELConfig(
             vocab_size=config.vocab_size, hidden_size=config.n_embd, num_hidden_layers=config.n_layer,
             num_attention_heads=config.n_head, max_position_embeddings=config.block_size,
-            attn_implementation="sdpa", **OPTIONS))
+            **{"attn_implementation": "sdpa", **OPTIONS}))
 
     def forward(self, idx, targets):
         logits = self.lm(input_ids=idx).logits
@@ -816,6 +831,9 @@ HF_MODELS = {
     # a padding row in the vocab-parallel embedding (pad_token_id: token 149, the first of the test's batches);
     # norms whose weight starts at zero
     "Gemma": (dict(intermediate_size=256, num_key_value_heads=2, head_dim=16, pad_token_id=149), LLAMA_PLAN),
+    # attention written by hand (eager), its scores soft-capped by tanh
+    "Gemma2": (dict(intermediate_size=256, num_key_value_heads=2, head_dim=16, attn_implementation="eager"),
+               LLAMA_PLAN),
     # its Linear is x @ W.T + b; q, k and v picked from a fused dim by select
     "Falcon": (dict(new_decoder_architecture=True, num_kv_heads=2),
                tuple(f"lm.transformer.h.*.{m}" for m in ("self_attention.query_key_value=column",
@@ -833,9 +851,10 @@ HF_MODELS = {
 @pytest.mark.parametrize("model,parallel", [
     ("Llama", dict(tp=2, sequence_parallel=True)), ("Llama", dict(tp=2, cp=2, cp_comm_type="a2a")),
     ("Llama", dict(pp=2)), ("Phi3", dict(tp=2, sequence_parallel=True)), ("Gemma", dict(tp=2)),
-    ("Falcon", dict(tp=2, sequence_parallel=True)), ("Falcon", dict(cp=2, cp_comm_type="a2a")),
+    ("Gemma2", dict(tp=2, cp=2, cp_comm_type="a2a")), ("Falcon", dict(tp=2, sequence_parallel=True)),
+    ("Falcon", dict(cp=2, cp_comm_type="a2a")),
     ("GPT2LMHeadModel", dict(tp=2, sequence_parallel=True)), ("GPT2LMHeadModel", dict(cp=2, cp_comm_type="a2a"))],
-    ids=["llama-tp2-sp", "llama-tp2-cp2-a2a", "llama-pp2", "phi3-tp2-sp", "gemma-tp2", "falcon-tp2-sp",
+    ids=["llama-tp2-sp", "llama-tp2-cp2-a2a", "llama-pp2", "phi3-tp2-sp", "gemma-tp2", "gemma2-tp2-cp2-a2a", "falcon-tp2-sp",
          "falcon-cp2-a2a", "gpt2-tp2-sp", "gpt2-cp2-a2a"])
 def test_a_hugging_face_model_as_it_is(model, parallel, tmp_path):
     """transformers' models, unchanged, as your own model, each a wrapper that returns the loss and a tp plan
