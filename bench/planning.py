@@ -1,6 +1,6 @@
 """Planning time: `python -m gcompile.plan` for a world size, first with nothing kept, then again.
 
-    python bench/planning.py                                  # tiny, 1024 ranks: about 30 s here
+    python bench/planning.py                                  # tiny, 1024 ranks: about 20 s here
     python bench/planning.py --config configs/gpt2-small.toml --world-size 8
 
 Each run is the planner's own command in a process of its own, as a user runs it, with

@@ -242,13 +242,13 @@ def _forward_program(captured: Program, forward_passes: list[str], ctx: PassCont
 
 def _forward_passes(captured: Program, forward_passes: list[str], ctx: PassContext, cache: BuildCache,
                     captured_key: tuple, log: Callable[[str], None]) -> Program:
-    """Run the forward passes. The built-in ones before pipeline_split (all, without a pipeline: a layout of pp 1
-    shares them with one of pp 2) see the whole model and read only the
+    """Run the forward passes. The built-in ones before pipeline_split (WHOLE_MODEL_PASSES; a layout of pp 1 shares
+    them with one of pp 2) see the whole model and read only the
     tp, cp and ep axes (WHOLE_MODEL_AXES), so ranks that differ only in their pp or dp position share their
     result and its dumps (a 16-stage world runs them once per 16 ranks), and so do the planner's layouts that
     differ only in pp, dp and vpp (gpt2-small on 8 ranks: a third of its planning time); a user pass may read
     anything, so with user passes every rank runs them all."""
-    split = forward_passes.index("pipeline_split") if "pipeline_split" in forward_passes else len(forward_passes)
+    split = next((i for i, name in enumerate(forward_passes) if name not in WHOLE_MODEL_PASSES), len(forward_passes))
     whole, per_rank = forward_passes[:split], forward_passes[split:]
     if not whole or ctx.config.parallel.passes:
         return run_passes(captured.clone(), forward_passes, ctx, log)
@@ -263,10 +263,12 @@ def _forward_passes(captured: Program, forward_passes: list[str], ctx: PassConte
     program, dumped = cache.whole_model[key]
     for name, text in dumped.items():
         dump_text(ctx.dump_dir, name, text)  # again into the first rank's folder: the same text
-    if not per_rank:  # one stage: the caller rewrites its outputs in place
-        return program.clone()
-    program = replace(program, history=list(program.history))  # run_passes appends to it
-    return run_passes(program, per_rank, ctx, log, first_number=len(whole) + 1)
+    shared = program.stages
+    program = run_passes(replace(program, history=list(program.history)), per_rank, ctx, log,
+                         first_number=len(whole) + 1)  # run_passes appends to the history
+    if any(a is b for a, b in zip(program.stages, shared)):  # no pass made new stages (none ran, or FSDP over one
+        return program.clone()  # dp rank): the caller rewrites the stages' outputs in place
+    return program
 
 
 UNREAD_BY_FORWARD = {"parallel": ("pipeline_schedule", "data_parallel_sharding_strategy"),
@@ -277,6 +279,8 @@ UNREAD_BY_WHOLE_MODEL = {**UNREAD_BY_FORWARD,
                          "parallel": (*UNREAD_BY_FORWARD["parallel"], "pp", "virtual_pipeline_size", "dp")}
 """Config fields the built-in passes before pipeline_split do not read either: how the stages are cut, and
 how many replicas there are."""
+WHOLE_MODEL_PASSES = POINTS[1:POINTS.index("pipeline_split")]
+"""The built-in passes that see the whole model: tensor, sequence, context and expert parallel."""
 WHOLE_MODEL_AXES = ("tp", "cp", "ep")
 """The mesh axes (size and this rank's position) the built-in passes before pipeline_split read."""
 

@@ -146,10 +146,13 @@ def test_ranks_of_a_world_share_the_whole_model_passes_as_if_built_alone(tmp_pat
 
 
 def test_layouts_that_differ_in_pp_dp_and_vpp_share_the_whole_model_passes_as_if_built_alone():
-    """The planner's candidates of one tp and cp share the passes before pipeline_split, whatever their pp, dp
-    and vpp (BuildCache.whole_model): each rank's program is the one built with nothing shared."""
+    """The planner's candidates of one tp and cp share the passes before pipeline_split, whatever their pp (1
+    too), dp and vpp (BuildCache.whole_model): each rank's program is the one built with nothing shared. ZeRO-3's
+    pass, after pipeline_split's place, reads the dp size, so it is the rank's own."""
+    fsdp = ["--data-parallel-sharding-strategy", "optim_grads_params"]
     layouts = [["--pp", "2"], ["--pp", "4"], ["--pp", "2", "--dp", "2"],
-               ["--pp", "2", "--virtual-pipeline-size", "2", "--pipeline-schedule", "interleaved"]]
+               ["--pp", "2", "--virtual-pipeline-size", "2", "--pipeline-schedule", "interleaved"],
+               ["--dp", "2", *fsdp], ["--dp", "4", *fsdp], ["--dp", "1", *fsdp]]
     shared = BuildCache()
     for layout in layouts:
         cfg, _ = parse_args(["--config", "configs/tiny.toml", "--n-layer", "4", "--micro-batch-size", "1",
