@@ -112,22 +112,26 @@ HELD = "held:"
 def _check_no_updates(held: dict[str, torch.fx.Node], model: str) -> None:
     """ConfigError for a forward that writes a buffer, or a view of one (BatchNorm's running statistics, a step
     counter): the ranks hold a buffer as a constant, so an update would be lost, silently."""
-    written = [target for target, node in held.items() if _written(node)]
-    if written:
-        raise ConfigError(f"{model}.forward updates {', '.join(written)} in place (BatchNorm's running statistics, "
-                          f"a counter): the ranks hold buffers as constants; use a LayerNorm or RMSNorm, or keep "
-                          f"the state out of the model")
+    by_line: dict[str, list[str]] = {}
+    for target, node in held.items():
+        if (writer := _writer(node)) is not None:
+            by_line.setdefault(source_line(writer) or "a line not recorded", []).append(target)
+    if by_line:
+        where = "; ".join(f"{', '.join(targets)} in place at {line}" for line, targets in by_line.items())
+        raise ConfigError(f"{model}.forward updates {where} (BatchNorm's running statistics, a counter): the ranks "
+                          f"hold buffers as constants; use a LayerNorm or RMSNorm, or keep the state out of the "
+                          f"model")
 
 
-def _written(value: torch.fx.Node) -> bool:
-    """Whether an op writes `value` or a view of it (by its schema's alias annotations; batch_norm, which has
-    none, updates its running statistics in training)."""
+def _writer(value: torch.fx.Node) -> torch.fx.Node | None:
+    """The op that writes `value` or a view of it, or None (by its schema's alias annotations; batch_norm, which
+    has none, updates its running statistics in training)."""
     aliases, seen = [value], {value}
     while aliases:
         node = aliases.pop()
         for user in node.users:
             if user.target == torch.ops.aten.batch_norm.default and user.args[5] and node in user.args[3:5]:
-                return True
+                return user
             schema = getattr(user.target, "_schema", None)
             if schema is None:
                 continue
@@ -136,11 +140,11 @@ def _written(value: torch.fx.Node) -> bool:
                 if given is not node or argument.alias_info is None:
                     continue
                 if argument.alias_info.is_write:
-                    return True
+                    return user
                 if user not in seen:  # a view of it
                     seen.add(user)
                     aliases.append(user)
-    return False
+    return None
 
 
 def _held(model: nn.Module, target: str) -> bool:

@@ -411,8 +411,8 @@ CASES = [
      "Masked's cross-entropy scores 100 classes, but token ids go up to vocab_size=257 - 1"),
     ("own model updating a buffer", "run_gpt", ["--arch", "{tmp}/batch_norm.py:SPEC"],
      lambda tmp, saved: (tmp / "batch_norm.py").write_text(BATCH_NORM),  # was: "returns 4 values", of a loss alone
-     "Masked.forward updates norm.running_mean, norm.running_var, norm.num_batches_tracked in place (BatchNorm's "
-     "running statistics, a counter): the ranks hold buffers as constants"),
+     "Masked.forward updates norm.running_mean, norm.running_var, norm.num_batches_tracked in place at "
+     "batch_norm.py:33: y = self.norm(self.embed(idx)"),
     ("own model branching on values", "run_gpt", ["--arch", "{tmp}/branches.py:SPEC"],
      lambda tmp, saved: (tmp / "branches.py").write_text(BRANCHES),  # was: torch.export's 250 lines
      "torch.export cannot capture Masked.forward(idx, targets): GuardOnDataDependentSymNode at {tmp}/branches.py:33: "),
