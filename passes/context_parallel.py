@@ -16,7 +16,7 @@ Requires: the whole model in one stage (runs after tensor_parallel and sequence_
   "targets" are (B, T) inputs; every op that reads the rank's tokens is one this
   pass knows to be token-wise, a view or transpose that keeps the sequence dim
   whole, attention (an explicit mask only whole, made of positions, and not with p2p; written by
-  hand, q @ k^T then element-wise ops and a softmax over the keys then @ v, only with a2a), the mean or
+  hand, q @ k^T then element-wise ops and a softmax over the keys then @ v, not with p2p), the mean or
   summed cross-entropy or nll_loss
   and a logsumexp or gather over the vocab (tensor parallel's vocab-parallel ops included),
   or a MoE layer's routing (rows picked and
@@ -41,9 +41,12 @@ Rewrite (n = cp, P = the rank's global positions, T/n of them):
                                                mask = causal_mask(T, n, cp_rank)  # P >= key positions, one per stage
                                                heads_attention(q, k, v, n, ...)  # a2a: all-to-alls to 1/n of the
                                                                                  # heads over all T, and back
-    s = matmul(q, kt)            # by hand     s = matmul(to_heads(q, 2, n), to_heads(kt, 3, n))   # a2a only
+    s = matmul(q, kt)            # by hand     s = matmul(to_heads(q, 2, n), to_heads(kt, 3, n))   # a2a
     p = softmax(tanh(s) + b)                   p = softmax(tanh(s) + rank_part(b, 1, n, cp_rank))  # b per head
     matmul(p, v)                               to_tokens(matmul(p, to_heads(v, 2, n)), 2, n)
+                                               s = matmul(q, gather(kt, 3, n))                     # all_gather
+                                               p = softmax(tanh(s) + gathered_mask(b, n, cp_rank))
+                                               matmul(p, gather(v, 2, n))
     cross_entropy_loss(z, t)                   cross_entropy_loss(z, t) * share   # the mean over the rank's tokens,
                                                                           # by its share of the counted ones
     cross_entropy_loss(z, t, None, 2)          cross_entropy_loss(z, t, None, 2) * n   # a sum
@@ -112,9 +115,9 @@ class _Splitter(TokenRows):
         self.merged, self.counts, self.totals = {}, set(), {}
         self.means: list[fx.Node] = []
         """Means over the rank's tokens outside the loss ops (a MoE layer's mean router probabilities)."""
-        self.by_heads: set[fx.Node] = set()
-        """Values of attention written by hand between q @ k^T and @ v under a2a: the rank's 1/n of the heads over
-        the whole sequence (Ulysses), so whole on the sequence dims."""
+        self.attending: set[fx.Node] = set()
+        """Values of attention written by hand between q @ k^T and @ v (`scores`): under a2a the rank's 1/n of the
+        heads over the whole sequence (Ulysses); under all_gather the rank's queries against every key."""
 
     def run(self) -> None:
         graph = self.stage.graph.graph
@@ -126,8 +129,8 @@ class _Splitter(TokenRows):
         for node in graph.find_nodes(op="call_function", target=tp_ops.scatter_to_sequence):
             node.update_arg(0, self.local(node.args[0], node.args[1], node))  # the cp cut first, then sp's
         for node in list(graph.nodes):
-            if any(a in self.by_heads for a in node.all_input_nodes):
-                self.head_wise(node)
+            if any(a in self.attending for a in node.all_input_nodes):
+                self.attend(node)
             elif node not in self.dims and any(a in self.dims for a in node.all_input_nodes):
                 self.propagate(node)
             elif node not in self.counts and any(a in self.counts for a in node.all_input_nodes):
@@ -315,39 +318,36 @@ class _Splitter(TokenRows):
         self.dims[replace_call(node, fn, args, NAME)] = 2
 
     def scores(self, node: fx.Node) -> None:
-        """q @ k^T of attention written by hand (soft-capped, masked by a buffer): under a2a, q and k^T exchanged
-        to the rank's heads over the whole sequence, so the scores and what is made of them up to @ v are one
-        device's for those heads (`head_wise`). p2p and all_gather would need the scores of the rank's queries
-        only, which a graph written by hand does not say how to compute."""
+        """q @ k^T of attention written by hand (soft-capped, masked by a buffer), for what is made of the scores up
+        to @ v (`attend`). a2a: q and k^T exchanged to the rank's heads over the whole sequence, so the scores are
+        one device's for those heads. all_gather: k^T gathered, the scores the rank's queries against every key in
+        the order gathered. The p2p ring merges blocks of scores it computes itself, which a graph written by
+        hand does not say how to compute."""
         q, keys = node.args[:2]
-        if self.comm_type != "a2a" or node.target is not aten.matmul.default or len(full_shape(node)) != 4 or \
+        if self.comm_type == "p2p" or node.target is not aten.matmul.default or len(full_shape(node)) != 4 or \
                 self.dims.get(q) != 2 or self.dims.get(keys) != 3:
             raise GraphMismatch(NAME, node, "multiplies values that hold the rank's tokens, as attention written by "
                                             "hand does (q @ k^T): context parallel rewrites it with "
-                                            "--cp-comm-type a2a from (B, heads, T, head_dim) q and k^T, else only "
-                                            "F.scaled_dot_product_attention(q, k, v, is_causal=True) (or with a "
-                                            "mask made of positions)")
-        self.check_heads(node, q, keys)
-        node.args = (*(insert_call(node, cp_ops.to_heads, (t, self.dims[t], self.n), NAME, before=True)
-                       for t in (q, keys)), *node.args[2:])
-        self.by_heads.add(node)
+                                            "--cp-comm-type a2a or all_gather from (B, heads, T, head_dim) q and "
+                                            "k^T, else only F.scaled_dot_product_attention(q, k, v, "
+                                            "is_causal=True) (or with a mask made of positions)")
+        if self.comm_type == "a2a":
+            self.check_heads(node, q, keys)
+            node.args = (*(insert_call(node, cp_ops.to_heads, (t, self.dims[t], self.n), NAME, before=True)
+                           for t in (q, keys)), *node.args[2:])
+        else:
+            node.update_arg(1, insert_call(node, tp_ops.gather, (keys, 3, self.n, cp_ops.GROUP), NAME, before=True))
+        self.attending.add(node)
 
-    def head_wise(self, node: fx.Node) -> None:
+    def attend(self, node: fx.Node) -> None:
         """A node that reads the scores of attention written by hand (`scores`): element-wise ops and a softmax
-        over the keys stay with the rank's heads; @ v exchanges v likewise and the result back to the rank's
-        tokens. Anything else (a view, a reduction over heads, the scores returned) is refused."""
+        over the keys stay as they are, a whole value they read cut to match (a2a: a heads dim to the rank's heads;
+        all_gather: its queries to the rank's, its keys put in the order gathered); @ v exchanges v likewise
+        (all_gather: gathers it), which brings the result to the rank's tokens. Anything else (a view, a
+        reduction, the scores returned) is refused."""
         first, *others = node.args if node.op == "call_function" else (None,)
-        if node.target is aten.matmul.default and first in self.by_heads and others[0] not in self.by_heads:
-            v = others[0]
-            if self.dims.get(v) != 2:
-                raise GraphMismatch(NAME, node, "multiplies attention scores written by hand by a value that does "
-                                                "not hold the rank's tokens as (B, heads, T, head_dim)")
-            self.check_heads(node, v)
-            node.update_arg(1, insert_call(node, cp_ops.to_heads, (v, 2, self.n), NAME, before=True))
-            back = insert_call(node, cp_ops.to_tokens, (node, 2, self.n), NAME)
-            back.meta["val"] = node.meta["val"]
-            node.replace_all_uses_with(back, delete_user_cb=lambda user: user is not back)
-            self.dims[back] = 2
+        if node.target is aten.matmul.default and first in self.attending and others[0] not in self.attending:
+            self.values(node, others[0])
             return
         softmax = node.target in SOFTMAX and node.args[1] % len(full_shape(node)) == len(full_shape(node)) - 1
         if not (softmax or node.target in SHAPE_PRESERVING or node.target in BROADCASTING or
@@ -357,16 +357,43 @@ class _Splitter(TokenRows):
                                             "keys to @ v")
         ndim, args = len(full_shape(node)), []
         for a in node.args:
-            if isinstance(a, fx.Node) and a not in self.by_heads:
+            if isinstance(a, fx.Node) and a not in self.attending:
                 if a in self.dims:
                     raise GraphMismatch(NAME, node, "combines attention scores written by hand with a value that "
                                                     "holds the rank's tokens; a mask must be made of positions")
-                heads = 1 - (ndim - len(full_shape(a)))  # the dim of `a` against the scores' heads
-                if heads >= 0 and full_shape(a)[heads] > 1:
-                    a = insert_call(node, tp_ops.rank_part, (a, heads, self.n, self.cp_rank), NAME, before=True)
+                a = self.against_scores(a, ndim, node)
             args.append(a)
         node.args = tuple(args)
-        self.by_heads.add(node)
+        self.attending.add(node)
+
+    def against_scores(self, a: fx.Node, ndim: int, reader: fx.Node) -> fx.Node:
+        """A whole value read with scores of `ndim` dims (B, heads, queries, keys), cut as the scores are."""
+        shape = full_shape(a)
+        if self.comm_type == "a2a":
+            heads = 1 - (ndim - len(shape))  # the dim of `a` against the scores' heads
+            if heads >= 0 and shape[heads] > 1:
+                return insert_call(reader, tp_ops.rank_part, (a, heads, self.n, self.cp_rank), NAME, before=True)
+            return a
+        if any(n > 1 for n in shape[-2:]):  # queries and keys, as an explicit mask is read (dims of 1 broadcast)
+            return insert_call(reader, cp_ops.gathered_mask, (a, self.n, self.cp_rank), NAME, before=True)
+        return a
+
+    def values(self, node: fx.Node, v: fx.Node) -> None:
+        """scores @ v: v exchanged as q was (a2a: to the rank's heads, and the result back to the rank's tokens;
+        all_gather: gathered, the rank's queries' result)."""
+        if self.dims.get(v) != 2:
+            raise GraphMismatch(NAME, node, "multiplies attention scores written by hand by a value that does "
+                                            "not hold the rank's tokens as (B, heads, T, head_dim)")
+        if self.comm_type == "all_gather":
+            node.update_arg(1, insert_call(node, tp_ops.gather, (v, 2, self.n, cp_ops.GROUP), NAME, before=True))
+            self.dims[node] = 2
+            return
+        self.check_heads(node, v)
+        node.update_arg(1, insert_call(node, cp_ops.to_heads, (v, 2, self.n), NAME, before=True))
+        back = insert_call(node, cp_ops.to_tokens, (node, 2, self.n), NAME)
+        back.meta["val"] = node.meta["val"]
+        node.replace_all_uses_with(back, delete_user_cb=lambda user: user is not back)
+        self.dims[back] = 2
 
     def check_heads(self, node: fx.Node, *values: fx.Node, advice: str = "") -> None:
         """The heads (dim 1) of each of `values` divide by cp, as a2a's exchanges need."""

@@ -90,20 +90,27 @@ def test_a_head_written_as_a_matmul_works_token_by_token(tmp_path):
     assert_trains_as_one_device(f"{tmp_path}/model.py:SPEC", n_head=4, cp=2)
 
 
-@pytest.mark.parametrize("form, parallel", [("matmul-softmax", dict(cp=2)),
-                                            ("soft-capped", dict(tp=2, sequence_parallel=True, cp=2)),
-                                            ("alibi-by-hand", dict(cp=2, pp=2))])
-def test_attention_written_by_hand_runs_by_heads_under_a2a(form, parallel, tmp_path):
-    """Ulysses around q @ k^T ... @ v: q, k^T and v exchanged to the rank's heads over the whole sequence, so the
+@pytest.mark.parametrize("form, parallel", [("matmul-softmax", dict(cp=2, cp_comm_type="a2a")),
+                                            ("soft-capped", dict(tp=2, sequence_parallel=True, cp=2,
+                                                                 cp_comm_type="a2a")),
+                                            ("alibi-by-hand", dict(cp=2, pp=2, cp_comm_type="a2a")),
+                                            ("soft-capped", dict(cp=2, cp_comm_type="all_gather")),
+                                            ("alibi-by-hand", dict(cp=4, cp_comm_type="all_gather")),
+                                            ("causal-mask-buffer", dict(tp=2, cp=2, cp_comm_type="all_gather"))])
+def test_attention_written_by_hand_runs_under_a2a_and_all_gather(form, parallel, tmp_path):
+    """q @ k^T ... @ v. a2a (Ulysses): q, k^T and v exchanged to the rank's heads over the whole sequence, so the
     scores and what is made of them (nanoGPT's mask, Gemma-2's soft cap, ALiBi's bias per head, cut to the rank's
-    heads) are one device's."""
-    arch = attention_form(form, f"cp_by_hand_{form.replace('-', '_')}", tmp_path)
-    assert_trains_as_one_device(arch, n_head=8 if "tp" in parallel else 4, cp_comm_type="a2a", **parallel)
+    heads) are one device's. all_gather: k^T and v gathered, the scores the rank's queries against every key, a
+    mask or bias cut to those queries and put in the keys' gathered order."""
+    name = f"cp_by_hand_{form.replace('-', '_')}_{parallel['cp_comm_type']}"
+    arch = attention_form(form, name, tmp_path)
+    assert_trains_as_one_device(arch, n_head=8 if "tp" in parallel else 4, **parallel)
 
 
 @pytest.mark.parametrize("name, comm_type, written, refusal", [
     ("cp_by_hand_p2p", "p2p", None, "node matmul (aten.matmul.default) multiplies values that hold the rank's tokens, as attention "
-                  "written by hand does (q @ k^T): context parallel rewrites it with --cp-comm-type a2a"),
+                  "written by hand does (q @ k^T): context parallel rewrites it with --cp-comm-type a2a or "
+                  "all_gather"),
     ("cp_by_hand_batch_mask", "a2a", ("        att = F.softmax(att.masked_fill(~mask, float('-inf')), dim=-1)\n",
              "        att = F.softmax(att.masked_fill(~mask, float('-inf')), dim=-1)\n"
              "        att = att.masked_fill((x[..., 0] > 0)[:, None, None, :], 0.0)\n"),
