@@ -74,6 +74,8 @@ aten = torch.ops.aten
 SAME_CUT = (*SHAPE_PRESERVING, *TOKEN_WISE, *ROUTING, aten.alias.default, aten.detach.default, operator.getitem,
             aten.repeat_interleave.self_int, tp_ops.copy_to_tp, tp_ops.reduce_from_tp, tp_ops.rank_part)
 """Ops whose output holds the tokens of their input on the same dim (checked by `same_cut`)."""
+BY_HAND_HEADS = ": use --cp-comm-type all_gather, which needs no heads to divide, or heads that tp x cp divides"
+"""What to do where a2a cannot split the heads of attention written by hand."""
 SEQUENCE_PARALLEL = (tp_ops.reduce_scatter_to_sequence, tp_ops.gather_from_sequence, tp_ops.scatter_to_sequence)
 """Sequence parallel's cuts of the sequence over tp: on the rank's tokens they cut or gather those further."""
 LOSSES = {aten.cross_entropy_loss.default: (2, 3, 4), aten.nll_loss_nd.default: (2, 3, 4),
@@ -332,7 +334,7 @@ class _Splitter(TokenRows):
                                             "k^T, else only F.scaled_dot_product_attention(q, k, v, "
                                             "is_causal=True) (or with a mask made of positions)")
         if self.comm_type == "a2a":
-            self.check_heads(node, q, keys)
+            self.check_heads(node, q, keys, advice=BY_HAND_HEADS)
             node.args = (*(insert_call(node, cp_ops.to_heads, (t, self.dims[t], self.n), NAME, before=True)
                            for t in (q, keys)), *node.args[2:])
         else:
@@ -388,7 +390,7 @@ class _Splitter(TokenRows):
             node.update_arg(1, insert_call(node, tp_ops.gather, (v, 2, self.n, cp_ops.GROUP), NAME, before=True))
             self.dims[node] = 2
             return
-        self.check_heads(node, v)
+        self.check_heads(node, v, advice=BY_HAND_HEADS)
         node.update_arg(1, insert_call(node, cp_ops.to_heads, (v, 2, self.n), NAME, before=True))
         back = insert_call(node, cp_ops.to_tokens, (node, 2, self.n), NAME)
         back.meta["val"] = node.meta["val"]

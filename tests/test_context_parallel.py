@@ -107,7 +107,7 @@ def test_attention_written_by_hand_runs_under_a2a_and_all_gather(form, parallel,
     assert_trains_as_one_device(arch, n_head=8 if "tp" in parallel else 4, **parallel)
 
 
-@pytest.mark.parametrize("name, comm_type, written, refusal", [
+@pytest.mark.parametrize("name, comm_type_and_flags, written, refusal", [
     ("cp_by_hand_p2p", "p2p", None, "node matmul (aten.matmul.default) multiplies values that hold the rank's tokens, as attention "
                   "written by hand does (q @ k^T): context parallel rewrites it with --cp-comm-type a2a or "
                   "all_gather"),
@@ -118,14 +118,19 @@ def test_attention_written_by_hand_runs_under_a2a_and_all_gather(form, parallel,
      "positions"),
     ("cp_by_hand_heads_mean", "a2a", ("y = (att @ v)", "y = (att.mean(1, keepdim=True) @ v)"),
      "reads attention scores written by hand (q @ k^T), which context parallel takes only through element-wise "
-     "ops and a softmax over the keys to @ v")])
-def test_attention_written_by_hand_is_refused_with_what_to_write(name, comm_type, written, refusal, tmp_path, capsys):
+     "ops and a softmax over the keys to @ v"),
+    ("cp_by_hand_one_head", "a2a --tp 2 --n-head 2", None,
+     "has 1 heads on this rank, which cp=2 does not divide; cp_comm_type a2a gives each cp rank 1/cp of the heads "
+     "(K and V's too): use --cp-comm-type all_gather, which needs no heads to divide, or heads that tp x cp "
+     "divides")])
+def test_attention_written_by_hand_is_refused_with_what_to_write(name, comm_type_and_flags, written, refusal,
+                                                                  tmp_path, capsys):
     arch = attention_form("matmul-softmax", name, tmp_path)
     if written:
         source = open(arch.partition(":")[0]).read()
         assert written[0] in source
         open(arch.partition(":")[0], "w").write(source.replace(written[0], written[1]))
-    assert run_gpt.main(["--arch", arch, "--n-layer", "2", "--cp", "2", "--cp-comm-type", comm_type,
+    assert run_gpt.main(["--arch", arch, "--n-layer", "2", "--cp", "2", "--cp-comm-type", *comm_type_and_flags.split(),
                          "--check-plan"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and refusal in err[0], err
