@@ -347,13 +347,14 @@ class _Splitter(TokenRows):
         all_gather: its queries to the rank's, its keys put in the order gathered); @ v exchanges v likewise
         (all_gather: gathers it), which brings the result to the rank's tokens. Anything else (a view, a
         reduction, the scores returned) is refused."""
-        first, *others = node.args if node.op == "call_function" else (None,)
-        if node.target is aten.matmul.default and first in self.attending and others[0] not in self.attending:
-            self.values(node, others[0])
+        if node.target is aten.matmul.default and node.args[0] in self.attending and \
+                node.args[1] not in self.attending:
+            self.values(node, node.args[1])
             return
         softmax = node.target in SOFTMAX and node.args[1] % len(full_shape(node)) == len(full_shape(node)) - 1
-        if not (softmax or node.target in SHAPE_PRESERVING or node.target in BROADCASTING or
-                is_elementwise(node.target)):
+        if node.op != "call_function" or any(isinstance(a, fx.Node) for a in node.kwargs.values()) or \
+                not (softmax or node.target in SHAPE_PRESERVING or node.target in BROADCASTING or
+                     is_elementwise(node.target)):
             raise GraphMismatch(NAME, node, "reads attention scores written by hand (q @ k^T), which context "
                                             "parallel takes only through element-wise ops and a softmax over the "
                                             "keys to @ v")
