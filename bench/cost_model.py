@@ -21,7 +21,9 @@ Each layout runs as its own world, one process per rank, the cores shared evenly
     predicted step  gcompile.cost_model.predict over the programs of one pipeline column,
                     built here, never run
     memory          per rank, the runtime's measured peak at instruction boundaries
-                    (gcompile.memory) against gcompile.check.estimate_memory; the worst rank
+                    (gcompile.memory) against gcompile.check.estimate_memory at the same
+                    boundaries (full recompute's peak inside a backward, which the estimate
+                    counts, is not measured here); the worst rank
     bubble          measured over the ranks of one pipeline column (tp, dp position 0):
                     1 - sum(time inside stage callables) / (pp x forward-backward wall), as
                     bench/pipeline.py measures it; predicted by the same simulation that
@@ -147,7 +149,7 @@ def worker(args: argparse.Namespace) -> None:
     mine = dict(rank=rank, column=coords == coords.moved(**{axis: 0 for axis, _ in coords.ranks if axis != "pp"}),
                 wall=statistics.median(walls), busy=statistics.median(busy), peak=peak,
                 optimizer=statistics.median(optimizer), spans=spans,
-                estimate=estimate_memory(program).total)
+                estimate=estimate_memory(program, inside_graphs=False).total)  # as the peak is measured
     every = [None] * world
     dist.all_gather_object(every, mine)
     if rank == 0:

@@ -240,15 +240,17 @@ class MeasuredMemory:
                 f"{step}")
 
 
-def estimate_memory(program: RankProgram) -> MemoryEstimate:
+def estimate_memory(program: RankProgram, inside_graphs: bool = True) -> MemoryEstimate:
     """Peak bytes of what a rank holds at once: its state, and the saved activations and pipeline messages
-    of the instruction boundary where they are most (`_held_at_peak`)."""
+    of the instruction boundary where they are most (`_held_at_peak`), or inside a full-recompute backward
+    where that holds more. Without `inside_graphs`, at instruction boundaries only: what the runtime measures
+    (gcompile.memory), which sees no peak inside a graph."""
     layout, settings = program.layout, program.step_settings
     held = {name: v.numel() * v.element_size() for name, v in program.optimizer.values().items()}
     reduced = held.pop("reduced_grads", 0)  # the averaged gradient shard, written in backward
     optimizer = sum(b for name, b in held.items() if name not in ("params", "grads"))  # main weights, AdamW
     # states, flags, as the step reads them
-    activations, messages = _held_at_peak(program)
+    activations, messages = _held_at_peak(program, inside_graphs)
     constants = {role: value.nbytes for stage in program.stages.values()
                  for role, value in stage.rank_constants.items() if isinstance(value, torch.Tensor)}
     return MemoryEstimate(weights=layout.numel * settings.param_dtype.itemsize, grads=held["grads"] + reduced,
@@ -257,14 +259,14 @@ def estimate_memory(program: RankProgram) -> MemoryEstimate:
                           constants=sum(constants.values()))
 
 
-def _held_at_peak(program: RankProgram) -> tuple[int, int]:
+def _held_at_peak(program: RankProgram, inside_graphs: bool = True) -> tuple[int, int]:
     """(saved activations, pipeline messages) at the instruction boundary where they add up to most, walking
     the rank's instructions: F keeps what its backward reads, B lets it go (and keeps what a W reads, which
     W lets go); a receive holds its tensors until the compute that reads them, an output to send from the
     compute that makes it until its WAIT_SEND (or the step's end)."""
     saved = {s: _saved_bytes(stage) for s, stage in program.stages.items()}
     for_w = {s: _weight_bytes(stage) for s, stage in program.stages.items()}
-    remade = {s: _recomputed_bytes(stage) for s, stage in program.stages.items()}
+    remade = {s: _recomputed_bytes(stage) if inside_graphs else 0 for s, stage in program.stages.items()}
     sends, recvs = pipeline_messages(program)
     to_send = {m.what: message_bytes(m) for m in sends}
     recvs = iter(recvs)
