@@ -223,27 +223,15 @@ def evaluate(config: RunConfig, machine: Machine, cache) -> tuple[Prediction, in
     return predict(column, rates_of(config, machine)), max(estimate_memory(program).total for program in column)
 
 
-def search(base: RunConfig, world: int, machine: Machine, budget_gb: float | None = None, cache=None,
-           progress=lambda line: None, schedules=SCHEDULES, micro_batch_sizes=MICRO_BATCH_SIZES,
-           workers: int = 1, kept: PlanCache | None = None, cp_comm_types: tuple[str, ...] = ()) -> Search:
-    """Every layout of `layouts`, refused with its reason or predicted; `ranked` fastest first. `workers` > 1
-    builds in up to that many processes (one per LAYOUTS_PER_WORKER layouts), each a family of layouts at a
-    time (`_family`: what shares lowerings). `kept`: earlier runs' predictions, used where they are for this
-    machine file and code; what this one predicts goes to `kept.added` (`kept_predictions` saves it)."""
-    with fewer_collections():
-        return _search(base, world, machine, budget_gb, cache, progress, schedules, micro_batch_sizes, workers, kept,
-                       cp_comm_types)
-
-
 @contextlib.contextmanager
 def fewer_collections():
     """Python's cycle collector walks every object the planner holds (the builds a family's layouts share) at
     each full collection: at the default thresholds a fifth of tiny's planning time at 1024 ranks, with the
     same peak memory either way. The objects made so far (torch's modules) are set aside (gc.freeze), and a
-    collection waits for 10,000 new objects, not 700. Forked workers inherit both."""
+    collection waits for COLLECT_AFTER new objects, not 700. Forked workers inherit both."""
     thresholds = gc.get_threshold()
     gc.freeze()
-    gc.set_threshold(10_000, *thresholds[1:])
+    gc.set_threshold(COLLECT_AFTER, *thresholds[1:])
     try:
         yield
     finally:
@@ -251,8 +239,18 @@ def fewer_collections():
         gc.unfreeze()
 
 
-def _search(base: RunConfig, world: int, machine: Machine, budget_gb: float | None, cache, progress, schedules,
-            micro_batch_sizes, workers: int, kept: PlanCache | None, cp_comm_types: tuple[str, ...]) -> Search:
+COLLECT_AFTER = 10_000
+"""New objects between the planner's cycle collections (`fewer_collections`)."""
+
+
+@fewer_collections()
+def search(base: RunConfig, world: int, machine: Machine, budget_gb: float | None = None, cache=None,
+           progress=lambda line: None, schedules=SCHEDULES, micro_batch_sizes=MICRO_BATCH_SIZES,
+           workers: int = 1, kept: PlanCache | None = None, cp_comm_types: tuple[str, ...] = ()) -> Search:
+    """Every layout of `layouts`, refused with its reason or predicted; `ranked` fastest first. `workers` > 1
+    builds in up to that many processes (one per LAYOUTS_PER_WORKER layouts), each a family of layouts at a
+    time (`_family`: what shares lowerings). `kept`: earlier runs' predictions, used where they are for this
+    machine file and code; what this one predicts goes to `kept.added` (`kept_predictions` saves it)."""
     result, start = Search(), time.perf_counter()
     shapes = layouts(base, world, schedules, micro_batch_sizes, cp_comm_types)
     result.layouts = len(shapes)
@@ -329,7 +327,7 @@ def _tied_worker() -> None:
     one drops the planner's signal handling (gcompile.shutdown.install), whose watching thread it has not: a
     SIGTERM ends it."""
     signal.set_wakeup_fd(-1)
-    gc.set_threshold(10_000)  # as fewer_collections sets it, where a worker is spawned, not forked
+    gc.set_threshold(COLLECT_AFTER)  # as fewer_collections sets it, where a worker is spawned, not forked
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if sys.platform.startswith("linux"):
