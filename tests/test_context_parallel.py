@@ -107,6 +107,14 @@ def test_attention_written_by_hand_runs_under_a2a_and_all_gather(form, parallel,
     assert_trains_as_one_device(arch, n_head=8 if "tp" in parallel else 4, **parallel)
 
 
+@pytest.mark.parametrize("parallel", [dict(cp=2, cp_comm_type="a2a"), dict(tp=2, cp=2, cp_comm_type="all_gather")],
+                         ids=["cp2-a2a", "tp2-cp2-all-gather"])
+def test_the_shipped_model_with_attention_by_hand(parallel):
+    """examples/attention_by_hand.py, the README's command for it, with a cap its scores reach (at 0.02 the tanh
+    bends: it moves the scores at the start by a third), its mask a buffer."""
+    assert_trains_as_one_device("examples/attention_by_hand.py:SPEC", n_head=4, model=dict(softcap=0.02), **parallel)
+
+
 @pytest.mark.parametrize("name, comm_type_and_flags, written, refusal", [
     ("cp_by_hand_p2p", "p2p", None, "node matmul (aten.matmul.default) multiplies values that hold the rank's tokens, as attention "
                   "written by hand does (q @ k^T): context parallel rewrites it with --cp-comm-type a2a or "

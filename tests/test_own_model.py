@@ -32,10 +32,10 @@ def config(**parallel):
     })
 
 
-def assert_trains_as_one_device(arch: str, n_head: int, **parallel) -> None:
-    """A two-block model of `arch` at a layout (tp 2 unless given): its losses per step and final parameters
-    within 1e-5 of one device's."""
-    cfg = build_config({"model": dict(arch=arch, n_layer=2, n_head=n_head, n_embd=64, block_size=32),
+def assert_trains_as_one_device(arch: str, n_head: int, model: dict | None = None, **parallel) -> None:
+    """A two-block model of `arch` (`model` sets more of its config) at a layout (tp 2 unless given): its losses
+    per step and final parameters within 1e-5 of one device's."""
+    cfg = build_config({"model": dict(arch=arch, n_layer=2, n_head=n_head, n_embd=64, block_size=32, **(model or {})),
                         "train": dict(micro_batch_size=2, global_batch_size=4, seq_length=32, lr=1e-3,
                                       adam_eps=ADAM_EPS)})
     batches = random_batches(cfg, len(LRS))
