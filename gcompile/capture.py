@@ -28,7 +28,7 @@ from gcompile.layout import Param
 from gcompile.models.spec import Input, canonical_names
 from gcompile.report import number_reports
 from gcompile.program import Program, Stage, not_a_loss, refresh_meta, source_line
-from gcompile.torch_api import FakeTensorMode
+from gcompile.torch_api import FakeTensorMode, helper_frames_recorded
 from gcompile.user_code import failure_line
 
 
@@ -50,7 +50,7 @@ def capture(build: Callable[[], nn.Module], batch: tuple[Input, ...], decays: Ca
     _check_signature(model, [i.role for i in batch])
     printed = io.StringIO()  # what torch prints on the way: the graph traced so far, where export fails
     try:
-        with _quiet(SHAPES_LOG), contextlib.redirect_stderr(printed):
+        with _quiet(SHAPES_LOG), contextlib.redirect_stderr(printed), helper_frames_recorded():
             exported = torch.export.export(model, example)
     except Exception as e:
         data_dependent = " (code that branches on a tensor's values cannot be captured: compute both sides and " \

@@ -29,7 +29,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from gcompile.collectives import is_collective
 from gcompile.layout import Param
-from gcompile.torch_api import FakeTensorMode, is_op_overload
+from gcompile.torch_api import TORCH_DIR, FakeTensorMode, is_op_overload
 
 
 @dataclass
@@ -284,7 +284,7 @@ def source_line(node: fx.Node) -> str | None:
     itself, the model's line that made the node; its file relative to the working folder where it is inside it,
     else its full path. None where no frame was recorded."""
     frames = _FRAME.findall(node.meta.get("stack_trace") or "")
-    ours = [f for f in frames if not f[0].startswith(_TORCH_DIR)] or frames
+    ours = [f for f in frames if not f[0].startswith(TORCH_DIR)] or frames
     if not ours:
         return None
     path, line, code = ours[-1]
@@ -293,7 +293,6 @@ def source_line(node: fx.Node) -> str | None:
 
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in [^\n]*\n([^\n]*)')
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 
 
 def format_graph(gm: fx.GraphModule) -> str:

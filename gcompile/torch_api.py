@@ -6,6 +6,10 @@ torch 2.11.0 on CPU (2026-12-05; README, Tests). Public torch
 (`torch.export`, `torch.fx`, `torch.distributed`) is imported where it is used.
 """
 
+import contextlib
+import os
+import traceback
+
 import torch
 from torch._dynamo.utils import counters  # 2.11, 2.13
 from torch._functorch.aot_autograd import aot_export_joint_with_descriptors  # 2.11, 2.13
@@ -18,7 +22,7 @@ __all__ = ["FakeTensorMode", "aot_export_joint_with_descriptors", "min_cut_remat
            "activation_memory_budget", "graph_module", "lazy_graph_modules", "inductor_cache_counts",
            "standalone_compile", "is_op_overload", "register_process_group", "unregister_process_group",
            "resolve_process_group", "fake_store", "foreach_add_", "DCP_METADATA_GLOBALS", "tree_flatten",
-           "tree_map_only", "tree_unflatten"]
+           "tree_map_only", "tree_unflatten", "helper_frames_recorded", "TORCH_DIR"]
 
 DCP_METADATA_GLOBALS = frozenset({
     *(("torch.distributed.checkpoint.metadata", name) for name in (
@@ -37,6 +41,37 @@ Constructing any of them runs no user code."""
 def activation_memory_budget(budget: float):
     """The min-cut partitioner's activation memory budget, as a context manager (2.11, 2.13)."""
     return torch._functorch.config.patch(activation_memory_budget=budget)
+
+
+@contextlib.contextmanager
+def helper_frames_recorded():
+    """While torch.export traces, a node's stack_trace keeps the frames of the functions a forward calls, not
+    only frames named `forward` (2.11, 2.13: `TracerBase._filter_traceback_frames`, which torch documents as
+    the method to override, keeps those alone for export's tracer). Otherwise a node made in a helper (HF's
+    `eager_attention_forward`, a model's `apply_rotary`) names the forward line that called it in refusals
+    and dumps. torch's own frames other than a module's forward stay out, as before, so a dump's comment
+    still names a torch module's forward where the op was made there (`F.embedding` in Embedding.forward)."""
+    tracer = torch.fx.proxy.TracerBase
+    only_forwards = tracer._filter_traceback_frames
+
+    def forwards_and_helpers(self, frames: traceback.StackSummary) -> traceback.StackSummary:
+        kept, self._record_forward_stack_traces_only = self._record_forward_stack_traces_only, False
+        try:
+            from_first_forward = only_forwards(self, frames)  # every frame from the first forward on
+        finally:
+            self._record_forward_stack_traces_only = kept
+        return traceback.StackSummary.from_list(
+            [f for f in from_first_forward if f.name == "forward" or not f.filename.startswith(TORCH_DIR)])
+
+    tracer._filter_traceback_frames = forwards_and_helpers
+    try:
+        yield
+    finally:
+        tracer._filter_traceback_frames = only_forwards
+
+
+TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+"""Where torch's own Python files are: frames there are torch's, not the model's."""
 
 
 def graph_module(root, graph):

@@ -119,6 +119,12 @@ def test_the_shipped_model_with_attention_by_hand(parallel):
     ("cp_by_hand_p2p", "p2p", None, "node matmul (aten.matmul.default) multiplies values that hold the rank's tokens, as attention "
                   "written by hand does (q @ k^T): context parallel rewrites it with --cp-comm-type a2a or "
                   "all_gather"),
+    # the line named is the helper's that made the node, not forward's that called it (HF's eager_attention_forward)
+    ("cp_by_hand_in_a_helper", "p2p", ("        att = (q @ k.transpose(-2, -1)) / k.size(-1) ** 0.5\n",
+                                       "        def scores(q, k):\n"
+                                       "            return (q @ k.transpose(-2, -1)) / k.size(-1) ** 0.5\n"
+                                       "        att = scores(q, k)\n"),
+     "model.py:50: return (q @ k.transpose(-2, -1)) / k.size(-1) ** 0.5]"),
     ("cp_by_hand_batch_mask", "a2a", ("        att = F.softmax(att.masked_fill(~mask, float('-inf')), dim=-1)\n",
              "        att = F.softmax(att.masked_fill(~mask, float('-inf')), dim=-1)\n"
              "        att = att.masked_fill((x[..., 0] > 0)[:, None, None, :], 0.0)\n"),
