@@ -67,6 +67,7 @@ from gcompile.pass_manager import PassError
 from gcompile.pipeline import BuildCache, build_rank_program
 from gcompile import plan_cache
 from gcompile.plan_cache import Known, PlanCache, layout_key
+from gcompile.torch_api import import_lowering
 from passes.rewrite import GraphMismatch
 
 TRAIN_FIELDS = ("micro_batch_size", "recompute_activations")
@@ -280,6 +281,7 @@ def search(base: RunConfig, world: int, machine: Machine, budget_gb: float | Non
             unknown[family] = members
     workers = min(workers, len(unknown), -(-sum(map(len, unknown.values())) // LAYOUTS_PER_WORKER))
     if workers > 1:
+        import_lowering()  # once, here, not in each worker
         if QUIET_TRACKER not in sys.warnoptions:  # read when multiprocessing starts its tracker, below
             sys.warnoptions.append(QUIET_TRACKER)
         with ProcessPoolExecutor(workers, mp_context=_worker_context(), initializer=_tied_worker) as pool:

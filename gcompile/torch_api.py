@@ -11,9 +11,6 @@ import os
 import traceback
 
 import torch
-from torch._dynamo.utils import counters  # 2.11, 2.13
-from torch._functorch.aot_autograd import aot_export_joint_with_descriptors  # 2.11, 2.13
-from torch._functorch.partitioners import min_cut_rematerialization_partition  # 2.11, 2.13
 from torch._subclasses.fake_tensor import FakeTensorMode  # 2.11, 2.13
 from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module  # 2.11, 2.13
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten  # 2.11, 2.13
@@ -22,7 +19,7 @@ __all__ = ["FakeTensorMode", "aot_export_joint_with_descriptors", "min_cut_remat
            "activation_memory_budget", "graph_module", "lazy_graph_modules", "inductor_cache_counts",
            "standalone_compile", "is_op_overload", "register_process_group", "unregister_process_group",
            "resolve_process_group", "fake_store", "foreach_add_", "DCP_METADATA_GLOBALS", "tree_flatten",
-           "tree_map_only", "tree_unflatten", "helper_frames_recorded", "TORCH_DIR"]
+           "tree_map_only", "tree_unflatten", "helper_frames_recorded", "TORCH_DIR", "import_lowering"]
 
 DCP_METADATA_GLOBALS = frozenset({
     *(("torch.distributed.checkpoint.metadata", name) for name in (
@@ -36,6 +33,25 @@ DCP_METADATA_GLOBALS = frozenset({
 """Every global (module, name) in a `.metadata` that DCP's FileSystemWriter writes for a dict of plain
 tensors, torch dtypes aside (2.11, 2.13: listed by unpickling a saved checkpoint with a recording find_class).
 Constructing any of them runs no user code."""
+
+
+def aot_export_joint_with_descriptors(*args, **kwargs):
+    """torch's, imported on the first call (2.11, 2.13): it imports torch._dynamo, about 1.4 s here, which a
+    command that builds nothing (a plan read from kept predictions, a flag's error) need not wait for."""
+    from torch._functorch.aot_autograd import aot_export_joint_with_descriptors as export
+    return export(*args, **kwargs)
+
+
+def min_cut_rematerialization_partition(*args, **kwargs):
+    """torch's, imported on the first call, as aot_export_joint_with_descriptors (2.11, 2.13)."""
+    from torch._functorch.partitioners import min_cut_rematerialization_partition as partition
+    return partition(*args, **kwargs)
+
+
+def import_lowering() -> None:
+    """Import what lowering calls now, not at its first call: before forking workers that each lower."""
+    import torch._functorch.aot_autograd  # noqa: F401
+    import torch._functorch.partitioners  # noqa: F401
 
 
 def activation_memory_budget(budget: float):
@@ -89,6 +105,7 @@ def lazy_graph_modules():
 
 def inductor_cache_counts() -> tuple[int, int]:
     """(FX graph cache hits, misses) of Inductor in this process so far (2.11, 2.13)."""
+    from torch._dynamo.utils import counters
     return counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
 
 
