@@ -74,8 +74,6 @@ def plan_only(config: RunConfig, dump_only: bool, machine_path: str | None) -> i
     in dp), built here, checked, never run (with --dump-schedule, the schedule written as a run writes it);
     the iteration predicted with the machine file (gcompile.cost_model), each folder's summary.txt given
     its graphs' predicted times."""
-    if dump_only and not config.log.dump_graphs:
-        return error("--dump-only writes the programs to --dump-graphs DIR; give a folder")
     try:
         machine, unusable = load_machine(machine_path, config.world_size), None
     except MachineError as e:  # this machine's own file missing, old or one GPU's: the plan is checked, unpredicted
@@ -137,6 +135,15 @@ def remove_empty(folders: list[str]) -> None:
             os.rmdir(folder)
 
 
+def check_data(config: RunConfig) -> None:
+    """The data read (a corpus prepared once), its token ids below the vocabulary, and enough samples for a
+    global batch."""
+    t = config.train
+    train_data, valid_data = build_datasets(config.data, t.seq_length, t.seed)
+    check_token_ids(config.data, train_data, valid_data, config.model.vocab_size)
+    check_batches(config.data, train_data, valid_data, t.global_batch_size, evaluates=t.eval_interval > 0)
+
+
 def auto_layout(config: RunConfig, flags, argv: list[str]) -> list[str]:
     """--auto-layout: the planner's fastest layout of --world-size ranks that fits --memory-budget-gb, as the
     flags the run (and every rank it starts) is then parsed from."""
@@ -158,8 +165,11 @@ def auto_layout(config: RunConfig, flags, argv: list[str]) -> list[str]:
     if found.layouts:
         print(format_search(found, flags.world_size, top=3, refused=0))
     if not found.ranked:
+        planner_flags = [arg for arg in kept if arg not in ("--check-plan", "--dump-only")]  # run_gpt.py's alone
+        if flags.machine and "--machine" in dropped:
+            planner_flags += ["--machine", flags.machine]  # what it planned with
         raise PlanError(f"--auto-layout: {no_layout(found, flags.world_size)}; each refused layout with its "
-                        f"reason: python -m gcompile.plan --world-size {flags.world_size} {' '.join(kept)} "
+                        f"reason: python -m gcompile.plan --world-size {flags.world_size} {' '.join(planner_flags)} "
                         f"--refused {len(found.refused)}")
     best = found.ranked[0]
     chosen = dict(zip(best.run_flags()[::2], best.run_flags()[1::2]))
@@ -177,7 +187,7 @@ def auto_layout(config: RunConfig, flags, argv: list[str]) -> list[str]:
         bool(from_preset)
     doing = "checking the plan of" if flags.check_plan else "dumping" if flags.dump_only else "training with"
     print(f"--auto-layout: {doing} {' '.join(best.flags())} ({best.prediction}; "
-          f"{best.memory / 2 ** 30:.3f} GiB on its largest rank)"
+          f"{best.memory / 2 ** 30:.4g} GiB on its largest rank)"
           + (f"; in place of {' and '.join(instead)}" if instead else ""))
     return kept + best.run_flags()
 
@@ -194,6 +204,11 @@ def _run(argv: list[str], held: contextlib.ExitStack) -> int:
         if flags.auto_layout and under_launcher():
             raise ConfigError("--auto-layout plans and starts the ranks itself; run python run_gpt.py ... "
                               "--auto-layout without a launcher, or give the launcher the layout flags it chose")
+        if flags.dump_only and not config.log.dump_graphs:
+            raise ConfigError("--dump-only writes the programs to --dump-graphs DIR; give a folder")
+        if not under_launcher() and not (flags.dump_only or flags.check_plan):  # no layout changes these: refused
+            check_fits_machine(config)  # before anything is allocated, or planned (--auto-layout)
+            check_data(config)
         if flags.auto_layout:
             argv = auto_layout(config, flags, argv)
             config, flags = parse_args(argv)
@@ -210,12 +225,7 @@ def _run(argv: list[str], held: contextlib.ExitStack) -> int:
                 start_rank_server()
             if config.log.dump_graphs:
                 clear_stale_dumps(config.log.dump_graphs, range(config.world_size))
-            check_fits_machine(config)  # before anything is allocated
             load_passes(config)
-            t = config.train
-            train_data, valid_data = build_datasets(config.data, t.seq_length, t.seed)  # prepare once, check early
-            check_token_ids(config.data, train_data, valid_data, config.model.vocab_size)
-            check_batches(config.data, train_data, valid_data, t.global_batch_size, evaluates=t.eval_interval > 0)
             if config.checkpoint.save:
                 held.enter_context(claimed(config.checkpoint.save))  # until the run ends: no other run saves there
             check(config)  # the checkpoint to --load is whole and fits

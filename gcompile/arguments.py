@@ -18,9 +18,16 @@ NEAR = 0.75
 --top-k only 0.73 of --tp (the planner's --top-k is none of run_gpt.py's flags, which it reads after its own)."""
 
 
+def flag_names(parser: argparse.ArgumentParser) -> list[str]:
+    return [name for action in parser._actions for name in action.option_strings if name.startswith("--")]
+
+
 class ArgumentParser(argparse.ArgumentParser):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **{"allow_abbrev": False, **kwargs})
+        self.passed_on: list[str] = []
+        """Flags of the parser this one passes what it does not know on to (the planner's: run_gpt.py's), offered
+        with its own for a flag neither knows."""
 
     def error(self, message: str):
         print(f"{self.prog}: error: {self.explain(message)} ({self.prog} --help lists the flags)", file=sys.stderr)
@@ -30,10 +37,16 @@ class ArgumentParser(argparse.ArgumentParser):
         """argparse's message, with the flag each unrecognized one may have meant."""
         if not message.startswith(UNRECOGNIZED):
             return message
-        flags = [name for action in self._actions for name in action.option_strings if name.startswith("--")]
+        flags = flag_names(self) + self.passed_on
         meant = []
         for word in message.removeprefix(UNRECOGNIZED).split():
             flag = word.split("=")[0]
             near = difflib.get_close_matches(flag, flags, n=1, cutoff=NEAR) if flag.startswith("--") else []
             meant += [f"{near[0]} for {flag}" for _ in near[:1]]
         return message + (f"; did you mean {', '.join(meant)}?" if meant else "")
+
+    def refuse_unknown(self, passed: list[str]) -> None:
+        """Exit with one line where a flag of `passed` (what parse_known_args left) is not one of `passed_on`."""
+        unknown = [word for word in passed if word.startswith("--") and word.split("=")[0] not in self.passed_on]
+        if unknown:
+            self.error(UNRECOGNIZED + " ".join(unknown))

@@ -411,8 +411,9 @@ def check_plan(programs: dict[int, RankProgram], memory_budget_gb: float | None 
         if memory_budget_gb is not None and estimate.total > memory_budget_gb * 2 ** 30:
             raise PlanError(f"rank {rank} {program.coords}{also} needs about {estimate.total / 2 ** 30:.3g} GiB "
                             f"(> --memory-budget-gb {memory_budget_gb}): {estimate}; save memory (python -m "
-                            f"gcompile.plan --memory-budget-gb {memory_budget_gb} finds the layouts that fit: more "
-                            f"tp or pp, ZeRO, --recompute-activations) or raise the budget")
+                            f"gcompile.plan --world-size {ranks} --memory-budget-gb {memory_budget_gb} and this "
+                            f"run's --config and model flags finds the layouts that fit: more tp or pp, ZeRO, "
+                            f"--recompute-activations) or raise the budget")
     return "\n".join(lines)
 
 

@@ -428,9 +428,14 @@ def pipeline_column(programs: dict[int, RankProgram]) -> list[RankProgram]:
 
 
 def format_rank_time(program: RankProgram, rates: Rates) -> str:
-    """summary.txt's section: each graph's predicted time and what of it is communication."""
-    lines = ["# predicted time per run of each graph (gcompile.cost_model; communication overlapped where the graph "
-             "starts it early)", f"{'graph':<22} {'ms':>9} {'compute ms':>11} {'comm ms':>9}"]
+    """summary.txt's section: each graph's predicted time and what of it is communication, with every rank of the
+    world computing at once (the header says so: in a pipeline's warm-up fewer do, and the iteration's
+    prediction charges each action at the ranks computing during it, so these do not add up to it)."""
+    shared = (f"; every one of the world's {rates.ranks} ranks computing at once on {rates.machine.cores} cores, "
+              f"{rates.slowdown:.2f}x one rank's time (the iteration's prediction simulates the schedule, each graph "
+              f"at the ranks computing while it runs)" if rates.slowdown != 1 else "")
+    lines = [f"# predicted time per run of each graph (gcompile.cost_model; communication overlapped where the graph "
+             f"starts it early{shared})", f"{'graph':<22} {'ms':>9} {'compute ms':>11} {'comm ms':>9}"]
     for name, g in rank_time(program, rates).graphs.items():
         lines.append(f"{name:<22} {g.seconds * 1e3:9.3f} {g.compute * 1e3:11.3f} {g.communication * 1e3:9.3f}")
     return "\n".join(lines) + "\n"

@@ -53,10 +53,11 @@ from gcompile import shutdown
 if __name__ == "__main__":  # before the imports below load torch (seconds): a Ctrl-C then is one line too
     shutdown.install(shutdown.stopper(exit_signal_handler=False), "python -m gcompile.plan")
 
-from gcompile.arguments import ArgumentParser
+from gcompile.arguments import ArgumentParser, flag_names
 from gcompile.axes import Coords
 from gcompile.check import estimate_memory
 from gcompile.config import CP_COMM_TYPES, PLANNED_FROM, ConfigError, RunConfig, parse_args, validate
+from gcompile.config import parser as run_parser
 from gcompile.models.moe_config import MoEConfig
 from gcompile.cost_model import Prediction, StepTime, launched, predict, rates_of
 from gcompile.machine import Machine, MachineError
@@ -141,6 +142,8 @@ class Search:
     """How many `layouts` gave; the tries are more where one over the budget was tried again with savers."""
     reused: int = 0
     """How many predictions came from earlier runs (gcompile.plan_cache), nothing built for them."""
+    budget_gb: float | None = None
+    """The memory budget searched under: without one no layout is refused for its memory, so none is said to fit."""
 
 
 def layout_flags(layout: dict) -> list[str]:
@@ -252,7 +255,7 @@ def search(base: RunConfig, world: int, machine: Machine, budget_gb: float | Non
     builds in up to that many processes (one per LAYOUTS_PER_WORKER layouts), each a family of layouts at a
     time (`_family`: what shares lowerings). `kept`: earlier runs' predictions, used where they are for this
     machine file and code; what this one predicts goes to `kept.added` (`kept_predictions` saves it)."""
-    result, start = Search(), time.perf_counter()
+    result, start = Search(budget_gb=budget_gb), time.perf_counter()
     shapes = layouts(base, world, schedules, micro_batch_sizes, cp_comm_types)
     result.layouts = len(shapes)
     families = {}
@@ -440,12 +443,13 @@ def format_search(found: Search, world: int, top: int, refused: int) -> str:
         (f" and {retries} retries with memory savers" if retries else "")
     reused = f", {found.reused} predicted by earlier runs" if found.reused else ""
     rows = found.ranked[:top]
-    lines = [f"{tried}: {len(found.ranked)} fit, {len(found.refused)} refused ({found.seconds:.1f} s{reused})" +
+    kept = "fit" if found.budget_gb is not None else "predicted (no --memory-budget-gb: none refused for memory)"
+    lines = [f"{tried}: {len(found.ranked)} {kept}, {len(found.refused)} refused ({found.seconds:.1f} s{reused})" +
              ("; fastest first:" if rows else "")]
     if rows:
         lines.append(f"{'#':>3} {'ms/iter':>9} {'GiB/rank':>9} {'bubble':>7}  layout (run_gpt.py flags)")
     for i, c in enumerate(rows):
-        lines.append(f"{i + 1:>3} {c.prediction.step_seconds * 1e3:9.1f} {c.memory / 2 ** 30:9.3f} "
+        lines.append(f"{i + 1:>3} {c.prediction.step_seconds * 1e3:9.1f} {c.memory / 2 ** 30:9.4g} "
                      f"{c.prediction.bubble_fraction:7.1%}  {describe(c.layout)}")
     if found.refused:
         listed = found.refused[:refused]
@@ -576,6 +580,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--refused", type=int, default=5,
                    help="refused layouts to print, each with its reason (default: 5)")
     args, rest = p.parse_known_args(argv)
+    p.passed_on = flag_names(run_parser())
+    p.refuse_unknown(rest)
     try:
         if not 1 <= args.world_size <= MAX_WORLD:
             raise ConfigError(f"--world-size {args.world_size} must be from 1 to {MAX_WORLD:,}")

@@ -524,6 +524,9 @@ CASES = [
     ("plan workers not a number", "plan", ["--world-size", "2", "--workers", "two"], None,
      "argument --workers: invalid int value: 'two' (python -m gcompile.plan --help lists the flags)"),
     ("plan no world size", "plan", [], None, "the following arguments are required: --world-size"),
+    ("plan flag misspelt", "plan", ["--world-size", "2", "--schedul", "1f1b"], None,
+     "unrecognized arguments: --schedul; did you mean --schedules for --schedul?"),  # was: --dump-schedule, a
+    # run_gpt.py flag: the planner's own were not offered
     ("plan cp comm type unknown", "plan", ["--world-size", "2", "--cp-comm-types", "p2p,ring"], None,
      "--cp-comm-types 'p2p,ring': choose from all_gather, p2p, a2a"),
     ("plan run flag is not a prefix of a plan flag", "plan", ["--world-size", "2", "--micro-batch-size", "abc"], None,

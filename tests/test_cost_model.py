@@ -18,7 +18,7 @@ from gcompile.axes import Coords
 from gcompile.calibrate import SIZES, _link, busy_warning
 from gcompile.check import check_plan
 from gcompile.config import build_config, parse_args
-from gcompile.cost_model import Rates, StepTime, _concurrency, graph_time, predict, rates_for
+from gcompile.cost_model import Rates, StepTime, _concurrency, format_rank_time, graph_time, predict, rates_for
 from gcompile.machine import Link, Machine, MachineError, rate_at
 from gcompile.pipeline import BuildCache, builtin_passes, build_rank_program
 from gcompile.plan import Search, configure, evaluate, format_search, layouts, search
@@ -485,6 +485,14 @@ def test_a_plan_table_of_no_rows_has_no_header_and_the_rarest_reasons_are_summed
     assert format_search(found, 16, top=0, refused=0).splitlines()[-1] == "     5 x reason 5"
 
 
+@pytest.mark.parametrize("budget_gb, said", [(None, "0 predicted (no --memory-budget-gb: none refused for memory), "),
+                                             (1.0, "0 fit, ")])
+def test_a_plan_says_layouts_fit_only_under_a_budget(budget_gb, said):
+    """Without a budget nothing is checked against memory: a model no machine holds was said to fit."""
+    found = Search(refused=[(dict(tp=1), "reason")], reasons=Counter(reason=1), layouts=1, budget_gb=budget_gb)
+    assert f": {said}1 refused" in format_search(found, 1, top=0, refused=0).splitlines()[0]
+
+
 def test_plan_command_needs_a_machine_file(tmp_path):
     missing = tmp_path / "none.json"
     done = subprocess.run([sys.executable, "-m", "gcompile.plan", "--world-size", "2", "--machine", str(missing)],
@@ -497,10 +505,11 @@ def test_plan_command_needs_a_machine_file(tmp_path):
 
 def test_auto_layout_that_finds_none_prints_the_reasons_it_names(tmp_path, capsys):
     """3 ranks of tiny (2 layers, global batch 8): a pipeline of 3 or dp 3 cannot run it. The error line points at
-    the reasons, so they are printed above it, and names the command that lists every refused layout."""
+    the reasons, so they are printed above it, and names the command that lists every refused layout (without
+    --check-plan, which is run_gpt.py's: the planner refused the command it was given)."""
     machine = tmp_path / "machine.json"
     machine_file.save(flat_machine(), str(machine))
-    status = run_gpt.main(["--config", os.path.join(ROOT, "configs", "tiny.toml"), "--auto-layout",
+    status = run_gpt.main(["--config", os.path.join(ROOT, "configs", "tiny.toml"), "--auto-layout", "--check-plan",
                            "--world-size", "3", "--machine", str(machine), "--run-dir", str(tmp_path / "run")])
     out, err = capsys.readouterr()
     assert status == 2
@@ -509,7 +518,22 @@ def test_auto_layout_that_finds_none_prints_the_reasons_it_names(tmp_path, capsy
         "run_gpt.py: error: --auto-layout: no layout of 3 ranks can run this config; the reasons above say what to "
         "change (a dp size --global-batch-size cannot be split over is not tried: a multiple of it is); each "
         f"refused layout with its reason: python -m gcompile.plan --world-size 3 --config "
-        f"{os.path.join(ROOT, 'configs', 'tiny.toml')} --run-dir {tmp_path / 'run'} --refused 12"]
+        f"{os.path.join(ROOT, 'configs', 'tiny.toml')} --machine {machine} --run-dir {tmp_path / 'run'} --refused 12"]
+
+
+@pytest.mark.parametrize("flags, refusal", [
+    (["--data-path", "{tmp}/missing.bin"], "--data-path {tmp}/missing.bin"),
+    (["--n-embd", "65536"], "choose a smaller model"),
+    (["--dump-only"], "--dump-only writes the programs to --dump-graphs DIR; give a folder")],
+    ids=["data-missing", "model-over-ram", "dump-without-folder"])
+def test_auto_layout_refuses_what_no_layout_changes_before_planning(flags, refusal, tmp_path, capsys):
+    """Refused after the minutes of planning and its table, these were."""
+    flags = [flag.replace("{tmp}", str(tmp_path)) for flag in flags]
+    status = run_gpt.main(["--config", os.path.join(ROOT, "configs", "tiny.toml"), "--auto-layout", "--world-size",
+                           "2", "--run-dir", str(tmp_path / "run"), *flags])
+    out, err = capsys.readouterr()
+    assert status == 2 and "planning:" not in out, out
+    assert len(err.strip().splitlines()) == 1 and refusal.replace("{tmp}", str(tmp_path)) in err, err
 
 
 def auto_layout(tmp_path, capsys, *flags) -> tuple[list[str], list[str], str]:
@@ -575,6 +599,9 @@ def test_an_action_computes_at_the_slowdown_of_the_ranks_computing_while_it_runs
     assert one.optimizer_seconds == pytest.approx(predicted(1, 2.0).optimizer_seconds, rel=1e-12)
     eight = predicted(8)
     assert predicted(8, 1.0).pipeline_seconds * 1.2 < eight.pipeline_seconds < predicted(8, 2.0).pipeline_seconds
+    # summary.txt's time per graph is at every rank computing: its header says so, as they add up to more than one
+    header = format_rank_time(columns[1][0], rates_for(machine, 2, 1, shm_tp=False)).splitlines()[0]
+    assert "every one of the world's 2 ranks computing at once on 64 cores, 2.00x one rank's time" in header, header
 
 
 def test_a_world_of_a_billion_ranks_is_listed_from_its_divisors():

@@ -219,7 +219,8 @@ def test_memory_budget():
     need = estimate_memory(programs[0]).total / 2 ** 30
     check_plan(programs, memory_budget_gb=need * 1.01)
     with pytest.raises(PlanError, match=r"rank 0 .* needs about .* GiB \(> --memory-budget-gb .*; save memory "
-                                        r"\(python -m gcompile.plan --memory-budget-gb .* finds the layouts that fit"):
+                                        r"\(python -m gcompile.plan --world-size 2 --memory-budget-gb .* and this run's --config and "
+                                        r"model flags finds the layouts that fit"):
         check_plan(programs, memory_budget_gb=need * 0.9)
     sharded = estimate_memory(programs[0]).optimizer
     unsharded = estimate_memory(build_world(config(dp=2), log=lambda _: None)[0]).optimizer
