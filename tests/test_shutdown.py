@@ -219,7 +219,8 @@ def test_ctrl_c_while_planning_is_one_line_keeps_the_plan_and_takes_the_workers_
     workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)  # an orphaned worker would hold the pipes open past it
-    assert proc.returncode == 130 and err.splitlines() == ["python -m gcompile.plan: stopped by SIGINT"], err
+    said = [line for line in err.splitlines() if not line.startswith("planning: ")]  # a family may finish meanwhile
+    assert proc.returncode == 130 and said == ["python -m gcompile.plan: stopped by SIGINT"], err
     assert (tmp_path / "gcompile" / "plans.json").is_file(), "what it predicted is kept"
     deadline = time.monotonic() + 30
     while (running := [pid for pid in workers if _running(pid)]) and time.monotonic() < deadline:
