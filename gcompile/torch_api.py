@@ -59,6 +59,10 @@ def activation_memory_budget(budget: float):
     return torch._functorch.config.patch(activation_memory_budget=budget)
 
 
+TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+"""Where torch's own Python files are: frames there are torch's, not the model's."""
+
+
 @contextlib.contextmanager
 def helper_frames_recorded():
     """While torch.export traces, a node's stack_trace keeps the frames of the functions a forward calls, not
@@ -84,10 +88,6 @@ def helper_frames_recorded():
         yield
     finally:
         tracer._filter_traceback_frames = only_forwards
-
-
-TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-"""Where torch's own Python files are: frames there are torch's, not the model's."""
 
 
 def graph_module(root, graph):
