@@ -159,12 +159,14 @@ def measure_compute(device: str, log) -> dict:
     return found
 
 
-def _rank_main(rank: int, world: int, store_path: str, transports: list[str], repeats: dict[int, int],
-               out: str) -> None:
+def _rank_main(rank: int, calibration: int, world: int, store_path: str, transports: list[str],
+               repeats: dict[int, int], out: str) -> None:
     """One rank of a world of `world`: every rank computes at once (the slowdown over one rank computing
     `repeats` workloads by itself), then each collective over all of them, and send/recv in
     a world of two. A world of exactly the ranks measured, as a run of that many has: ranks left waiting in
-    a larger world would take their share of the cores too."""
+    a larger world would take their share of the cores too. It ends with its calibration, pid `calibration`
+    (torch's own tie sends SIGINT, which ranks never take: gcompile.shutdown.starting_helpers)."""
+    shutdown.end_with_parent(calibration)
     torch.set_num_threads(1)
     device = "cuda" if "nccl" in transports else "cpu"
     if device == "cuda":
@@ -390,8 +392,12 @@ def measure_collectives(device: str, log) -> tuple[dict[str, float], dict[str, f
         log(f"  {world} ranks at once: compute, and {', '.join(transports)} collectives over them")
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "links.json")
-            mp.start_processes(_rank_main, args=(world, os.path.join(tmp, "store"), transports, repeats, out),
-                               nprocs=world, start_method="spawn")
+            with shutdown.starting_helpers():
+                ranks = mp.start_processes(_rank_main, args=(os.getpid(), world, os.path.join(tmp, "store"),
+                                                              transports, repeats, out),
+                                           nprocs=world, join=False, start_method="spawn")
+            while not ranks.join():
+                pass
             with open(out) as f:
                 raw = json.load(f)
         slowdowns = raw.pop("contention")

@@ -32,7 +32,6 @@ by the same code, is not built again (--fresh builds every one).
 """
 
 import contextlib
-import ctypes
 import dataclasses
 import functools
 import gc
@@ -287,7 +286,8 @@ def search(base: RunConfig, world: int, machine: Machine, budget_gb: float | Non
         import_lowering()  # once, here, not in each worker
         if QUIET_TRACKER not in sys.warnoptions:  # read when multiprocessing starts its tracker, below
             sys.warnoptions.append(QUIET_TRACKER)
-        with ProcessPoolExecutor(workers, mp_context=_worker_context(), initializer=_tied_worker) as pool:
+        with ProcessPoolExecutor(workers, mp_context=_worker_context(), initializer=_tied_worker,
+                                 initargs=(os.getpid(),)) as pool:
             running = {pool.submit(_search_family, base, machine, budget_gb, unknown[family], known=known,
                                    machine_text=machine_text): family
                        for family in sorted(unknown, key=lambda family: -math.prod(family))}  # the families whose
@@ -312,7 +312,6 @@ def search(base: RunConfig, world: int, machine: Machine, budget_gb: float | Non
     return result
 
 
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 QUIET_TRACKER = "ignore::UserWarning:multiprocessing.resource_tracker"
 """A planner stopped by a signal exits at once (gcompile.shutdown), leaving its pool's semaphores to
 multiprocessing's tracker process, which removes them, as it should, and warns of each, which says nothing
@@ -326,17 +325,15 @@ def _worker_context() -> multiprocessing.context.BaseContext:
     return multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
 
 
-def _tied_worker() -> None:
-    """A planning worker ignores a terminal's Ctrl-C (the planner says the one line) and ends with the planner,
-    which stops without waiting for its workers (gcompile.shutdown): they would plan on for nothing. A forked
-    one drops the planner's signal handling (gcompile.shutdown.install), whose watching thread it has not: a
-    SIGTERM ends it."""
+def _tied_worker(planner: int) -> None:
+    """A planning worker ignores a terminal's Ctrl-C (the planner says the one line) and ends with the planner
+    (gcompile.shutdown.end_with_parent). A forked one drops the planner's signal handling
+    (gcompile.shutdown.install), whose watching thread it has not: a SIGTERM ends it."""
     signal.set_wakeup_fd(-1)
     gc.set_threshold(COLLECT_AFTER)  # as fewer_collections sets it, where a worker is spawned, not forked
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    shutdown.end_with_parent(planner)
 
 
 def _family(layout: dict) -> tuple:

@@ -18,13 +18,19 @@ A rank of the local launcher watches a pipe that only the launcher holds open fo
 (`tie_to_launcher`): at its end of file, however the launcher ended (SIGKILL included),
 the rank exits at once, --exit-signal-handler or not: no launcher is left to wait for a
 save, and every rank must be gone within seconds.
+
+Helper processes of a tool (a planner's workers, a calibration's ranks) never take a signal
+themselves: they are started ignoring SIGINT (`starting_helpers`), and end when their
+parent does (`end_with_parent`), whose line is the only one.
 """
 
+import contextlib
+import ctypes
 import os
 import signal
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 LAUNCHER = "GCOMPILE_LAUNCHER_FD"
@@ -35,6 +41,7 @@ requested = threading.Event()
 _action: Callable[[int], None] | None = None
 _program: str | None = None
 _launcher_ended = threading.Event()
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def exit_status(signum: int) -> int:
@@ -127,3 +134,32 @@ def _watch_launcher(read: int) -> None:
 def launcher_alive() -> bool:
     """False only in a rank whose local launcher has ended (or one not started by one: True)."""
     return not _launcher_ended.is_set()
+
+
+@contextlib.contextmanager
+def starting_helpers() -> Iterator[None]:
+    """Start helper processes inside: they ignore SIGINT for life (an ignored signal stays ignored through fork and
+    exec, and Python leaves it so), so a terminal's Ctrl-C, which reaches every process of the job, cannot interrupt
+    one before its own code runs (a spawned rank imports torch for seconds first, and printed that import's
+    traceback). This process ignores it too meanwhile, the milliseconds it takes (a disposition is the process's: a
+    Ctrl-C then is lost, and must be pressed again); a SIGTERM is acted on when the block ends (a spawned child whose
+    parent exits before handing it what it runs fails with a traceback of its own)."""
+    deferred = []
+    action = set_action(deferred.append)
+    handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, handler)
+        set_action(action)
+        if deferred and action is not None:
+            action(deferred[0])
+
+
+def end_with_parent(parent: int) -> None:
+    """In a helper process, first thing: end (SIGTERM, silently) when its parent, pid `parent`, ends, at once if it
+    already has. A tool stopped by a signal exits without waiting for its helpers, which would work on for nothing."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:
+        os._exit(exit_status(signal.SIGTERM))

@@ -205,6 +205,25 @@ def test_ctrl_c_while_a_tool_loads_torch_is_one_line(module, flags, tmp_path):
         stderr
 
 
+def test_ctrl_c_while_calibration_ranks_start_is_one_line_and_takes_them_along(tmp_path):
+    """A terminal's Ctrl-C reaches every process of its job: calibrate's spawned ranks, interrupted while they
+    imported torch, printed a traceback each (about 65 lines); later, torch's tie to their parent (a SIGINT when it
+    ends) interrupted their exit ("Exception ignored in atexit callback")."""
+    proc = subprocess.Popen([sys.executable, "-m", "gcompile.calibrate", "--out", str(tmp_path / "machine.json")],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env=dict(os.environ, PYTHONPATH=ROOT, XDG_CACHE_HOME=str(tmp_path), PYTHONUNBUFFERED="1"))
+    while "2 ranks at once" not in (line := proc.stdout.readline()):  # after the compute phase, 10-20 s here
+        assert line, "calibrate ended before it started ranks"
+    time.sleep(1.0)  # the ranks are importing torch
+    ranks = run_processes(proc)
+    assert len(ranks) > 1, "its ranks started"
+    os.killpg(proc.pid, signal.SIGINT)  # as a terminal sends it: to the whole job
+    _, stderr = proc.communicate(timeout=60)  # a rank left behind would hold the pipes open past it
+    assert proc.returncode == 130 and stderr.splitlines() == ["python -m gcompile.calibrate: stopped by SIGINT"], \
+        stderr
+    assert_all_gone(ranks)
+
+
 def test_ctrl_c_while_planning_is_one_line_keeps_the_plan_and_takes_the_workers_along(tmp_path):
     """python -m gcompile.plan printed a KeyboardInterrupt traceback, and its workers planned on as orphans."""
     machine = tmp_path / "machine.json"
