@@ -4,6 +4,8 @@
     python -m gcompile.calibrate --show          # print the file in use, measure nothing
     python -m gcompile.calibrate --out FILE      # write FILE too (a GPU's file kept in the repo)
 
+A file there already is replaced only if it is a machine file (--out names no config or README).
+
 Compute, in this process, at 1 thread and at all cores (what ranks get: the cores
 shared evenly): square matmuls of 32 to 1024 (float32; bfloat16 from 64; both to 4096 on a GPU), causal
 attention forward and backward, an element-wise add over 16 MiB (bytes moved per
@@ -468,7 +470,8 @@ def describe(machine: Machine) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = ArgumentParser(prog="python -m gcompile.calibrate", description=__doc__.split("\n")[0])
-    p.add_argument("--out", help="also write the machine file here (default: only this machine's cache file)")
+    p.add_argument("--out", help="also write the machine file here (default: only this machine's cache file); "
+                                 "a file there must be a machine file")
     p.add_argument("--show", action="store_true",
                    help="print the machine file in use (or the one --out names); measure nothing")
     args = p.parse_args(argv)
@@ -490,6 +493,10 @@ def main(argv: list[str] | None = None) -> int:
         if target is not None and (why := machine_file.cannot_write(target)):
             print(f"python -m gcompile.calibrate: error: {named}: {why}", file=sys.stderr)
             return 2
+    if args.out and (why := machine_file.foreign(args.out)):  # a config, a README: the user's, not ours to replace
+        print(f"python -m gcompile.calibrate: error: --out {args.out!r} is not a machine file: {why}; calibrate "
+              f"replaces only a machine file: give a new file name, or move that file away", file=sys.stderr)
+        return 2
     measured = calibrate()
     for target in [path] + ([args.out] if args.out else []):
         machine_file.save(measured, target)

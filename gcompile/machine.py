@@ -84,16 +84,14 @@ class Machine:
     def from_json(cls, text: str, where: str) -> "Machine":
         """The file's machine; MachineError naming the first field no measurement gives (a file damaged or
         edited by hand would otherwise predict negative or NaN times, or fail deep in a prediction)."""
-        again = f"measure the machine it describes again: python -m gcompile.calibrate --out {where}"
         try:
-            raw = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise MachineError(f"machine file {where} is not JSON ({e}); {again}") from None
-        except (ValueError, RecursionError):  # a number of thousands of digits, or brackets thousands deep
-            raise MachineError(f"machine file {where} is not JSON calibration writes (a number or nesting far too "
-                               f"long to read); {again}") from None
-        if isinstance(raw, dict) and raw.get("format") != FORMAT:
-            raise MachineError(f"machine file {where} has format {json.dumps(raw.get('format'))[:20]}, this "
+            raw = _ours(text)
+        except _Foreign as e:  # not --out to it: that would measure over the user's file
+            raise MachineError(f"{where} is not a machine file: {e}; give a file python -m gcompile.calibrate "
+                               f"wrote, or measure this machine with: python -m gcompile.calibrate") from None
+        again = f"measure the machine it describes again: python -m gcompile.calibrate --out {where}"
+        if raw["format"] != FORMAT:
+            raise MachineError(f"machine file {where} has format {json.dumps(raw['format'])[:20]}, this "
                                f"gcompile reads {FORMAT}; {again}")
         try:
             _check(raw)
@@ -185,6 +183,47 @@ class Machine:
         return Link(base.latency * steps, base.bandwidth / share)
 
 
+class _Foreign(ValueError):
+    """A file no calibration wrote, in any format: why."""
+
+
+def _ours(text: str) -> dict:
+    """The JSON object of a file calibration wrote, whatever its format or damage: every format has held a
+    whole-number format and a text fingerprint. _Foreign if it is not one (a config, a README, another tool's JSON)."""
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise _Foreign(f"it is not JSON ({e})") from None
+    except (ValueError, RecursionError):  # a number of thousands of digits, or brackets thousands deep
+        raise _Foreign("it is not JSON calibration writes (a number or nesting far too long to read)") from None
+    if not isinstance(raw, dict) or type(raw.get("format")) is not int or not isinstance(raw.get("fingerprint"), str):
+        raise _Foreign("it is JSON without the format and fingerprint every machine file holds")
+    return raw
+
+
+LARGEST = 1 << 20
+"""Characters of a file read to tell whether it is a machine file: one is a few KiB (a GPU's with collectives more)."""
+
+
+def foreign(path: str) -> str | None:
+    """Why the file at `path` is none calibration wrote, so that calibrating must not write over it; None where there
+    is no file, or one of ours, even damaged or of an older format: measuring again is what mends it."""
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read(LARGEST)  # a longer file is cut, not JSON, not ours: a data file is not read whole
+    except UnicodeDecodeError:
+        return "it is not text"
+    except OSError as e:
+        return f"it cannot be read ({e.strerror or e})"
+    try:
+        _ours(text)
+    except _Foreign as e:
+        return str(e)
+    return None
+
+
 class _Unfit(ValueError):
     """A field of a loaded machine file that no measurement gives: where it is in the file, and what it holds."""
 
@@ -193,8 +232,6 @@ def _check(raw) -> None:
     """_Unfit naming the first field of `raw` (a loaded file) that calibration cannot have written: every field
     there, each rate positive, each time and wait finite and not negative, keys the counts they stand for, and
     on CPU every collective of gloo measured (what predictions fall back on)."""
-    if not isinstance(raw, dict):
-        raise _Unfit("it is not a JSON object")
     required = {f.name for f in fields(Machine) if f.default is MISSING and f.default_factory is MISSING}
     if missing := sorted(required - raw.keys()):
         raise _Unfit(f"it has no {', '.join(missing)}")

@@ -541,8 +541,11 @@ CASES = [
     ("plan micro-batch sizes", "plan", ["--world-size", "2", "--micro-batch-sizes", "0,2"], None,
      "--micro-batch-sizes '0,2': give positive whole numbers"),
     ("machine file not json", "plan", ["--world-size", "2", "--machine", "{tmp}/file"], a_file,
-     "machine file {tmp}/file is not JSON (Expecting value: line 1 column 1 (char 0)); measure the machine it "
-     "describes again"),
+     "{tmp}/file is not a machine file: it is not JSON (Expecting value: line 1 column 1 (char 0)); give a file "
+     "python -m gcompile.calibrate wrote, or measure this machine with: python -m gcompile.calibrate"),
+    ("check-plan machine a README", "run_gpt", ["--check-plan", "--machine", "{tmp}/README.md"],
+     lambda tmp, saved: (tmp / "README.md").write_text("# my project\n"),  # was: advised calibrate --out README.md
+     "{tmp}/README.md is not a machine file: it is not JSON"),
     ("machine file with a negative time", "plan", ["--world-size", "1", "--machine", "{tmp}/m.json"],
      machine_file_with(op_seconds=-1), "machine file {tmp}/m.json is not one gcompile.calibrate wrote: op_seconds "
                                        "is -1, not a non-negative finite number"),  # was: ranked at -2e6 ms
@@ -583,6 +586,9 @@ CASES = [
      "--out '/dev/null': that is not a regular file (a device or a pipe); give a file name"),
     ("calibrate out under a file", "calibrate", ["--out", "{tmp}/file/m.json"], a_file,
      "--out '{tmp}/file/m.json': {tmp}/file is a file where a folder should be"),
+    ("calibrate out a config", "calibrate", ["--out", "{tmp}/tiny.toml"],
+     lambda tmp, saved: (tmp / "tiny.toml").write_text("[model]\nn_layer = 2\n"),  # was: replaced by machine JSON
+     "--out '{tmp}/tiny.toml' is not a machine file: it is not JSON"),
     ("bisect a cp layout", "inspect", ["bisect", "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--cp", "2"],
      None, "bisect does not compare context-parallel layouts yet"),  # was: context_parallel named divergent
     ("bisect tol negative", "inspect", ["bisect", "--tol", "-1"], None, "--tol -1 must be positive"),

@@ -156,10 +156,10 @@ def test_machine_file_rates_and_links():
     again = Machine.from_json(m.to_json(), "here")
     assert again == m
     with pytest.raises(MachineError, match="not one gcompile.calibrate wrote"):
-        Machine.from_json(json.dumps({"format": 5, "cores": 2}), "bad.json")
+        Machine.from_json(json.dumps({"format": 5, "fingerprint": "x", "cores": 2}), "bad.json")
     with pytest.raises(MachineError, match="has format 4, this gcompile reads 5; measure the machine it describes "
                                            "again: python -m gcompile.calibrate --out old.json"):
-        Machine.from_json("{\"format\": 4}", "old.json")
+        Machine.from_json('{"format": 4, "fingerprint": "x"}', "old.json")  # what every format held
 
 
 @pytest.mark.parametrize("change, named", [
@@ -186,6 +186,21 @@ def test_a_machine_file_calibration_could_not_have_written_is_refused_naming_the
     assert str(refused.value).startswith(f"machine file m.json is not one gcompile.calibrate wrote: {named}")
     assert str(refused.value).endswith("; measure the machine it describes again: python -m gcompile.calibrate "
                                        "--out m.json")
+
+
+@pytest.mark.parametrize("text, why", [
+    ("# gcompile\n", "it is not JSON (Expecting value: line 1 column 1 (char 0))"),
+    ('{"name": "gcompile", "format": 5}', "it is JSON without the format and fingerprint every machine file holds"),
+    ("[1, 2]", "it is JSON without the format and fingerprint every machine file holds"),
+    ("1" * 5000, "it is not JSON calibration writes (a number or nesting far too long to read)"),
+], ids=["markdown", "other JSON", "a list", "a 5000-digit number"])
+def test_a_file_that_is_no_machine_file_is_refused_without_advice_to_measure_over_it(text, why):
+    """`--machine README.md` advised `python -m gcompile.calibrate --out README.md`, which would replace the user's
+    file with machine JSON; a damaged machine file keeps that advice (above)."""
+    with pytest.raises(MachineError) as refused:
+        Machine.from_json(text, "README.md")
+    assert str(refused.value) == f"README.md is not a machine file: {why}; give a file python -m gcompile.calibrate " \
+                                 f"wrote, or measure this machine with: python -m gcompile.calibrate"
 
 
 def tiny(**parallel):
