@@ -3,8 +3,11 @@
     python -m gcompile.calibrate                 # measure (75-95 s on 2 cores), write, print
     python -m gcompile.calibrate --show          # print the file in use, measure nothing
     python -m gcompile.calibrate --out FILE      # write FILE too (a GPU's file kept in the repo)
+    python -m gcompile.calibrate --force         # write even a measurement taken while the machine was busy
 
-A file there already is replaced only if it is a machine file (--out names no config or README).
+A file there already is replaced only if it is a machine file (--out names no config or README), and a
+measurement that looks taken while other work ran (busy_warning) replaces none that does not: that
+file is kept, and said so, unless --force.
 
 Compute, in this process, at 1 thread and at all cores (what ranks get: the cores
 shared evenly): square matmuls of 32 to 1024 (float32; bfloat16 from 64; both to 4096 on a GPU), causal
@@ -426,8 +429,9 @@ def calibrate(log=print) -> Machine:
 
 
 def busy_warning(machine: Machine) -> str | None:
-    """A warning when the file looks measured while other work ran: on idle cores, more threads never multiply
-    the largest matrices slower than one does. Such a file is reused until the machine changes."""
+    """A warning when the machine looks measured while other work ran: on idle cores, more threads never multiply
+    the largest matrices slower than one does. A file of such a measurement would be reused until the machine
+    changes: main writes none over one that does not look so (worth_keeping)."""
     largest = {int(threads): curves["float32"][-1][1] for threads, curves in machine.matmul.items()
                if threads.isdigit()}
     most = max(largest, default=1)
@@ -435,7 +439,18 @@ def busy_warning(machine: Machine) -> str | None:
         return None
     return (f"warning: {most} threads multiplied matrices slower than 1 ({largest[most] / 1e9:.1f} against "
             f"{largest[1] / 1e9:.1f} GFLOP/s): other work was likely running, and its share of the cores is in "
-            f"this machine file; measure again when the machine is idle")
+            f"this measurement; measure again when the machine is idle")
+
+
+def worth_keeping(path: str) -> bool:
+    """Whether the machine file at `path` must not be replaced by a measurement busy_warning warns of: there, usable,
+    and not looking measured while busy itself (every plan after would be wrong: tiny at 1 rank predicted 723.8 ms,
+    against 8.1 ms)."""
+    try:
+        found = machine_file.load(path)
+    except machine_file.MachineError:
+        return False
+    return busy_warning(found) is None
 
 
 def describe(machine: Machine) -> str:
@@ -474,6 +489,8 @@ def main(argv: list[str] | None = None) -> int:
                                  "a file there must be a machine file")
     p.add_argument("--show", action="store_true",
                    help="print the machine file in use (or the one --out names); measure nothing")
+    p.add_argument("--force", action="store_true",
+                   help="write a measurement that looks taken while other work ran over a good machine file")
     args = p.parse_args(argv)
     path = machine_file.default_path()
     if args.show:
@@ -498,12 +515,20 @@ def main(argv: list[str] | None = None) -> int:
               f"replaces only a machine file: give a new file name, or move that file away", file=sys.stderr)
         return 2
     measured = calibrate()
-    for target in [path] + ([args.out] if args.out else []):
-        machine_file.save(measured, target)
     print(describe(measured))
-    if warning := busy_warning(measured):
+    targets = [path] + ([args.out] if args.out else [])
+    warning = busy_warning(measured)
+    kept = [target for target in targets if warning and not args.force and worth_keeping(target)]
+    written = [target for target in targets if target not in kept]
+    for target in written:
+        machine_file.save(measured, target)
+    if warning:
         print(warning, file=sys.stderr)
-    print(f"written to {path}{f' and {args.out}' if args.out else ''}")
+    if kept:
+        print(f"kept {' and '.join(kept)}, which does not look measured while busy; add --force to write this "
+              f"measurement over it", file=sys.stderr)
+    if written:
+        print(f"written to {' and '.join(written)}")
     return 0
 
 
