@@ -401,8 +401,7 @@ def measure_collectives(device: str, log) -> tuple[dict[str, float], dict[str, f
                 ranks = mp.start_processes(_rank_main, args=(os.getpid(), world, os.path.join(tmp, "store"),
                                                               transports, repeats, out),
                                            nprocs=world, join=False, start_method="spawn")
-            while not ranks.join():
-                pass
+            _join_or_take_along(ranks)
             with open(out) as f:
                 raw = json.load(f)
         slowdowns = raw.pop("contention")
@@ -414,6 +413,17 @@ def measure_collectives(device: str, log) -> tuple[dict[str, float], dict[str, f
             for kind, link in kinds.items():
                 links.setdefault(transport, {}).setdefault(kind, {})[str(world)] = Link(**link)
     return contention, host_contention, links, waits
+
+
+def _join_or_take_along(ranks: mp.ProcessContext) -> None:
+    """Wait for the ranks; a signal meanwhile kills them, then stops calibrate as before: a rank still importing
+    torch (seconds, with 8 ranks on 2 cores) would only then see that calibrate has gone (_rank_main)."""
+    stop = shutdown.set_action(lambda signum: ([rank.kill() for rank in ranks.processes], stop(signum)))
+    try:
+        while not ranks.join():
+            pass
+    finally:
+        shutdown.set_action(stop)
 
 
 def calibrate(log=print) -> Machine:

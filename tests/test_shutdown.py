@@ -218,10 +218,10 @@ def test_ctrl_c_while_calibration_ranks_start_is_one_line_and_takes_them_along(t
     ranks = run_processes(proc)
     assert len(ranks) > 1, "its ranks started"
     os.killpg(proc.pid, signal.SIGINT)  # as a terminal sends it: to the whole job
-    _, stderr = proc.communicate(timeout=60)  # a rank left behind would hold the pipes open past it
-    assert proc.returncode == 130 and stderr.splitlines() == ["python -m gcompile.calibrate: stopped by SIGINT"], \
-        stderr
-    assert_all_gone(ranks)
+    assert proc.wait(timeout=60) == 130
+    assert_all_gone(ranks, within=2.0)  # taken along, not left to finish importing torch first
+    stderr = proc.stderr.read()
+    assert stderr.splitlines() == ["python -m gcompile.calibrate: stopped by SIGINT"], stderr
 
 
 def test_ctrl_c_while_planning_is_one_line_keeps_the_plan_and_takes_the_workers_along(tmp_path):
