@@ -526,7 +526,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     measured = calibrate()
     print(describe(measured))
-    targets = [path] + ([args.out] if args.out else [])
+    targets = [path] + ([args.out] if args.out and os.path.abspath(args.out) != os.path.abspath(path) else [])
     warning = busy_warning(measured)
     kept = [target for target in targets if warning and not args.force and worth_keeping(target)]
     written = [target for target in targets if target not in kept]
