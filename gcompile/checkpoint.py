@@ -529,8 +529,14 @@ def export(path: str, output: str) -> str:
     # every state-dict key, a tied alias included, as the same tensor as its parameter
     state_dict = {key: weights[names[id(p)]] for key, p in model.state_dict(keep_vars=True).items()}
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-    torch.save(dict(model=state_dict, model_args=checkpoint.model_spec.export_args(config),
-                    iter_num=checkpoint.meta["iteration"]), output)
+    partial = f"{output}.partial-{os.getpid()}"  # renamed into place whole: a stop meanwhile leaves no half file
+    try:
+        torch.save(dict(model=state_dict, model_args=checkpoint.model_spec.export_args(config),
+                        iter_num=checkpoint.meta["iteration"]), partial)
+        os.replace(partial, output)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(partial)
     return checkpoint.folder
 
 
@@ -603,8 +609,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "export":
             problem = ("--output is empty; name the file to write" if not args.output
                        else f"--output {args.output} is a folder; name a file in it" if os.path.isdir(args.output)
-                       else path_error("--output", args.output, folder=False))
-            problem = problem or _inside("--output", args.output, args.checkpoint)
+                       else _inside("--output", args.output, args.checkpoint)
+                       or (f"--output {args.output} exists; name a new file, or remove that one first"
+                           if os.path.lexists(args.output) else path_error("--output", args.output, folder=False)))
             if problem:  # before the checkpoint is read, which takes a while
                 raise CheckpointError(problem)
             folder = export(args.checkpoint, args.output)
@@ -619,6 +626,8 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "export-hf":
             problem = path_error("output_dir", args.output_dir) or _inside("output_dir", args.output_dir,
                                                                             args.checkpoint)
+            if not problem and os.path.isdir(args.output_dir) and os.listdir(args.output_dir):
+                problem = f"{args.output_dir} holds files already; give a new or empty folder for the export"
             if problem:
                 raise CheckpointError(problem)
             hf.export_hf(args.checkpoint, args.output_dir)

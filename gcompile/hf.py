@@ -16,6 +16,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 
 import torch
 
@@ -175,13 +176,21 @@ def export_hf(path: str, out_dir: str, log=print) -> str:
     for name in ckpt.params:
         value = ckpt.full(ckpt.master, name).float()
         tensors[name] = (value.t() if name.endswith(family.transposed) else value).contiguous()
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, CONFIG), "w") as f:
-        json.dump(hf, f, indent=2)
-    save_file(tensors, os.path.join(out_dir, SAFETENSORS), metadata={"format": "pt"})
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(os.path.join(out_dir, SAFETENSORS), 0o666 & ~umask)  # safetensors writes 0600: as readable as config.json
+    partial = f"{out_dir.rstrip(os.sep)}.partial-{os.getpid()}"  # renamed into place whole, as a checkpoint is
+    try:
+        os.makedirs(partial)
+        with open(os.path.join(partial, CONFIG), "w") as f:
+            json.dump(hf, f, indent=2)
+        save_file(tensors, os.path.join(partial, SAFETENSORS), metadata={"format": "pt"})
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(partial, 0o777 & ~umask)
+        os.chmod(os.path.join(partial, SAFETENSORS), 0o666 & ~umask)  # safetensors writes 0600: as config.json
+        if os.path.isdir(out_dir):
+            os.rmdir(out_dir)  # empty: the command refuses one that holds files
+        os.rename(partial, out_dir)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
     log(f"exported {ckpt.folder} to {out_dir} ({hf['architectures'][0]}; load it with from_pretrained)")
     return ckpt.folder
 

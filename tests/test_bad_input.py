@@ -464,6 +464,12 @@ CASES = [
      copy_checkpoint(truncate_metadata), ".metadata: not DCP metadata"),
     ("export under a file", "checkpoint", ["export", "{saved}/save", "--output", "{tmp}/file/model.pt"], a_file,
      "--output {tmp}/file/model.pt: {tmp}/file is a file"),
+    ("export over a file", "checkpoint", ["export", "{saved}/save", "--output", "{tmp}/file"], a_file,
+     "--output {tmp}/file exists; name a new file, or remove that one first"),  # was: replaced without a word
+    ("export-hf into a model's folder", "checkpoint", ["export-hf", "{saved}/save", "{tmp}/hf"],
+     lambda tmp, saved: ((tmp / "hf").mkdir(), a_file(tmp / "hf", name="config.json")),
+     "{tmp}/hf holds files already; give a new or empty folder for the export"),  # was: another model's config.json
+    # and weights replaced, its shards left beside
     ("generate temperature nan", "checkpoint", ["generate", "{saved}/model.pt", "--temperature", "nan"], None,
      "--temperature nan must be above 0"),  # was: a traceback from torch.multinomial
     ("generate a folder", "checkpoint", ["generate", "{tmp}"], None,

@@ -7,8 +7,10 @@ all logits): the two implementations order a few reductions differently (attenti
 """
 
 import json
+import os
 
 import pytest
+import safetensors.torch
 import torch
 import torch.nn.functional as F
 
@@ -75,6 +77,25 @@ def test_export_hf_round_trips_through_transformers(tmp_path):
     assert config["activation_function"] == "gelu_pytorch_tanh" and config["architectures"] == ["GPT2LMHeadModel"]
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     assert_same_outputs(loaded, gcompile_model(tmp_path / "save", tmp_path, "gpt2"))
+
+
+def test_exports_stopped_midway_leave_nothing_half_written(tmp_path, monkeypatch):
+    """export and export-hf wrote their files in place: a stop while the weights were written left a file that
+    loads as nothing (a truncated .pt, a config.json beside no weights)."""
+    hf_gpt2("gelu_new").save_pretrained(tmp_path / "hf")
+    assert checkpoint_main(["import-hf", str(tmp_path / "hf"), "--save", str(tmp_path / "save")]) == 0
+
+    def stopped(_, path, **__):
+        open(path, "wb").write(b"half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", stopped)
+    monkeypatch.setattr(safetensors.torch, "save_file", stopped)
+    for argv in (["export", str(tmp_path / "save"), "--output", str(tmp_path / "model.pt")],
+                 ["export-hf", str(tmp_path / "save"), str(tmp_path / "out")]):
+        with pytest.raises(KeyboardInterrupt):
+            checkpoint_main(argv)
+    assert sorted(os.listdir(tmp_path)) == ["hf", "save"]
 
 
 @pytest.mark.slow
