@@ -249,9 +249,12 @@ def check_token_ids(config: DataConfig, train, valid, vocab_size: int) -> None:
 
 def _check_one_tokenizer(records: dict[str, dict | None]) -> None:
     """A blend of streams prepare made with different tokenizers mixes two meanings of each id: refused, where
-    their records say so (their kind, size and end-of-document id)."""
+    their records say so: their vocabularies' digests (tokenizer.vocab_digest; two BPEs of one size trained on
+    other text differ there alone), or in records from before those, their kind, size and end-of-document id."""
     kinds = {path: (r.get("tokenizer_type"), r["vocab_size"], r.get("eod")) for path, r in records.items() if r}
-    if len(set(kinds.values())) > 1:
+    digests = {path: r.get("vocab_digest") for path, r in records.items() if r}
+    differ = len(set(digests.values())) > 1 if None not in digests.values() else len(set(kinds.values())) > 1
+    if differ:
         named = "; ".join(f"{path}: {kind} of {size} ids" for path, (kind, size, _) in kinds.items())
         raise DataError(f"--data-path blends data of different tokenizers ({named}); a blend's streams share one "
                         f"tokenizer: prepare them with the same --tokenizer-type and --tokenizer-model")

@@ -190,7 +190,8 @@ def _prepare(files: list[str], output: str, spec: tok.TokenizerSpec, append_eod:
             writer.add_document(ids)
             largest = max(largest, int(ids.max(initial=-1)))
             progress.update(nbytes, len(ids))
-    meta = dict(dataclasses.asdict(spec), vocab_size=tokenizer.vocab_size, eod=tokenizer.eod,
+    meta = dict(dataclasses.asdict(spec), vocab_size=tokenizer.vocab_size, vocab_digest=tokenizer.digest,
+                eod=tokenizer.eod,
                 largest_id=largest, num_tokens=int(sum(writer.lengths)), append_eod=append_eod,
                 bin=bin_stamp(output + ".bin"))
     temp = temp_name(output + META_SUFFIX)

@@ -12,6 +12,7 @@ it is saved as tokenizer.json and used as a HuggingFaceTokenizer. A `TokenizerSp
 and paths) is what crosses into worker processes; each builds its own tokenizer from it.
 """
 
+import hashlib
 import json
 import os
 import sys
@@ -51,8 +52,15 @@ class TokenizerSpec:
     tokenizer_model: str | None = None
 
 
+def vocab_digest(vocab: dict[str, int]) -> str:
+    """What a tokenizer's ids mean, as one hash of its (token, id) pairs: two tokenizers that agree on it give
+    each id the same text (GPT-2's vocab.json + merges.txt and its tokenizer.json), whatever their files."""
+    return hashlib.sha256(json.dumps(sorted(vocab.items()), ensure_ascii=False).encode()).hexdigest()[:16]
+
+
 class ByteLevel:
     vocab_size, eod, id_bound = VOCAB_SIZE, EOD, VOCAB_SIZE
+    digest = vocab_digest({f"byte {i}": i for i in range(EOD)} | {"end of document": EOD})
 
     def encode(self, data: bytes) -> np.ndarray:
         return np.frombuffer(data, dtype=np.uint8)
@@ -72,8 +80,10 @@ class HuggingFace:
         self.tokenizer, self.eod = tokenizer, eod
         tokenizer.encode_special_tokens = True
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
-        self.id_bound = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+        vocab = tokenizer.get_vocab(with_added_tokens=True)
+        self.id_bound = max(vocab.values(), default=-1) + 1
         """One above the largest id it can give (its vocab_size counts entries; ids may skip some)."""
+        self.digest = vocab_digest(vocab)
 
     def encode(self, data: bytes) -> list[int]:
         return self.tokenizer.encode(data.decode("utf-8", errors="replace")).ids

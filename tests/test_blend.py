@@ -183,6 +183,27 @@ def test_a_blend_of_data_from_two_tokenizers_is_refused(tmp_path):
     check_token_ids(same, *build_datasets(same, seq_length=L, seed=0), 300)
 
 
+def test_a_blend_tells_tokenizers_apart_by_what_their_ids_mean(tmp_path):
+    """Two BPEs of one size trained on other text were taken for one (kind, size and end-of-document id agreed);
+    GPT-2's vocab.json + merges.txt and the tokenizer.json they came from were refused as two."""
+    from tokenizers import Tokenizer
+    (tmp_path / "code.py").write_text("def add(x, y):\n    return x + y\n" * 200)
+    (tmp_path / "prose.txt").write_text("the quick brown fox jumps over the lazy dog, again and again. " * 200)
+    prefixes = {name: str(tmp_path / name) for name in ("code", "prose", "code_gpt2")}
+    for name, text in (("code", "code.py"), ("prose", "prose.txt")):
+        prepare.main(["prepare", "--input", str(tmp_path / text), "--output", prefixes[name], "--train-tokenizer",
+                      "--vocab-size", "270"])  # both texts have the merges to reach it: the same size
+    Tokenizer.from_file(prefixes["code"] + ".tokenizer.json").model.save(str(tmp_path))  # vocab.json, merges.txt
+    prepare.main(["prepare", "--input", str(tmp_path / "prose.txt"), "--output", prefixes["code_gpt2"],
+                  "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(tmp_path / "vocab.json"),
+                  "--merge-file", str(tmp_path / "merges.txt")])
+    two = DataConfig(f"0.5 {prefixes['code']} 0.5 {prefixes['prose']}", split="1,1")
+    with pytest.raises(DataError, match="blends data of different tokenizers"):
+        check_token_ids(two, *build_datasets(two, seq_length=L, seed=0), 300)
+    one = DataConfig(f"0.5 {prefixes['code']} 0.5 {prefixes['code_gpt2']}", split="1,1")
+    check_token_ids(one, *build_datasets(one, seq_length=L, seed=0), 300)
+
+
 def losses(run_dir):
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return [r["lm_loss"] for r in map(json.loads, f) if "lm_loss" in r]
