@@ -650,8 +650,10 @@ def main(argv: list[str] | None = None) -> int:
                 raise CheckpointError(f"{args.model} scores {model_config.vocab_size} token ids, the tokenizer "
                                       f"gives {tokenizer.id_bound}: give --tokenizer-model, the tokenizer.json its "
                                       f"data was prepared with")
-            print(generate_text(model, spec.context_length(model_config), args.prompt, args.max_new_tokens,
-                                args.temperature, args.top_k or None, args.seed, tokenizer))
+            for piece in generate_text(model, spec.context_length(model_config), args.prompt, args.max_new_tokens,
+                                       args.temperature, args.top_k or None, args.seed, tokenizer):
+                print(piece, end="", flush=True)
+            print()
     except CheckpointError as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return 2
