@@ -85,12 +85,28 @@ def load_tokens(data_path: str) -> np.ndarray:
         if size % 2:
             raise DataError(f"--data-path {data_path}: {size} bytes, not a whole number of uint16 tokens; "
                             "a raw .bin must be nanoGPT's flat uint16 array")
-        return np.memmap(data_path, dtype="<u2", mode="r") if size else np.empty(0, "<u2")
+        tokens = np.memmap(data_path, dtype="<u2", mode="r") if size else np.empty(0, "<u2")
+        _check_not_wider(data_path, tokens)
+        return tokens
     if os.path.isfile(prefix + ".bin"):  # a prefix whose .idx is gone
         raise DataError(f"--data-path {data_path}: {prefix}.bin has no {prefix}.idx beside it; restore the .idx, "
                         f"or give --data-path {prefix}.bin to read it as nanoGPT's raw uint16 tokens")
     raise DataError(f"--data-path {data_path}: no {prefix}.bin / {prefix}.idx found; give the PREFIX "
                     "of a pair made by `python -m gcompile.data prepare` or a nanoGPT .bin file")
+
+
+WIDE_CHECKED = 1 << 20
+"""Tokens of a raw .bin looked at for the halves of wider ids (its start: a wrong dtype shows at once)."""
+
+
+def _check_not_wider(data_path: str, tokens: np.ndarray) -> None:
+    """A raw .bin of int32 ids (small ids: every high half 0), read as uint16, trained on a zero after each id
+    without a word: refused, where the start of the file shows it."""
+    head = tokens[:WIDE_CHECKED - WIDE_CHECKED % 2]
+    if head.size >= 64 and not head[1::2].any() and head[0::2].any():
+        raise DataError(f"--data-path {data_path}: every second uint16 of its start is 0, as in a file of int32 "
+                        f"ids; a raw .bin must be nanoGPT's flat uint16 array: write it as uint16 (ids below "
+                        f"65536), or prepare the data with python -m gcompile.data prepare")
 
 
 @dataclass(frozen=True)

@@ -233,6 +233,16 @@ def test_odd_sized_raw_bin(tmp_path):
         load_tokens(str(tmp_path / "raw.bin"))
 
 
+def test_a_raw_bin_of_int32_ids_is_refused_and_one_of_uint16_read(tmp_path):
+    """Read as uint16, int32 ids were trained on with a 0 after each, without a word."""
+    ids = np.random.default_rng(0).integers(1, 300, 1000)
+    ids.astype(np.int32).tofile(tmp_path / "wide.bin")
+    with pytest.raises(DataError, match="every second uint16 of its start is 0, as in a file of int32 ids"):
+        load_tokens(str(tmp_path / "wide.bin"))
+    ids.astype(np.uint16).tofile(tmp_path / "raw.bin")
+    assert np.array_equal(load_tokens(str(tmp_path / "raw.bin")), ids)
+
+
 # --- prepare -------------------------------------------------------------------------------------
 
 def make_tree(root):
