@@ -556,6 +556,9 @@ def load_exported(path: str, spec: ModelSpec) -> tuple[torch.nn.Module, object]:
                               f"could run code; refused") from None
     except Exception as e:  # anything else torch.load refuses: not a torch file, truncated
         raise CheckpointError(f"{not_ours} ({first_line(e)})") from None
+    if not isinstance(exported, dict) or not {"model", "model_args"} <= exported.keys():
+        raise CheckpointError(f"{not_ours}: it holds no model and model_args, which export writes (a folder "
+                              f"export-hf wrote loads with transformers' from_pretrained)")
     try:
         config = spec.config(**exported["model_args"])
         if getattr(config, "n_layer", 0) > MAX_LAYERS:

@@ -472,6 +472,10 @@ CASES = [
     # and weights replaced, its shards left beside
     ("generate temperature nan", "checkpoint", ["generate", "{saved}/model.pt", "--temperature", "nan"], None,
      "--temperature nan must be above 0"),  # was: a traceback from torch.multinomial
+    ("generate a torch file of something else", "checkpoint", ["generate", "{tmp}/other.pt"],
+     lambda tmp, saved: torch.save({"weights": torch.zeros(2)}, tmp / "other.pt"),
+     "other.pt: not a gpt2 model exported by gcompile.checkpoint: it holds no model and model_args"),  # was: "its
+    # model_args are not a gpt2 config's ('model_args'); is --model-name right?"
     ("generate a folder", "checkpoint", ["generate", "{tmp}"], None,
      "{tmp} is a folder; give the file export wrote"),
     ("generate from NaN weights", "checkpoint", ["generate", "{tmp}/nan.pt"], nan_export,
