@@ -458,6 +458,9 @@ def check(config: RunConfig) -> None:
     c = config.checkpoint
     if c.save:
         resumed = c.load is not None and os.path.realpath(c.load) == os.path.realpath(c.save)
+        if not resumed and os.path.isfile(os.path.join(c.save, hf.CONFIG)):  # unfound's advice is --load's
+            raise CheckpointError(f"--save {c.save} is a Hugging Face model's folder, which the run would write "
+                                  f"beside; save to a new folder (import-hf converts that model to --load it)")
         if not resumed and (other := latest(c.save)) is not None:  # its iter_N would be written over
             raise CheckpointError(f"--save {c.save} holds another run's checkpoint ({os.path.basename(other)}); "
                                   f"resume it with --load {c.save}, or save to a new folder")

@@ -375,6 +375,10 @@ CASES = [
     ("load a Hugging Face folder", "run_gpt", ["--load", "{tmp}"],
      lambda tmp, saved: (tmp / "config.json").write_text("{}"), "is a Hugging Face model; convert it first: "
                                                                 "python -m gcompile.checkpoint import-hf"),
+    ("save into a Hugging Face folder", "run_gpt", ["--save", "{tmp}"],
+     lambda tmp, saved: (tmp / "config.json").write_text("{}"), "--save {tmp} is a Hugging Face model's folder, "
+                                                                "which the run would write beside; save to a new folder"),
+    # was: "convert it first: import-hf ... then give DIR", the advice for --load
     ("save over another run's checkpoint", "run_gpt", ["--save", "{tmp}/save"], copy_checkpoint(lambda save: None),
      "--save {tmp}/save holds another run's checkpoint (iter_0000001); resume it with --load {tmp}/save, or save "
      "to a new folder"),
