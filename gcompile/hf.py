@@ -33,6 +33,8 @@ INDEX = "model.safetensors.index.json"
 
 def _gpt2_from_hf(hf: dict) -> dict:
     activation = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
+    if hf.get("n_inner") == 4 * hf.get("n_embd", 0):  # what None means to transformers
+        hf = dict(hf, n_inner=None)
     _require(hf, n_inner=None, layer_norm_epsilon=1e-5, scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False,
              reorder_and_upcast_attn=False)
     if hf.get("activation_function", "gelu_new") not in activation:
@@ -61,7 +63,7 @@ def _llama_from_hf(hf: dict) -> dict:
                               f"(plain RoPE only)")
     _require(hf, hidden_act="silu", attention_bias=False, mlp_bias=False)
     heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
-    if hf.get("head_dim", hidden // heads) != hidden // heads:
+    if (hf.get("head_dim") or hidden // heads) != hidden // heads:  # None: what transformers reads as unset
         raise CheckpointError(f"config.json: head_dim {hf['head_dim']} is not hidden_size / num_attention_heads")
     return dict(block_size=hf["max_position_embeddings"], vocab_size=hf["vocab_size"],
                 n_layer=hf["num_hidden_layers"], n_head=heads, n_kv_head=hf.get("num_key_value_heads", heads),

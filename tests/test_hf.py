@@ -68,6 +68,21 @@ def test_import_gives_transformers_logits(family, make, option, tmp_path, capsys
     assert_same_outputs(hf_model, gcompile_model(tmp_path / "save", tmp_path, family))
 
 
+@pytest.mark.parametrize("make, option, family, written", [(hf_llama, False, "llama", {"head_dim": None}),
+                                                             (hf_gpt2, "gelu", "gpt2", {"n_inner": 4 * 64})],
+                         ids=["llama-head-dim-null", "gpt2-n-inner-written-out"])
+def test_import_reads_a_config_written_out_as_transformers_does(make, option, family, written, tmp_path):
+    """A head_dim of null and GPT-2's n_inner of 4 x n_embd given as a number mean what leaving them out does
+    to transformers; the import refused both."""
+    torch.manual_seed(0)
+    make(option).save_pretrained(tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, **written}))
+    assert checkpoint_main(["import-hf", str(tmp_path / "hf"), "--save", str(tmp_path / "save")]) == 0
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert_same_outputs(loaded, gcompile_model(tmp_path / "save", tmp_path, family))
+
+
 def test_export_hf_round_trips_through_transformers(tmp_path):
     torch.manual_seed(1)
     hf_gpt2("gelu_new").save_pretrained(tmp_path / "hf")
