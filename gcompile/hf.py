@@ -20,6 +20,7 @@ import shutil
 
 import torch
 
+from gcompile import tokenizer as tok
 from gcompile.checkpoint_files import CheckpointError
 from gcompile.models.spec import canonical_names
 
@@ -174,6 +175,8 @@ def export_hf(path: str, out_dir: str, log=print) -> str:
     if family is None:
         raise CheckpointError(f"export-hf: no Hugging Face architecture for a {ckpt.model_spec.name} model")
     hf = dict(family.to_hf(config), torch_dtype="float32")
+    if config.vocab_size == tok.VOCAB_SIZE:  # the byte tokenizer's: transformers would take GPT-2's 50256, no id here
+        hf.update(bos_token_id=tok.EOD, eos_token_id=tok.EOD)
     tensors = {}
     for name in ckpt.params:
         value = ckpt.full(ckpt.master, name).float()

@@ -90,6 +90,7 @@ def test_export_hf_round_trips_through_transformers(tmp_path):
     assert checkpoint_main(["export-hf", str(tmp_path / "save"), str(tmp_path / "out")]) == 0
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["activation_function"] == "gelu_pytorch_tanh" and config["architectures"] == ["GPT2LMHeadModel"]
+    assert config["eos_token_id"] == config["bos_token_id"] == 256  # the byte tokenizer's end of document
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     assert_same_outputs(loaded, gcompile_model(tmp_path / "save", tmp_path, "gpt2"))
 
