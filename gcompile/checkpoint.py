@@ -528,7 +528,8 @@ def export(path: str, output: str) -> str:
     with torch.device("meta"):
         model = checkpoint.model_spec.module(config)
     names = {id(p): name for name, p in model.named_parameters()}
-    weights = {name: checkpoint.full("model", name) for name in names.values()}
+    weights = {name: checkpoint.full(checkpoint.master, name) for name in names.values()}  # fp32 where kept,
+    # as export-hf writes: a bf16 run's weights are their rounding
     # every state-dict key, a tied alias included, as the same tensor as its parameter
     state_dict = {key: weights[names[id(p)]] for key, p in model.state_dict(keep_vars=True).items()}
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)

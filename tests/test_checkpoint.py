@@ -155,6 +155,16 @@ def test_reshard_between_fp32_and_bf16_main_weights(dp2):
             assert torch.equal(getattr(bf16, name), getattr(fp32, name)), (source, name)
 
 
+def test_export_of_a_bf16_run_holds_its_fp32_main_weights(dp2, tmp_path):
+    """As export-hf: export wrote the bf16 weights, their rounding, so the two exports of one run differed."""
+    assert checkpoint.main(["export", str(dp2["bf16 cut"] / "save"), "--output", str(tmp_path / "m.pt")]) == 0
+    exported = torch.load(tmp_path / "m.pt", weights_only=True)["model"]
+    saved = checkpoint.Checkpoint(iteration_dir(dp2["bf16 cut"] / "save", N))
+    assert saved.master == "main" and saved.params
+    for name in saved.params:
+        assert exported[name].dtype == torch.float32 and torch.equal(exported[name], saved.full("main", name)), name
+
+
 def test_fused_parts_of_unequal_sizes_cut_each_on_its_own_and_reassemble():
     """A fused q, k, v of grouped kv heads (8, 4 and 4 rows): rank r holds rows r of each part, in part order; the
     pieces put back give the full tensor, as a checkpoint reassembles it for another tp."""
