@@ -544,6 +544,11 @@ def export(path: str, output: str) -> str:
     return checkpoint.folder
 
 
+PADDED_AT_MOST = 1024
+"""More ids than a tokenizer gives that a model may score: a vocabulary padded to a multiple of 128 x tp (tp up to 8).
+A model of 50257 sampled with a tokenizer of 2048 ids printed a few words, the rest of its ids decoding to nothing."""
+
+
 def load_exported(path: str, spec: ModelSpec) -> tuple[torch.nn.Module, object]:
     """The single-device model of a file `export` wrote (or nanoGPT saved), of the model `spec`, and its config."""
     if os.path.isdir(path):
@@ -653,7 +658,8 @@ def main(argv: list[str] | None = None) -> int:
             tokenizer = _tokenizer(args.tokenizer_model, args.prompt)
             model, model_config = load_exported(args.model, spec)
             if model_config.vocab_size < tokenizer.id_bound or args.tokenizer_model is None and \
-                    model_config.vocab_size != tokenizer.id_bound:
+                    model_config.vocab_size != tokenizer.id_bound or \
+                    model_config.vocab_size >= tokenizer.id_bound + PADDED_AT_MOST:
                 raise CheckpointError(f"{args.model} scores {model_config.vocab_size} token ids, the tokenizer "
                                       f"gives {tokenizer.id_bound}: give --tokenizer-model, the tokenizer.json its "
                                       f"data was prepared with")

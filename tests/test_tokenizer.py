@@ -279,3 +279,10 @@ def test_generate_from_a_model_of_a_trained_tokenizer(corpus, tmp_path, capsys):
     assert checkpoint.main([*generate, "--tokenizer-model", str(tmp_path / "bpe.tokenizer.json")]) == 0
     text = capsys.readouterr().out
     assert text.startswith("def add") and len(text) > len("def add\n")
+    # a model of far more ids than the tokenizer gives (GPT-2's 50257 with a BPE of 2048 printed a few words)
+    wide = GPTConfig(vocab_size=300 + 1024, n_layer=1, n_head=2, n_embd=16, block_size=32)
+    torch.save(dict(model=GPT2.build(wide, seed=0).state_dict(), model_args=dataclasses.asdict(wide)),
+               tmp_path / "wide.pt")
+    assert checkpoint.main(["generate", str(tmp_path / "wide.pt"), "--tokenizer-model",
+                            str(tmp_path / "bpe.tokenizer.json")]) == 2
+    assert "wide.pt scores 1324 token ids, the tokenizer gives 300" in capsys.readouterr().err
