@@ -282,7 +282,9 @@ def _weight(weights: dict, name: str, aliases: dict, family: Family, hf_dir: str
             used.add(candidate)
             value = value.float()
             return value.t() if name.endswith(family.transposed) else value
-    raise CheckpointError(f"{hf_dir}: the weights hold no {name}")
+    raise CheckpointError(f"{hf_dir}: the weights hold no {name}, which the {family.model} model its config.json "
+                          f"describes has; give a folder whose weights are that model's, as save_pretrained writes "
+                          f"them")
 
 
 def _toml(value) -> str:
