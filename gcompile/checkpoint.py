@@ -511,6 +511,8 @@ def load(folder: str, config: RunConfig, program: RankProgram, state: TrainState
 
 def resolve(path: str) -> str:
     """A committed checkpoint folder from SAVE (its latest) or from one iter_N folder."""
+    if os.path.isfile(path):
+        raise CheckpointError(f"{path} is a file; give the folder a run saved to (its --save DIR)")
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: no such folder")
     if os.path.isfile(os.path.join(path, METADATA)):
@@ -524,6 +526,7 @@ def resolve(path: str) -> str:
 def export(path: str, output: str) -> str:
     """Write the model as one single-device nanoGPT checkpoint: {"model": state dict, "model_args": ...}."""
     checkpoint = Checkpoint(resolve(path))
+    checkpoint.verify()  # damage anywhere refused, as --load refuses it, not only in the weights written
     config = checkpoint.model_config
     with torch.device("meta"):
         model = checkpoint.model_spec.module(config)

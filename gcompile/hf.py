@@ -170,6 +170,7 @@ def export_hf(path: str, out_dir: str, log=print) -> str:
     from gcompile.checkpoint import Checkpoint, resolve
 
     ckpt = Checkpoint(resolve(path))
+    ckpt.verify()  # damage anywhere refused, as --load refuses it, not only in the weights written
     config = ckpt.model_config
     family = next((f for f in FAMILIES.values() if f.model == ckpt.model_spec.name), None)
     if family is None:

@@ -468,6 +468,8 @@ CASES = [
      copy_checkpoint(truncate_metadata), ".metadata: not DCP metadata"),
     ("export under a file", "checkpoint", ["export", "{saved}/save", "--output", "{tmp}/file/model.pt"], a_file,
      "--output {tmp}/file/model.pt: {tmp}/file is a file"),
+    ("export of a file", "checkpoint", ["export", "{tmp}/file", "--output", "{tmp}/model.pt"], a_file,
+     "{tmp}/file is a file; give the folder a run saved to (its --save DIR)"),  # was: "no such folder"
     ("export over a file", "checkpoint", ["export", "{saved}/save", "--output", "{tmp}/file"], a_file,
      "--output {tmp}/file exists; name a new file, or remove that one first"),  # was: replaced without a word
     ("export-hf into a model's folder", "checkpoint", ["export-hf", "{saved}/save", "{tmp}/hf"],

@@ -310,10 +310,12 @@ def test_bad_checkpoint_is_one_line(dp2, tmp_path, capsys, damage, flags, messag
     status = run_gpt.main(SMALL + flags + ["--load", str(save)])
     err = capsys.readouterr().err.strip().splitlines()
     assert status == 2 and len(err) == 1 and message in err[0], err
-    if damage is not None:
-        status = checkpoint.main(["export", str(save), "--output", str(tmp_path / "model.pt")])
-        err = capsys.readouterr().err.strip().splitlines()
-        assert status == 2 and len(err) == 1, err
+    if damage is not None:  # the exports refuse it too, wherever the damage is (not only in what they write)
+        for argv in (["export", str(save), "--output", str(tmp_path / "model.pt")],
+                     ["export-hf", str(save), str(tmp_path / "hf")]):
+            status = checkpoint.main(argv)
+            err = capsys.readouterr().err.strip().splitlines()
+            assert status == 2 and len(err) == 1, (argv[0], err)
 
 
 def test_a_damaged_shard_is_named_not_the_first_file_read(dp2, tmp_path, capsys):
