@@ -22,6 +22,7 @@ import torch
 
 from gcompile import tokenizer as tok
 from gcompile.checkpoint_files import CheckpointError
+from gcompile.indexed_dataset import temp_name
 from gcompile.models.spec import canonical_names
 
 CONFIG = "config.json"
@@ -182,7 +183,7 @@ def export_hf(path: str, out_dir: str, log=print) -> str:
     for name in ckpt.params:
         value = ckpt.full(ckpt.master, name).float()
         tensors[name] = (value.t() if name.endswith(family.transposed) else value).contiguous()
-    partial = f"{out_dir.rstrip(os.sep)}.partial-{os.getpid()}"  # renamed into place whole, as a checkpoint is
+    partial = temp_name(out_dir.rstrip(os.sep))  # renamed into place whole, as a checkpoint is
     try:
         os.makedirs(partial)
         with open(os.path.join(partial, CONFIG), "w") as f:

@@ -23,6 +23,7 @@ file fails with a DataError that names it instead of garbage tokens.
 
 import os
 import re
+import shutil
 import struct
 import uuid
 
@@ -61,13 +62,14 @@ def temp_name(path: str) -> str:
 
 
 def remove_leftovers(path: str) -> None:
-    """Remove `path`'s temporary files of writers whose process is gone."""
+    """Remove `path`'s temporary files (or folders) of writers whose process is gone."""
     folder, name = os.path.split(os.path.abspath(path))
     for entry in os.listdir(folder) if os.path.isdir(folder) else ():
         found = re.fullmatch(re.escape(name) + r"\.tmp-(\d+)-[0-9a-f]{8}", entry)
         if found and not _alive(int(found[1])):
+            leftover = os.path.join(folder, entry)
             try:
-                os.remove(os.path.join(folder, entry))
+                shutil.rmtree(leftover) if os.path.isdir(leftover) else os.remove(leftover)
             except OSError:  # another writer took it first, or it is not ours to remove
                 pass
 

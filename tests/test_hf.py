@@ -8,6 +8,8 @@ all logits): the two implementations order a few reductions differently (attenti
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import safetensors.torch
@@ -112,6 +114,13 @@ def test_exports_stopped_midway_leave_nothing_half_written(tmp_path, monkeypatch
         with pytest.raises(KeyboardInterrupt):
             checkpoint_main(argv)
     assert sorted(os.listdir(tmp_path)) == ["hf", "save"]
+    # a stop by a signal ends the process without unwinding: the next export-hf clears what it left
+    monkeypatch.undo()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (tmp_path / f"out.tmp-{dead.stdout.strip()}-0123abcd").mkdir()
+    (tmp_path / f"out.tmp-{dead.stdout.strip()}-0123abcd" / "config.json").write_text("{}")
+    assert checkpoint_main(["export-hf", str(tmp_path / "save"), str(tmp_path / "out")]) == 0
+    assert sorted(os.listdir(tmp_path)) == ["hf", "out", "save"]
 
 
 @pytest.mark.slow
