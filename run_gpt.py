@@ -217,18 +217,19 @@ def _run(argv: list[str], held: contextlib.ExitStack) -> int:
                 print("note: --sequence-parallel does nothing at tp 1 (it shards the sequence over tp ranks)",
                       file=sys.stderr)
             if flags.dump_only or flags.check_plan:
+                load_passes(config)  # a pass that cannot be loaded: refused before any build, an earlier dump kept
                 make_folders({"--dump-graphs": config.log.dump_graphs} if flags.dump_only else {}, made)
                 return plan_only(config, flags.dump_only, flags.machine)
             make_folders({"--run-dir": config.log.run_dir, "--dump-graphs": config.log.dump_graphs,
                           "--tensorboard-dir": config.log.tensorboard_dir}, made)
             if config.world_size > 1:
                 start_rank_server()
-            if config.log.dump_graphs:
-                clear_stale_dumps(config.log.dump_graphs, range(config.world_size))
             load_passes(config)
             if config.checkpoint.save:
                 held.enter_context(claimed(config.checkpoint.save))  # until the run ends: no other run saves there
             check(config)  # the checkpoint to --load is whole and fits
+            if config.log.dump_graphs:  # after every refusal above: a refused run leaves an earlier dump as it was
+                clear_stale_dumps(config.log.dump_graphs, range(config.world_size))
             if config.world_size > 1:
                 check_shm_room(config)
                 device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -319,23 +319,24 @@ def clear_stale_dumps(root: str, ranks: Iterable[int]) -> None:
     index.txt, so that the folder holds one run."""
     if not os.path.isdir(root):
         return
-    ranks = set(ranks)
-    for name in os.listdir(root):
+    ranks, ours = set(ranks), []
+    for name, first in (("plan.txt", "plan checked: "), (DUMP_INDEX, "rank")):
+        path = os.path.join(root, name)
+        if os.path.isfile(path):
+            with open(path, "rb") as f:
+                if f.read(len(first)) != first.encode():  # a user's own file of that name: a dump would write over it
+                    raise ConfigError(f"--dump-graphs {root} holds a {name} no dump wrote; give an empty folder or "
+                                      f"one a dump wrote, or move the file")
+            ours.append(path)
+    for name in os.listdir(root):  # only once refusing is ruled out: a refusal leaves the folder as it was
         match = RANK_FOLDER.fullmatch(name)
         if match and int(match.group(1)) not in ranks:
             folder = os.path.join(root, name)
             clear_rank_dump(folder)
             if not os.listdir(folder):
                 os.rmdir(folder)
-    for name, first in (("plan.txt", "plan checked: "), (DUMP_INDEX, "rank")):
-        path = os.path.join(root, name)
-        if os.path.isfile(path):
-            with open(path, "rb") as f:
-                ours = f.read(len(first)) == first.encode()
-            if not ours:  # a user's own file of that name: a dump would write over it
-                raise ConfigError(f"--dump-graphs {root} holds a {name} no dump wrote; give an empty folder or one "
-                                  f"a dump wrote, or move the file")
-            os.remove(path)
+    for path in ours:
+        os.remove(path)
 
 
 def write_dump_index(root: str, shared_by: dict[int, tuple[int, ...]]) -> None:
