@@ -33,7 +33,7 @@ from gcompile.harness import World
 from gcompile.layout import local_value
 from gcompile.pass_manager import PassError
 from gcompile.axes import REPLICAS, group_members, world_axes_of
-from gcompile.pipeline import GRAD_SYNC, BuildCache, captured_program, pass_lists
+from gcompile.pipeline import GRAD_SYNC, BuildCache, captured_program, load_passes, pass_lists
 from gcompile.program import node_origin, random_draws
 from gcompile.reference import EagerStep, eager_step
 from gcompile.train import split_microbatches
@@ -100,6 +100,7 @@ def bisect(config: RunConfig, tol: float = TOL, log: Callable[[str], None] = pri
     t = config.train
     if t.bf16 or t.fp16:
         raise ConfigError("bisect compares fp32 runs; drop --bf16 / --fp16")
+    load_passes(config)  # a pass that cannot be loaded: refused before the first pass is checked
     cache = BuildCache()
     draws = random_draws(captured_program(config, cache, log=lambda _: None).stages[0].graph)
     if draws:  # each layout draws its own masks: no two runs agree but in distribution

@@ -69,3 +69,12 @@ def test_an_own_model_in_training_mode_without_dropout_is_bisected(tmp_path, cap
                                                .replace("ParallelBlockModel(config).eval()", "ParallelBlockModel(config)"))
     assert inspect.main(["bisect", "--arch", f"{tmp_path}/training_mode.py:SPEC", "--n-layer", "2", "--tp", "2"]) == 0, \
         capsys.readouterr().err
+
+
+def test_a_pass_that_cannot_be_loaded_is_refused_before_the_first_pass_is_checked(capsys):
+    assert inspect.main(["bisect", *TINY, "--passes", "no_such_folder/no_such_pass.py:p"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""  # was: "pass 00 capture: ... ok", the capture built and compared first
+    assert err.strip().splitlines() == ["python -m gcompile.inspect bisect: error: pass "
+                                        "'no_such_folder/no_such_pass.py:p' cannot be loaded: no file "
+                                        "no_such_folder/no_such_pass.py"]
