@@ -43,6 +43,22 @@ def rank_dirs(root: str) -> dict[int, str]:
     return dict(sorted(ranks.items()))
 
 
+DUMP_FILE = re.compile(r"\d\d_\w+\.txt|schedule\.txt|summary\.txt")
+"""What a dump writes in a rank folder (gcompile.pass_manager, gcompile.pipeline): a folder without one holds no
+dump, whatever its name (a re-dump keeps a user's files there)."""
+COMPLETE = ("schedule.txt", "summary.txt")
+"""The files a rank's build writes last: a folder of a dump without them was cut short."""
+
+
+def dump_state(folder: str) -> str | None:
+    """Why the rank folder is no whole dump, or None where it is one."""
+    files = sorted(os.listdir(folder))
+    if not any(DUMP_FILE.fullmatch(name) for name in files):
+        return f"holds no dump ({', '.join(files) or 'empty'})"
+    missing = [name for name in COMPLETE if name not in files]
+    return f"cut short: no {' or '.join(missing)}; write the dump again" if missing else None
+
+
 def find_file(rank_dir: str, part: str) -> str:
     """The one file of a rank whose name contains `part` (a pass name, 'schedule', 'summary', ...)."""
     names = sorted(os.listdir(rank_dir))
@@ -69,20 +85,29 @@ def _read(path: str) -> list[str]:
 def list_ranks(root: str) -> str:
     shared_by, folders = _shared_by(root), rank_dirs(root)
     ranks = sum(len(ranks) for ranks in shared_by.values()) or len(folders)
-    lines = [f"{counted(len(folders), 'folder')} for {counted(ranks, 'rank')} " + (
-        "(index.txt: ranks that differ only in dp run one program)" if ranks > len(folders) else
-        "(each runs a program of its own)")]
+    lines = [f"{counted(len(folders), 'folder')} for unknown ranks: {_INDEX_MISSING}" if _index_missing(folders, shared_by) else
+             f"{counted(len(folders), 'folder')} for {counted(ranks, 'rank')} " + (
+                 "(index.txt: ranks that differ only in dp run one program)" if ranks > len(folders) else
+                 "(each runs a program of its own)")]
     for rank, folder in folders.items():
         files = sorted(os.listdir(folder))
-        header = ""
-        if "schedule.txt" in files:
-            header = _read(os.path.join(folder, "schedule.txt"))[0].strip().lstrip("# ")
+        header = _read(os.path.join(folder, "schedule.txt"))[0].strip().lstrip("# ") if "schedule.txt" in files else ""
         collectives = _collectives(os.path.join(folder, "summary.txt")) if "summary.txt" in files else ""
-        lines.append(f"rank {rank:4d}  {header}  {collectives}".rstrip())
+        problem = f"  ({problem})" if (problem := dump_state(folder)) else ""
+        lines.append(f"rank {rank:4d}  {header}  {collectives}".rstrip() + problem)
         if len(shared_by.get(rank, ())) > 1:
             lines.append(f"           runs for: {rank_ranges(shared_by[rank])}")
         lines.append(f"           files: {' '.join(files)}")
     return "\n".join(lines)
+
+
+_INDEX_MISSING = "the rank folders are not 0, 1, 2, ... and no index.txt names the ranks each runs for (a --dump-only " \
+                 "cut short?); write the dump again"
+
+
+def _index_missing(folders: dict[int, str], shared_by: dict[int, list[int]]) -> bool:
+    """A --dump-only's folders (one per distinct program) without the index.txt it writes last."""
+    return not shared_by and list(folders) != list(range(len(folders)))
 
 
 def _shared_by(root: str) -> dict[int, list[int]]:
@@ -147,6 +172,8 @@ def _rank(root: str, rank: int) -> str:
     """The folder holding `rank`'s program: its own, or (said on stderr) the one index.txt names for it."""
     ranks, shared_by = rank_dirs(root), _shared_by(root)
     if rank in ranks:
+        if (problem := dump_state(ranks[rank])) and problem.startswith("holds no dump"):
+            raise InspectError(f"{ranks[rank]} {problem}: no rank of a dump; give another rank")
         return ranks[rank]
     owner = next((r for r, members in shared_by.items() if rank in members and r in ranks), None)
     if owner is None:
@@ -154,7 +181,8 @@ def _rank(root: str, rank: int) -> str:
             raise InspectError(f"index.txt of {root} names rank{gone}/ for rank {rank}, and there is no such "
                                f"folder; write the dump again")
         every = [r for members in shared_by.values() for r in members] or list(ranks)
-        raise InspectError(f"no rank {rank} in {root}; ranks: {min(every)}..{max(every)}")
+        raise InspectError(f"no rank {rank} in {root}: " + (
+            f"{_INDEX_MISSING}" if _index_missing(ranks, shared_by) else f"it holds {rank_ranges(every)}"))
     print(f"rank {rank} runs rank {owner}'s program (index.txt): reading {ranks[owner]}", file=sys.stderr)
     return ranks[owner]
 
@@ -168,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
                        epilog="python -m gcompile.inspect bisect [run_gpt.py flags] [--tol TOL]: the first pass "
                               "whose numbers leave single-device eager (its --help says more)")
     p.add_argument("dir")
-    sub = p.add_subparsers(dest="command")
+    sub = p.add_subparsers(dest="command", prog=f"{p.prog} DIR")
     s = sub.add_parser("show", help="a rank's files, or one of them")
     s.add_argument("rank", type=int)
     s.add_argument("file", nargs="?")
@@ -180,6 +208,10 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("rank", type=int)
     q.add_argument("before")
     q.add_argument("after")
+    if argv[:1] in (["show"], ["diff"], ["passes"]) and not os.path.isdir(argv[0]):
+        command, *rest = argv
+        folder = rest.pop(0) if rest and os.path.isdir(rest[0]) else "DIR"
+        p.error(f"the dump folder comes first: {p.prog} {' '.join([folder, command, *rest])}")
     args = p.parse_args(argv)
     try:
         if args.command == "show":

@@ -520,7 +520,7 @@ CASES = [
      "index.txt of {tmp}/dump names rank0/ for rank 2, and there is no such folder"),  # was: "no rank 2; ranks: 0..3"
     ("dump into a folder with a plan.txt of the user's", "run_gpt", ["--dump-graphs", "{tmp}"],
      lambda tmp, saved: (tmp / "plan.txt").write_text("my own plan\n"),  # was: deleted without a word
-     "--dump-graphs {tmp} holds a plan.txt no dump wrote; give an empty folder or one a dump wrote"),
+     "--dump-graphs {tmp} holds plan.txt, which no dump wrote; give an empty folder or one a dump wrote"),
     ("run dir that cannot be made", "run_gpt", ["--run-dir", "/proc/gcompile-run"], None,
      "--run-dir /proc/gcompile-run: cannot make the folder"),  # was: a traceback from every rank
     ("hang timeout under a second", "run_gpt", ["--hang-timeout-s", "0.001"], None,
@@ -549,6 +549,8 @@ CASES = [
      "--micro-batch-size='abc' is not a valid int"),  # not --micro-batch-sizes: flags are never abbreviated
     ("calibrate unknown flag", "calibrate", ["--bogus"], None, "unrecognized arguments: --bogus"),
     ("inspect no folder", "inspect", [], None, "the following arguments are required: dir"),
+    ("inspect with the folder after show", "inspect", ["show", "{tmp}", "0"], None,
+     "the dump folder comes first: python -m gcompile.inspect {tmp} show 0"),  # was: "invalid choice: '{tmp}'"
     ("export no output", "checkpoint", ["export", "{tmp}"], None,
      "python -m gcompile.checkpoint export: error: the following arguments are required: --output"),
     ("data no command", "data", [], None, "python -m gcompile.data: error: the following arguments are required"),

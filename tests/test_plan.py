@@ -96,6 +96,32 @@ def test_a_dump_folder_holds_one_run(tmp_path, capsys):
         assert capsys.readouterr().out.startswith(first), folder
 
 
+def test_inspect_says_what_is_no_whole_dump(tmp_path, capsys):
+    """A dump cut short (a rank folder without the files its build writes last, a --dump-only without the
+    index.txt it writes last) and a rank folder holding no dump are named as such, not listed as ranks."""
+    assert run_gpt.main(["--n-layer", "2", "--n-head", "4", "--n-embd", "64", "--block-size", "32", "--seq-length",
+                         "32", "--micro-batch-size", "1", "--global-batch-size", "4", "--pp", "2", "--dp", "2",
+                         "--dump-only", "--dump-graphs", str(tmp_path)]) == 0
+    (tmp_path / "rank2" / "summary.txt").unlink()
+    (tmp_path / "rank1").mkdir()
+    (tmp_path / "rank1" / "notes.md").write_text("mine")
+    capsys.readouterr()
+    assert inspect.main([str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "3 folders for 4 ranks (index.txt: ranks that differ only in dp run one program)"
+    assert [line.rpartition("  (")[2] for line in lines if line.startswith("rank ")][1:] == [
+        "holds no dump (notes.md))", "cut short: no summary.txt; write the dump again)"]
+    assert inspect.main([str(tmp_path), "show", "1"]) == 2
+    assert "rank1 holds no dump (notes.md): no rank of a dump" in capsys.readouterr().err
+    (tmp_path / "index.txt").unlink()
+    (tmp_path / "rank1" / "notes.md").unlink()
+    os.rmdir(tmp_path / "rank1")
+    assert inspect.main([str(tmp_path)]) == 0
+    assert capsys.readouterr().out.startswith("2 folders for unknown ranks: the rank folders are not 0, 1, 2, ...")
+    assert inspect.main([str(tmp_path), "show", "3"]) == 2  # was: "no rank 3; ranks: 0..2"
+    assert "no index.txt names the ranks each runs for (a --dump-only cut short?)" in capsys.readouterr().err
+
+
 def program_up_to_coords(program: RankProgram) -> dict:
     """Everything a rank's program holds but its coordinates: graph keys, instructions with each peer as
     its distance from the rank, rank constants, stage and program fields."""

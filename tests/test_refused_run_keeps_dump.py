@@ -50,6 +50,6 @@ def test_a_users_plan_file_is_refused_before_any_rank_folder_is_cleared(tmp_path
     an_earlier_dump(tmp_path)
     (tmp_path / "plan.txt").write_text("my own notes\n")
     before = files(tmp_path)
-    with pytest.raises(ConfigError, match="plan.txt no dump wrote"):
+    with pytest.raises(ConfigError, match="plan.txt, which no dump wrote"):
         clear_stale_dumps(str(tmp_path), [0])
     assert files(tmp_path) == before
