@@ -10,9 +10,12 @@ parser (gcompile.config) is one of these whose errors go to its own one-line rep
 
 import argparse
 import difflib
+import re
 import sys
 
 UNRECOGNIZED = "unrecognized arguments: "
+VALUE_TO_SWITCH = re.compile(r"argument (--[\w-]+): ignored explicit argument '.*'")
+"""argparse's message for `--check-plan=false`, a value given to a flag that takes none."""
 NEAR = 0.75
 """How alike (difflib's ratio) a flag must be to be offered: --micro-batch is 0.84 of --micro-batch-size,
 --top-k only 0.73 of --tp (the planner's --top-k is none of run_gpt.py's flags, which it reads after its own)."""
@@ -34,7 +37,9 @@ class ArgumentParser(argparse.ArgumentParser):
         sys.exit(2)
 
     def explain(self, message: str) -> str:
-        """argparse's message, with the flag each unrecognized one may have meant."""
+        """argparse's message, with the flag each unrecognized one may have meant, or how a switch is given."""
+        if switch := VALUE_TO_SWITCH.fullmatch(message):
+            return f"{message}: {switch[1]} takes no value; give {switch[1]} alone to turn it on, leave it out for off"
         if not message.startswith(UNRECOGNIZED):
             return message
         flags = flag_names(self) + self.passed_on

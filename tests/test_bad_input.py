@@ -549,6 +549,9 @@ CASES = [
      "--micro-batch-size='abc' is not a valid int"),  # not --micro-batch-sizes: flags are never abbreviated
     ("calibrate unknown flag", "calibrate", ["--bogus"], None, "unrecognized arguments: --bogus"),
     ("inspect no folder", "inspect", [], None, "the following arguments are required: dir"),
+    ("a switch given a value", "run_gpt", ["--check-plan=false"], None,
+     "--check-plan takes no value; give --check-plan alone to turn it on, leave it out for off"),  # was: argparse's
+    # "ignored explicit argument 'false'" alone
     ("inspect with the folder after show", "inspect", ["show", "{tmp}", "0"], None,
      "the dump folder comes first: python -m gcompile.inspect {tmp} show 0"),  # was: "invalid choice: '{tmp}'"
     ("export no output", "checkpoint", ["export", "{tmp}"], None,
