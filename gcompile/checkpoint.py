@@ -457,8 +457,12 @@ def check(config: RunConfig) -> None:
     """Before any rank starts: --save can be written, and the checkpoint --load resumes from (if any) is
     whole and of this model. The caller holds --save (`claimed`) first: two runs could both find it empty."""
     c = config.checkpoint
+    resumed = c.load is not None and c.save is not None and os.path.realpath(c.load) == os.path.realpath(c.save)
+    if c.load and not resumed and not os.path.exists(c.load):  # a typo would train from iteration 0 unseen
+        raise CheckpointError(f"--load {c.load}: no such folder; give the folder a run saved to (its --save), or "
+                              f"leave --load out to start from iteration 0 (--load and --save of one folder start "
+                              f"there at 0 until it holds a checkpoint)")
     if c.save:
-        resumed = c.load is not None and os.path.realpath(c.load) == os.path.realpath(c.save)
         if not resumed and os.path.isfile(os.path.join(c.save, hf.CONFIG)):  # unfound's advice is --load's
             raise CheckpointError(f"--save {c.save} is a Hugging Face model's folder, which the run would write "
                                   f"beside; save to a new folder (import-hf converts that model to --load it)")

@@ -549,6 +549,8 @@ CASES = [
      "--micro-batch-size='abc' is not a valid int"),  # not --micro-batch-sizes: flags are never abbreviated
     ("calibrate unknown flag", "calibrate", ["--bogus"], None, "unrecognized arguments: --bogus"),
     ("inspect no folder", "inspect", [], None, "the following arguments are required: dir"),
+    ("load a folder that does not exist", "run_gpt", ["--load", "{tmp}/typo", "--save", "{tmp}/save"], None,
+     "--load {tmp}/typo: no such folder; give the folder a run saved to"),  # was: trained from iteration 0
     ("a switch given a value", "run_gpt", ["--check-plan=false"], None,
      "--check-plan takes no value; give --check-plan alone to turn it on, leave it out for off"),  # was: argparse's
     # "ignored explicit argument 'false'" alone

@@ -360,12 +360,13 @@ def test_command_line_error_has_no_traceback(tmp_path):
 
 
 def test_load_without_a_checkpoint_starts_fresh(tmp_path, capsys):
-    status = run_gpt.main(SMALL + ["--train-iters", "1", "--load", str(tmp_path / "none"),
-                                   "--run-dir", str(tmp_path / "run")])
+    """--load and --save of one folder (a job that resumes itself whenever it is started): none there yet."""
+    status = run_gpt.main(SMALL + ["--train-iters", "1", "--load", str(tmp_path / "none"), "--save",
+                                   str(tmp_path / "none"), "--run-dir", str(tmp_path / "run")])
     out = capsys.readouterr().out
     assert status == 0
-    assert [line for line in out.splitlines() if "checkpoint" in line] == \
-        [f"no checkpoint in {tmp_path / 'none'}; starting from iteration 0"]
+    assert [line for line in out.splitlines() if "checkpoint" in line][0] == \
+        f"no checkpoint in {tmp_path / 'none'}; starting from iteration 0"
 
 
 def test_commit_replaces_an_iteration_and_clears_leftovers(tmp_path):
