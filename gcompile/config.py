@@ -385,8 +385,9 @@ def _coerce(value, annotation, key: str):
             return value
         if kind is tuple:  # "a, b", or a list of such (a flag given more than once; a TOML list)
             given = [value] if isinstance(value, str) else value
-            items = [v.strip() for item in given for v in (item.split(",") if isinstance(item, str) else [item])
-                     if not isinstance(v, str) or v.strip()]
+            pieces = [piece for item in given for piece in (item.split(",") if isinstance(item, str) else [item])]
+            items = [p.strip() if isinstance(p, str) else p for p in pieces]  # a TOML list of ints too: [3, 1]
+            items = [item for item in items if item != ""]
             return tuple(_coerce(v, typing.get_args(annotation)[0], key) for v in items)
         if kind is str and isinstance(value, list):  # a TOML list, or the words after a flag of nargs="+"
             if not all(isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in value):

@@ -26,7 +26,7 @@ from gcompile import harness
 from gcompile.capture import capture
 from gcompile.check import check_plan, estimate_memory
 from gcompile.compile import Compiler, compile_rank_program, graph_key
-from gcompile.config import build_config
+from gcompile.config import build_config, load_toml
 from gcompile.layout import Param
 from gcompile.axes import Coords
 from gcompile.models.gpt2 import GPT2
@@ -478,6 +478,18 @@ def test_megatron_interleaving_flag():
     cfg = build_config({"model": dict(n_layer=8), "parallel": dict(pp=2, num_layers_per_virtual_pipeline_stage=2),
                         "train": dict(micro_batch_size=2, global_batch_size=8)})
     assert (cfg.parallel.virtual_pipeline_size, cfg.parallel.pipeline_schedule) == (2, "interleaved")
+
+
+def test_pipeline_layers_as_a_toml_list(tmp_path):
+    """README's `[parallel] pipeline_layers = [3, 1]`: a TOML list of integers (was an AttributeError from
+    `int.strip` in _coerce), and a list of strings with spaces alike."""
+    (tmp_path / "a.toml").write_text('[parallel]\npp = 2\npipeline_layers = [3, 1]\n'
+                                     'tp_plan = [" transformer.wte=vocab ", "transformer.h.*.mlp.c_fc=column"]\n')
+    parallel = load_toml(str(tmp_path / "a.toml"))["parallel"]
+    assert parallel["pipeline_layers"] == (3, 1)
+    assert parallel["tp_plan"] == ("transformer.wte=vocab", "transformer.h.*.mlp.c_fc=column")
+    cfg = build_config({"model": dict(n_layer=4), "parallel": parallel})
+    assert cfg.parallel.pipeline_layers == (3, 1)
 
 
 # --- the command line ------------------------------------------------------------------------------
