@@ -16,7 +16,7 @@ import sys
 import time
 
 from gcompile import shutdown
-from gcompile.config import ConfigError, RunConfig, answer_help, canonical_flag, parse_args
+from gcompile.config import ConfigError, RunConfig, answer_help, canonical_flag, idle_flags, parse_args
 
 if __name__ == "__main__":
     answer_help(sys.argv[1:])  # before the imports below load torch (seconds): --help is immediate
@@ -213,9 +213,8 @@ def _run(argv: list[str], held: contextlib.ExitStack) -> int:
             argv = auto_layout(config, flags, argv)
             config, flags = parse_args(argv)
         if not under_launcher():
-            if config.parallel.sequence_parallel and config.parallel.tp == 1:
-                print("note: --sequence-parallel does nothing at tp 1 (it shards the sequence over tp ranks)",
-                      file=sys.stderr)
+            for idle in idle_flags(config):
+                print(f"note: {idle}", file=sys.stderr)
             if flags.dump_only or flags.check_plan:
                 load_passes(config)  # a pass that cannot be loaded: refused before any build, an earlier dump kept
                 make_folders({"--dump-graphs": config.log.dump_graphs} if flags.dump_only else {}, made)

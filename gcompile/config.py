@@ -624,6 +624,18 @@ def parse_args(argv: list[str], planned: bool = False) -> tuple[RunConfig, argpa
     return build_config(overrides), extras
 
 
+def idle_flags(config: RunConfig) -> list[str]:
+    """A line for each setting that does nothing in this layout: asked for, so said, but no error."""
+    p = config.parallel
+    idle = []
+    if p.sequence_parallel and p.tp == 1:
+        idle.append("--sequence-parallel does nothing at tp 1 (it shards the sequence over tp ranks)")
+    if p.pipeline_schedule != "1f1b" and p.pp == 1:
+        idle.append(f"--pipeline-schedule {p.pipeline_schedule} does nothing at pp 1 (it orders a pipeline's "
+                    f"micro-batches over its stages)")
+    return idle
+
+
 def validate(config: RunConfig) -> None:
     """Every reason this config cannot run, all at once, each naming its factors."""
     m, p, t = config.model, config.parallel, config.train

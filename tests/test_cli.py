@@ -100,3 +100,14 @@ def test_exit_interval_without_save_says_nothing_was_saved(tmp_path, capfd):
             "--exit-interval", "1", "--run-dir", str(tmp_path / "run")]
     assert run_gpt.main(argv) == 0
     assert "exiting at iteration 1 (--exit-interval 1); nothing saved: no --save" in capfd.readouterr().out
+
+
+@pytest.mark.parametrize("flags, note", [
+    (["--sequence-parallel"], "note: --sequence-parallel does nothing at tp 1"),
+    (["--pipeline-schedule", "zb1f1b"], "note: --pipeline-schedule zb1f1b does nothing at pp 1"),  # was: silent
+    (["--pipeline-schedule", "gpipe", "--pp", "2"], None),
+])
+def test_a_setting_that_does_nothing_in_the_layout_is_said(flags, note, capsys):
+    assert run_gpt.main(["--config", "configs/tiny.toml", "--n-layer", "2", *flags, "--check-plan"]) == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")]
+    assert [line.split(" (")[0] for line in notes] == ([note] if note else []), notes
