@@ -232,16 +232,30 @@ class _Sharder:
         x, weight, bias = (*linear.args, None)[:3]
         param = self.param_of(weight)
         cut, ndim = self.cuts.get(x), len(x.meta["val"].shape)
-        if cut is None or cut.dim != ndim - 1 or cut.parts or cut.local * self.tp != param.full_shape[param.shards[0].dim]:
-            got = f"cut by {cut.source} on dim {cut.dim}" if cut else "replicated"
+        takes = param.full_shape[param.shards[0].dim]
+        if cut is None or cut.dim != ndim - 1 or cut.parts or cut.local * self.tp != takes:
             raise GraphMismatch(NAME, linear, f"is row-parallel ({module_of(param.name)}) and needs its input cut on "
-                                              f"the last dim by a column-parallel linear; the input is {got}")
+                                              f"the last dim by a column-parallel linear; the input is "
+                                              f"{self._row_input(cut, ndim, takes)}")
         linear.args = (x, weight)
         out = insert_call(linear, tp_ops.reduce_from_tp, (linear,), NAME)
         result = out
         if bias is not None:
             result = insert_call(out, aten.add.Tensor, (out, bias), NAME)
         linear.replace_all_uses_with(result, delete_user_cb=lambda user: user is not out)
+
+    def _row_input(self, cut: Cut | None, ndim: int, takes: int) -> str:
+        """How a row-parallel linear's input is cut, where not as it needs."""
+        if cut is None:
+            return "replicated"
+        if cut.dim != ndim - 1:
+            return f"cut by {cut.source} on dim {cut.dim}"
+        if cut.parts:
+            return f"cut by {cut.source} into fused parts of sizes {list(cut.parts)}, each on its own"
+        placement = self.plan.placement(cut.source)
+        return f"cut by {cut.source} into {cut.local} a rank, {cut.local * self.tp} in all where it takes {takes}" + (
+            f" (vocab pads the rows it cuts: it is for the embedding and the output head; make {cut.source} "
+            f"column-parallel)" if placement == "vocab" else "")
 
     def rewrite_embedding(self, embedding: fx.Node) -> None:
         weight, idx, *options = embedding.args

@@ -549,6 +549,13 @@ CASES = [
      "--micro-batch-size='abc' is not a valid int"),  # not --micro-batch-sizes: flags are never abbreviated
     ("calibrate unknown flag", "calibrate", ["--bogus"], None, "unrecognized arguments: --bogus"),
     ("inspect no folder", "inspect", [], None, "the following arguments are required: dir"),
+    ("vocab on an inner linear", "run_gpt", ["--n-embd", "48", "--tp", "2", "--tp-plan",
+                                             "transformer.h.*.mlp.c_fc=vocab,transformer.h.*.mlp.c_proj=row"], None,
+     "the input is cut by transformer.h.0.mlp.c_fc into 128 a rank, 256 in all where it takes 192 (vocab pads the "
+     "rows it cuts"),  # was: "needs its input cut on the last dim ...; the input is cut ... on dim 2", the last
+    ("row after replicate", "run_gpt", ["--tp", "2", "--tp-plan", "transformer.h.*.mlp.c_fc=replicate"], None,
+     "is row-parallel (transformer.h.0.mlp.c_proj) and needs its input cut on the last dim by a column-parallel "
+     "linear; the input is replicated"),
     ("load a folder that does not exist", "run_gpt", ["--load", "{tmp}/typo", "--save", "{tmp}/save"], None,
      "--load {tmp}/typo: no such folder; give the folder a run saved to"),  # was: trained from iteration 0
     ("a switch given a value", "run_gpt", ["--check-plan=false"], None,
