@@ -21,7 +21,7 @@ import types
 import typing
 from dataclasses import dataclass, field, fields
 
-from gcompile.arguments import ArgumentParser
+from gcompile.arguments import UNRECOGNIZED, ArgumentParser
 from gcompile.data import DataConfig, DataError, parse_split
 from gcompile.log import counted
 from gcompile.models import CONFIGS, DEFAULT_MODEL, is_users, register_user_model, spec_of
@@ -304,7 +304,27 @@ MEGATRON_ALIASES = {
     "context-parallel-size": "cp",
     "expert-model-parallel-size": "ep",
     "virtual-pipeline-model-parallel-size": "virtual-pipeline-size",
+    "num-query-groups": "n-kv-head",
+    "rotary-base": "rope-theta",
+    "norm-epsilon": "norm-eps",
 }
+MEGATRON_HERE = {
+    "recompute-granularity": "--recompute-activations recomputes each stage's whole forward (Megatron's full); "
+                             "without it the partitioner already recomputes the cheap ops (as selective does)",
+    "recompute-method": "--recompute-activations recomputes each stage's whole forward",
+    "recompute-num-layers": "--recompute-activations recomputes each stage's whole forward",
+    "decoder-first-pipeline-num-layers": "--pipeline-layers gives every stage's layers (--pipeline-layers 3,1)",
+    "decoder-last-pipeline-num-layers": "--pipeline-layers gives every stage's layers (--pipeline-layers 1,3)",
+    "hierarchical-context-parallel-sizes": "hierarchical (a2a+p2p) context parallel is not built; --cp-comm-type "
+                                           "is p2p, a2a or all_gather",
+    "moe-ffn-hidden-size": "each expert is the model's MLP, --ffn-hidden-size wide",
+    "group-query-attention": "attention is grouped wherever --n-kv-head (--num-query-groups) is below --n-head",
+    "untie-embeddings-and-output-weights": "give --tie-word-embeddings false",
+    "swiglu": "the Llama models' MLP is SwiGLU (--arch llama); gpt2's --activation is gelu or gelu_tanh",
+    "attention-dropout": "--dropout sets every dropout",
+    "hidden-dropout": "--dropout sets every dropout",
+}
+"""Megatron-LM flags with no flag of that name here, and what does their work."""
 
 
 def canonical_flag(flag: str) -> str:
@@ -511,6 +531,21 @@ def _derive_interleaving(p: ParallelConfig, n_layer: int, given: dict) -> Parall
 class _ArgumentParser(ArgumentParser):
     def error(self, message):
         raise ConfigError(self.explain(message))
+
+    def explain(self, message: str) -> str:
+        """Megatron's flags that have no namesake here say what does their work; others as every parser."""
+        if not message.startswith(UNRECOGNIZED):
+            return super().explain(message)
+        given = []  # each flag with the values after it
+        for word in message.removeprefix(UNRECOGNIZED).split():
+            if word.startswith("--") or not given:
+                given.append([word])
+            else:
+                given[-1].append(word)
+        named = [(flag[0].split("=")[0].removeprefix("--"), flag) for flag in given]
+        here = [f"--{name} is Megatron's: {MEGATRON_HERE[name]}" for name, _ in named if name in MEGATRON_HERE]
+        others = [word for name, flag in named if name not in MEGATRON_HERE for word in flag]
+        return "; ".join(here + ([super().explain(UNRECOGNIZED + " ".join(others))] if others else []))
 
 
 RUN_FLAGS = ("config", "dump_only", "check_plan", "auto_layout", "world_size", "machine", "help")

@@ -549,6 +549,11 @@ CASES = [
      "--micro-batch-size='abc' is not a valid int"),  # not --micro-batch-sizes: flags are never abbreviated
     ("calibrate unknown flag", "calibrate", ["--bogus"], None, "unrecognized arguments: --bogus"),
     ("inspect no folder", "inspect", [], None, "the following arguments are required: dir"),
+    ("Megatron's flag that has no namesake", "run_gpt", ["--recompute-granularity", "full", "--micro-batch", "2"], None,
+     "--recompute-granularity is Megatron's: --recompute-activations recomputes each stage's whole forward "
+     "(Megatron's full); without it the partitioner already recomputes the cheap ops (as selective does); "
+     "unrecognized arguments: --micro-batch 2; did you mean --micro-batch-size"),  # was: "did you mean
+    # --recompute-activations", and --hierarchical-context-parallel-sizes was offered --context-parallel-size
     ("vocab on an inner linear", "run_gpt", ["--n-embd", "48", "--tp", "2", "--tp-plan",
                                              "transformer.h.*.mlp.c_fc=vocab,transformer.h.*.mlp.c_proj=row"], None,
      "the input is cut by transformer.h.0.mlp.c_fc into 128 a rank, 256 in all where it takes 192 (vocab pads the "

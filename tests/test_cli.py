@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import run_gpt
+from gcompile.config import MEGATRON_ALIASES, parse_args
 from gcompile.indexed_dataset import IndexedDatasetWriter
 
 
@@ -111,3 +112,14 @@ def test_a_setting_that_does_nothing_in_the_layout_is_said(flags, note, capsys):
     assert run_gpt.main(["--config", "configs/tiny.toml", "--n-layer", "2", *flags, "--check-plan"]) == 0
     notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")]
     assert [line.split(" (")[0] for line in notes] == ([note] if note else []), notes
+
+
+@pytest.mark.parametrize("alias", sorted(MEGATRON_ALIASES))
+def test_a_megatron_name_sets_what_its_namesake_sets(alias):
+    value, *extra = {"num-layers": ["3"], "hidden-size": ["8"], "max-position-embeddings": ["64"], "num-query-groups": ["1"],
+                     "expert-model-parallel-size": ["2", "--num-experts", "4", "--dp", "2"],
+                     "virtual-pipeline-model-parallel-size": ["2", "--pp", "2", "--n-layer", "4"]}.get(alias, ["2"])
+    given = ["--config", "configs/llama-tiny.toml", *extra]
+    megatrons = parse_args([*given, f"--{alias}", value])
+    assert megatrons == parse_args([*given, f"--{MEGATRON_ALIASES[alias]}", value])
+    assert megatrons != parse_args(given)
