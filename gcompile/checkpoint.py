@@ -62,7 +62,7 @@ from gcompile.checkpoint_files import (CHECKSUMS, GCOMPILE_JSON, CheckpointError
                                        write_checksums)
 from gcompile.config import MAX_LAYERS, RunConfig
 from gcompile.flat import Span
-from gcompile.indexed_dataset import temp_name
+from gcompile.paths import temp_name
 from gcompile.layout import Param, Shard, first_holder, full_value, local_value
 from gcompile.machine import ram_bytes
 from gcompile.axes import ACROSS, AXES, FOLDED, Coords

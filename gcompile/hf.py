@@ -22,7 +22,7 @@ import torch
 
 from gcompile import tokenizer as tok
 from gcompile.checkpoint_files import CheckpointError
-from gcompile.indexed_dataset import temp_name
+from gcompile.paths import temp_name
 from gcompile.models.spec import canonical_names
 
 CONFIG = "config.json"

@@ -22,7 +22,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 
 import torch
 
-from gcompile.paths import cache_home
+from gcompile.paths import cache_home, temp_name, write_replacing
 
 FORMAT = 5
 """Bumped when the file's fields change; an older file is measured again."""
@@ -413,10 +413,9 @@ def cannot_write(path: str) -> str | None:
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
         return f"{existing} is a file where a folder should be; give a path whose folders are folders"
-    trial = f"{path}.tmp{os.getpid()}"
     try:
         os.makedirs(folder, exist_ok=True)
-        with open(trial, "w"):
+        with open(trial := temp_name(path), "w"):
             pass
         os.remove(trial)
     except OSError as e:
@@ -425,8 +424,4 @@ def cannot_write(path: str) -> str | None:
 
 
 def save(machine: Machine, path: str) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    temporary = f"{path}.tmp{os.getpid()}"
-    with open(temporary, "w") as f:
-        f.write(machine.to_json() + "\n")
-    os.replace(temporary, path)
+    write_replacing(path, machine.to_json() + "\n")

@@ -1,10 +1,16 @@
-"""Paths a command will write, checked before any work: a file standing where a folder must be.
+"""Paths a command will write: checked before any work, and written whole or not at all.
 
 Creating `runs/x/metrics.jsonl` when `runs` is a file fails only when the first line is written,
 deep inside a rank, as NotADirectoryError; asking the file system first names the file in the way.
+A file others read (a machine file, the plan cache, a dataset's meta.json, an export) is written
+beside its place under a name of its writer's own and renamed into it, so a stop midway leaves the
+old file or the new one, never half of one.
 """
 
 import os
+import re
+import shutil
+import uuid
 
 
 def file_in_the_way(path: str, folder: bool = True) -> str | None:
@@ -31,3 +37,46 @@ def cache_home() -> str:
     """Where gcompile keeps what it measured or worked out for this machine ($XDG_CACHE_HOME or ~/.cache)."""
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(root, "gcompile")
+
+
+def temp_name(path: str) -> str:
+    """Unique per writer, so two processes preparing the same files never share one. Those a writer that
+    died left (killed, or stopped by a signal, which ends the process without unwinding) go with the next
+    writer of the path (`remove_leftovers`)."""
+    remove_leftovers(path)
+    return f"{path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def remove_leftovers(path: str) -> None:
+    """Remove `path`'s temporary files (or folders) of writers whose process is gone."""
+    folder, name = os.path.split(os.path.abspath(path))
+    for entry in os.listdir(folder) if os.path.isdir(folder) else ():
+        found = re.fullmatch(re.escape(name) + r"\.tmp-(\d+)-[0-9a-f]{8}", entry)
+        if found and not _alive(int(found[1])):
+            leftover = os.path.join(folder, entry)
+            try:
+                shutil.rmtree(leftover) if os.path.isdir(leftover) else os.remove(leftover)
+            except OSError:  # another writer took it first, or it is not ours to remove
+                pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+
+
+def write_replacing(path: str, text: str) -> None:
+    """`path` holds `text` or what it held before: a temporary file beside it, renamed into place."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    temporary = temp_name(path)
+    try:
+        with open(temporary, "w") as f:
+            f.write(text)
+        os.replace(temporary, path)
+    finally:
+        if os.path.exists(temporary):
+            os.remove(temporary)

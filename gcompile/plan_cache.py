@@ -24,7 +24,7 @@ import passes
 from gcompile.config import RunConfig
 from gcompile.cost_model import StepTime
 from gcompile.models import is_users
-from gcompile.paths import cache_home
+from gcompile.paths import cache_home, write_replacing
 
 FORMAT = 1
 """Bumped when an entry's fields change."""
@@ -102,15 +102,9 @@ class PlanCache:
                        if _is_prediction({**dataclasses.asdict(step), "memory": memory}))
         text = json.dumps({"format": FORMAT, "code": code_version(), "entries": {
             key: {**dataclasses.asdict(step), "memory": memory} for key, (step, memory) in entries.items()}})
-        temporary = f"{self.path}.{os.getpid()}.tmp"
         try:
-            os.makedirs(os.path.dirname(self.path), exist_ok=True)
-            with open(temporary, "w") as f:
-                f.write(text)
-            os.replace(temporary, self.path)
+            write_replacing(self.path, text)
         except OSError as e:
-            if os.path.exists(temporary):
-                os.remove(temporary)
             return f"the plan was not kept for next time: {e}"
         return None
 

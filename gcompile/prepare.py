@@ -32,8 +32,8 @@ import numpy as np
 
 from gcompile import tokenizer as tok
 from gcompile.arguments import ArgumentParser
-from gcompile.indexed_dataset import DataError, IndexedDataset, IndexedDatasetWriter, temp_name
-from gcompile.paths import path_error
+from gcompile.indexed_dataset import DataError, IndexedDataset, IndexedDatasetWriter
+from gcompile.paths import path_error, write_replacing
 
 MAX_WORKERS = 256
 """Tokenizing processes at most: each starts Python and a tokenizer (10^5 of them took the machine down)."""
@@ -194,10 +194,7 @@ def _prepare(files: list[str], output: str, spec: tok.TokenizerSpec, append_eod:
                 eod=tokenizer.eod,
                 largest_id=largest, num_tokens=int(sum(writer.lengths)), append_eod=append_eod,
                 bin=bin_stamp(output + ".bin"))
-    temp = temp_name(output + META_SUFFIX)
-    with open(temp, "w") as f:
-        json.dump(meta, f, indent=1)
-    os.replace(temp, output + META_SUFFIX)
+    write_replacing(output + META_SUFFIX, json.dumps(meta, indent=1))
     return IndexedDataset(output)
 
 
