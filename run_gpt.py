@@ -25,6 +25,7 @@ if __name__ == "__main__":
 
 import torch
 
+from gcompile import paths
 from gcompile.checkpoint import CheckpointError, check, claimed
 from gcompile.data import DataError, build_datasets, check_batches, check_token_ids
 from gcompile.check import PlanError, check_fits_machine, check_plan
@@ -226,6 +227,10 @@ def _run(argv: list[str], held: contextlib.ExitStack) -> int:
             load_passes(config)
             if config.checkpoint.save:
                 held.enter_context(claimed(config.checkpoint.save))  # until the run ends: no other run saves there
+            if not paths.same_folder(config.log.run_dir, config.checkpoint.save):  # else held as --save
+                held.enter_context(paths.claimed(config.log.run_dir, ConfigError(
+                    f"--run-dir {config.log.run_dir} is in use: another run logs there (its metrics, its watchdog's "
+                    f"records); wait for it to end, or give another --run-dir")))
             check(config)  # the checkpoint to --load is whole and fits
             if config.log.dump_graphs:  # after every refusal above: a refused run leaves an earlier dump as it was
                 clear_stale_dumps(config.log.dump_graphs, range(config.world_size))

@@ -39,7 +39,6 @@ it holds, so `generate --model` does.
 
 import contextlib
 import dataclasses
-import fcntl
 import json
 import math
 import os
@@ -62,6 +61,7 @@ from gcompile.checkpoint_files import (CHECKSUMS, GCOMPILE_JSON, CheckpointError
                                        write_checksums)
 from gcompile.config import MAX_LAYERS, RunConfig
 from gcompile.flat import Span
+from gcompile import paths
 from gcompile.paths import temp_name
 from gcompile.layout import Param, Shard, first_holder, full_value, local_value
 from gcompile.machine import ram_bytes
@@ -431,33 +431,25 @@ class Checkpoint:
 
 @contextlib.contextmanager
 def claimed(save: str):
-    """Hold the --save folder (a lock on the folder itself) for as long as the run lasts: two runs saving into
-    one folder renamed and deleted each other's iter_N.tmp and committed one run's metadata with the other's
-    shards. A second run is refused (CheckpointError) while the first lives; the kernel lets go of the lock when
-    its process ends, however it ends, and nothing is left in the folder."""
+    """Hold the --save folder for as long as the run lasts (`paths.claimed`): two runs saving into one folder
+    renamed and deleted each other's iter_N.tmp and committed one run's metadata with the other's shards. A
+    second run is refused (CheckpointError) while the first lives."""
     try:
         os.makedirs(save, exist_ok=True)
     except OSError as e:
         raise CheckpointError(f"--save {save}: cannot create the folder ({e.strerror})") from None
     if not os.access(save, os.W_OK | os.X_OK):
         raise CheckpointError(f"--save {save}: the folder is not writable")
-    folder = os.open(save, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        try:
-            fcntl.flock(folder, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise CheckpointError(f"--save {save} is in use: another run is saving there; wait for it to end, or "
-                                  f"save to another folder") from None
+    with paths.claimed(save, CheckpointError(f"--save {save} is in use: another run is saving there; wait for it "
+                                             f"to end, or save to another folder")):
         yield
-    finally:
-        os.close(folder)
 
 
 def check(config: RunConfig) -> None:
     """Before any rank starts: --save can be written, and the checkpoint --load resumes from (if any) is
     whole and of this model. The caller holds --save (`claimed`) first: two runs could both find it empty."""
     c = config.checkpoint
-    resumed = c.load is not None and c.save is not None and os.path.realpath(c.load) == os.path.realpath(c.save)
+    resumed = paths.same_folder(c.load, c.save)
     if c.load and not resumed and not os.path.exists(c.load):  # a typo would train from iteration 0 unseen
         raise CheckpointError(f"--load {c.load}: no such folder; give the folder a run saved to (its --save), or "
                               f"leave --load out to start from iteration 0 (--load and --save of one folder start "

@@ -7,6 +7,8 @@ beside its place under a name of its writer's own and renamed into it, so a stop
 old file or the new one, never half of one.
 """
 
+import contextlib
+import fcntl
 import os
 import re
 import shutil
@@ -31,6 +33,26 @@ def path_error(flag: str, path: str, folder: bool = True) -> str | None:
     if blocker == os.path.abspath(path):
         return f"{flag} {path} is a file, not a folder; give a folder"
     return f"{flag} {path}: {blocker} is a file, not a folder; choose a path outside it"
+
+
+def same_folder(a: str | None, b: str | None) -> bool:
+    return a is not None and b is not None and os.path.realpath(a) == os.path.realpath(b)
+
+
+@contextlib.contextmanager
+def claimed(folder: str, refusal: Exception):
+    """Hold `folder` (an exclusive lock on the folder itself) while the block runs; `refusal` is raised where
+    another process holds it. The kernel lets go of the lock when the process ends, however it ends, and
+    nothing is written into the folder."""
+    held = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise refusal from None
+        yield
+    finally:
+        os.close(held)
 
 
 def cache_home() -> str:

@@ -558,7 +558,8 @@ CASES = [
                                              "transformer.h.*.mlp.c_fc=vocab,transformer.h.*.mlp.c_proj=row"], None,
      "the input is cut by transformer.h.0.mlp.c_fc into 128 a rank, 256 in all where it takes 192 (vocab pads the "
      "rows it cuts"),  # was: "needs its input cut on the last dim ...; the input is cut ... on dim 2", the last
-    ("row after replicate", "run_gpt", ["--tp", "2", "--tp-plan", "transformer.h.*.mlp.c_fc=replicate"], None,
+    ("row after replicate", "run_gpt", ["--tp", "2", "--tp-plan", "transformer.h.*.attn.c_attn=column,"
+                                        "transformer.h.*.attn.c_proj=row,transformer.h.*.mlp.c_proj=row"], None,
      "is row-parallel (transformer.h.0.mlp.c_proj) and needs its input cut on the last dim by a column-parallel "
      "linear; the input is replicated"),
     ("load a folder that does not exist", "run_gpt", ["--load", "{tmp}/typo", "--save", "{tmp}/save"], None,

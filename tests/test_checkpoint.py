@@ -19,7 +19,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import run_gpt
-from gcompile import checkpoint
+from gcompile import checkpoint, paths
 from gcompile.checkpoint import TMP, TRACKER, iteration_dir
 from gcompile.config import parse_args
 from gcompile.data import build_datasets
@@ -229,6 +229,21 @@ def test_a_second_run_saving_into_a_folder_in_use_is_refused(tmp_path, capsys):
         assert not os.path.exists(tmp_path / "second" / "metrics.jsonl"), "it trained"
     assert run_gpt.main(SMALL + ["--train-iters", "1", "--save", str(save), "--run-dir", str(tmp_path / "after")]) == 0
     assert (save / TRACKER).read_text().strip() == "1"
+
+
+def test_a_second_run_logging_into_a_run_dir_in_use_is_refused(tmp_path, capsys):
+    """A second run in the first's --run-dir cleared the watchdog records the first's ranks were writing, so the
+    first, hundreds of iterations on, was stopped as hung; and it moved the first's live metrics.jsonl aside."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    with paths.claimed(str(run_dir), RuntimeError("the test's hold")):  # the first run, still going
+        status = run_gpt.main(SMALL + ["--run-dir", str(run_dir)])
+        assert status == 2 and capsys.readouterr().err == (
+            f"run_gpt.py: error: --run-dir {run_dir} is in use: another run logs there (its metrics, its watchdog's "
+            f"records); wait for it to end, or give another --run-dir\n")
+        assert os.listdir(run_dir) == [], "it trained"
+        assert run_gpt.main(SMALL + ["--train-iters", "1", "--run-dir", str(run_dir), "--save", str(run_dir)]) == 2
+    assert run_gpt.main(SMALL + ["--train-iters", "1", "--run-dir", str(run_dir), "--save", str(run_dir)]) == 0
 
 
 @pytest.mark.parametrize("runs", ["dp2", pytest.param("model_parallel", marks=pytest.mark.slow)])
