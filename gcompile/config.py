@@ -843,8 +843,19 @@ def _number_errors(config: RunConfig) -> list[str]:
               if _base_type(f.type) is float and getattr(section, f.name) is not None
               and not math.isfinite(getattr(section, f.name))]
     errors += [f"{_flag(name)}={getattr(t, name)} must not be negative"
-               for name in ("lr", "min_lr", "clip_grad", "weight_decay", "lr_warmup_iters", "eval_interval")
+               for name in ("lr", "min_lr", "clip_grad", "weight_decay", "adam_eps", "lr_warmup_iters",
+                            "eval_interval")
                if getattr(t, name) < 0]
+    errors += [f"{_flag(name)}={getattr(t, name)} must be above 0"
+               for name in ("initial_loss_scale", "min_loss_scale") if not getattr(t, name) > 0]
+    if 0 < t.initial_loss_scale < t.min_loss_scale:
+        errors.append(f"min-loss-scale={t.min_loss_scale} is above initial-loss-scale={t.initial_loss_scale}; "
+                      f"lower --min-loss-scale or raise --initial-loss-scale")
+    errors += [f"{_flag(name)}={getattr(t, name)} must be at least 1"
+               for name in ("loss_scale_window", "hysteresis") if getattr(t, name) < 1]
+    if t.lr_decay_iters is not None and t.lr_decay_style != "constant" and 1 <= t.lr_decay_iters <= t.lr_warmup_iters:
+        errors.append(f"lr-decay-iters={t.lr_decay_iters} must be above lr-warmup-iters={t.lr_warmup_iters} "
+                      f"(decay follows warmup, as in Megatron); raise --lr-decay-iters or lower --lr-warmup-iters")
     errors += [f"{_flag(name)}={getattr(t, name)} must be in [0, 1)" for name in ("adam_beta1", "adam_beta2")
                if not 0 <= getattr(t, name) < 1]
     if t.lr_decay_iters is not None and t.lr_decay_iters < 1:

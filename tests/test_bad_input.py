@@ -253,6 +253,20 @@ CASES = [
     ("lr-warmup-iters negative", "run_gpt", ["--lr-warmup-iters", "-1"], None, "lr-warmup-iters=-1 must not be"),
     ("eval-interval negative", "run_gpt", ["--eval-interval", "-1"], None, "eval-interval=-1 must not be"),
     ("adam-beta1 2", "run_gpt", ["--adam-beta1", "2"], None, "adam-beta1=2.0 must be in [0, 1)"),
+    ("adam-eps negative", "run_gpt", ["--adam-eps", "-1"], None,
+     "adam-eps=-1.0 must not be negative"),  # was: trained with sqrt(v) - 1 as the denominator
+    ("initial-loss-scale 0", "run_gpt", ["--fp16", "--initial-loss-scale", "0"], None,
+     "initial-loss-scale=0.0 must be above 0"),  # was: a skipped step, then scale 1
+    ("initial-loss-scale negative", "run_gpt", ["--fp16", "--initial-loss-scale", "-5"], None,
+     "initial-loss-scale=-5.0 must be above 0"),  # was: trained with loss scale -5
+    ("min-loss-scale 0", "run_gpt", ["--fp16", "--min-loss-scale", "0"], None, "min-loss-scale=0.0 must be above 0"),
+    ("min-loss-scale above the initial", "run_gpt", ["--fp16", "--initial-loss-scale", "1024", "--min-loss-scale", "1e6"],
+     None, "min-loss-scale=1000000.0 is above initial-loss-scale=1024.0"),
+    ("loss-scale-window 0", "run_gpt", ["--fp16", "--loss-scale-window", "0"], None,
+     "loss-scale-window=0 must be at least 1"),  # was: the scale doubled on every step, overflowing ones too
+    ("hysteresis 0", "run_gpt", ["--fp16", "--hysteresis", "0"], None, "hysteresis=0 must be at least 1"),
+    ("lr-decay-iters within the warmup", "run_gpt", ["--lr-warmup-iters", "10", "--lr-decay-iters", "5"], None,
+     "lr-decay-iters=5 must be above lr-warmup-iters=10"),  # was: warmup to lr, then a drop to min_lr
     ("data-path empty", "run_gpt", ["--data-path", ""], None, "--data-path is empty"),
     ("sharding strategy unknown", "run_gpt", ["--dp", "2", "--data-parallel-sharding-strategy", "zero3"], None,
      "must be no_shard, optim, optim_grads or optim_grads_params"),
