@@ -30,7 +30,7 @@ from gcompile.checkpoint import CheckpointError, check, claimed
 from gcompile.data import DataError, build_datasets, check_batches, check_token_ids
 from gcompile.check import PlanError, check_fits_machine, check_plan
 from gcompile.mesh import MeshError, check_shm_room
-from gcompile.log import counted
+from gcompile.log import counted, metrics_error
 from gcompile.launch import join_world, rank_threads, run_ranks, start_rank_server, under_launcher
 from gcompile.axes import Coords
 from gcompile.pass_manager import PassError, clear_stale_dumps, rank_dump_dir
@@ -231,6 +231,8 @@ def _run(argv: list[str], held: contextlib.ExitStack) -> int:
                 held.enter_context(paths.claimed(config.log.run_dir, ConfigError(
                     f"--run-dir {config.log.run_dir} is in use: another run logs there (its metrics, its watchdog's "
                     f"records); wait for it to end, or give another --run-dir")))
+            if problem := metrics_error(config.log.run_dir):
+                raise ConfigError(problem)
             check(config)  # the checkpoint to --load is whole and fits
             if config.log.dump_graphs:  # after every refusal above: a refused run leaves an earlier dump as it was
                 clear_stale_dumps(config.log.dump_graphs, range(config.world_size))

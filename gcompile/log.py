@@ -12,6 +12,19 @@ def counted(n: int, noun: str) -> str:
     return f"{n} {noun}{'s' * (n != 1)}"
 
 
+def metrics_path(run_dir: str) -> str:
+    return os.path.join(run_dir, "metrics.jsonl")
+
+
+def metrics_error(run_dir: str) -> str | None:
+    """Why a run cannot write its metrics.jsonl (something else stands there), or None: asked before any rank
+    starts, not found when rank 0 opens it after the build."""
+    path = metrics_path(run_dir)
+    if os.path.exists(path) and not os.path.isfile(path):
+        return f"--run-dir {run_dir}: {path} is not a file (a folder?); move it, or give another --run-dir"
+    return None
+
+
 class MetricsLog:
     """Everything one step or validation reports, to every sink at once (one rank calls it).
 
@@ -22,7 +35,7 @@ class MetricsLog:
     def __init__(self, run_dir: str, tensorboard_dir: str | None, train_iters: int, world_size: int,
                  start_iteration: int, log: Callable[[str], None]):
         os.makedirs(run_dir, exist_ok=True)
-        path = os.path.join(run_dir, "metrics.jsonl")
+        path = metrics_path(run_dir)
         last = last_iteration(path)
         if last is not None and last != start_iteration:
             n = 1

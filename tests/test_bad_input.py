@@ -563,6 +563,10 @@ CASES = [
      "--micro-batch-size='abc' is not a valid int"),  # not --micro-batch-sizes: flags are never abbreviated
     ("calibrate unknown flag", "calibrate", ["--bogus"], None, "unrecognized arguments: --bogus"),
     ("inspect no folder", "inspect", [], None, "the following arguments are required: dir"),
+    ("metrics.jsonl a folder", "run_gpt", ["--run-dir", "{tmp}/mine"],
+     lambda tmp, saved: (tmp / "mine" / "metrics.jsonl").mkdir(parents=True),
+     "--run-dir {tmp}/mine: {tmp}/mine/metrics.jsonl is not a file (a folder?)"),  # was: IsADirectoryError after
+    # the build
     ("Megatron's flag that has no namesake", "run_gpt", ["--recompute-granularity", "full", "--micro-batch", "2"], None,
      "--recompute-granularity is Megatron's: --recompute-activations recomputes each stage's whole forward "
      "(Megatron's full); without it the partitioner already recomputes the cheap ops (as selective does); "
