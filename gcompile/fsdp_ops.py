@@ -28,7 +28,7 @@ class _StartGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        summed = collectives.reduce_scatter(grad, ctx.group, ctx.n)
+        summed = collectives.reduce_scatter(grad.float(), ctx.group, ctx.n)  # fp16's sum over dp overflowed
         if ctx.replicas > 1:
             summed = collectives.all_reduce(summed, ctx.replica_group)
         return summed / ctx.mean_over, None, None, None, None, None

@@ -110,6 +110,17 @@ def test_layers_gather_one_ahead_and_backward_gathers_again_only_when_resharding
     assert builtin_passes(small_config(dp=2, **ZERO3)) == ["fully_sharded"]
 
 
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_gradients_are_reduced_in_fp32(precision):
+    """The model dtype's gradients are summed over dp in fp32, as --bf16/--fp16 promise: summed in fp16, a sum over
+    the ranks overflowed where each rank's gradient did not, and every such step was skipped."""
+    program = build_rank_program(small_config(dp=2, **{precision: True}, **ZERO3), Coords.from_rank(0, {"dp": 2}),
+                                 log=lambda _: None)
+    backward = program.stages[0].backward.graph
+    scatters = backward.find_nodes(op="call_function", target=torch.ops._c10d_functional.reduce_scatter_tensor.default)
+    assert [node.meta["val"].dtype for node in scatters] == [torch.float32] * 4
+
+
 def test_zero3_holds_a_dp_th_of_the_model_states():
     """dp 4, fp32: weights, gradients and AdamW states (with flags) are a quarter of no_shard's, up to the
     padding of each parameter's dim 0 to a multiple of dp; no fp32 main copy (the weights are the shard);
