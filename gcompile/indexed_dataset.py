@@ -52,9 +52,6 @@ def _token_dtype(dtype) -> np.dtype:
     return np.dtype(dtype).newbyteorder("<")
 
 
-    return True
-
-
 class IndexedDatasetWriter:
     """Writes PREFIX.bin / PREFIX.idx, one sequence per document.
 

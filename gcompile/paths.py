@@ -89,6 +89,7 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:  # another user's process
         return True
+    return True
 
 
 def write_replacing(path: str, text: str) -> None:

@@ -255,13 +255,15 @@ def test_the_writer_refuses_an_id_its_dtype_cannot_hold_and_leaves_nothing(tmp_p
     assert os.listdir(tmp_path) == []
 
 
-def test_a_dead_writers_temporary_files_go_with_the_next_writer(tmp_path):
+def test_a_dead_writers_temporary_files_go_with_the_next_writer_and_a_live_ones_stay(tmp_path):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     left = tmp_path / f"corpus.bin.tmp-{dead.stdout.strip()}-0123abcd"
     left.write_bytes(b"half")
+    alive = tmp_path / f"corpus.idx.tmp-{os.getppid()}-0123abcd"  # a writer still at work (pytest's parent)
+    alive.write_bytes(b"half")
     with IndexedDatasetWriter(str(tmp_path / "corpus"), np.uint16) as writer:
         writer.add_document([1, 2])
-    assert sorted(os.listdir(tmp_path)) == ["corpus.bin", "corpus.idx"]
+    assert sorted(os.listdir(tmp_path)) == ["corpus.bin", "corpus.idx", alive.name]
 
 
 def test_generate_from_a_model_of_a_trained_tokenizer(corpus, tmp_path, capsys):
