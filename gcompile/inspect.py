@@ -85,10 +85,12 @@ def _read(path: str) -> list[str]:
 def list_ranks(root: str) -> str:
     shared_by, folders = _shared_by(root), rank_dirs(root)
     ranks = sum(len(ranks) for ranks in shared_by.values()) or len(folders)
-    lines = [f"{counted(len(folders), 'folder')} for unknown ranks: {_INDEX_MISSING}" if _index_missing(folders, shared_by) else
-             f"{counted(len(folders), 'folder')} for {counted(ranks, 'rank')} " + (
-                 "(index.txt: ranks that differ only in dp run one program)" if ranks > len(folders) else
-                 "(each runs a program of its own)")]
+    if _index_missing(folders, shared_by):
+        lines = [f"{counted(len(folders), 'folder')} for unknown ranks: {_INDEX_MISSING}"]
+    else:
+        lines = [f"{counted(len(folders), 'folder')} for {counted(ranks, 'rank')} " + (
+            "(index.txt: ranks that differ only in dp run one program)" if ranks > len(folders) else
+            "(each runs a program of its own)")]
     for rank, folder in folders.items():
         files = sorted(os.listdir(folder))
         header = _read(os.path.join(folder, "schedule.txt"))[0].strip().lstrip("# ") if "schedule.txt" in files else ""
@@ -101,8 +103,8 @@ def list_ranks(root: str) -> str:
     return "\n".join(lines)
 
 
-_INDEX_MISSING = "the rank folders are not 0, 1, 2, ... and no index.txt names the ranks each runs for (a --dump-only " \
-                 "cut short?); write the dump again"
+_INDEX_MISSING = ("the rank folders are not 0, 1, 2, ... and no index.txt names the ranks each runs for (a "
+                  "--dump-only cut short?); write the dump again")
 
 
 def _index_missing(folders: dict[int, str], shared_by: dict[int, list[int]]) -> bool:

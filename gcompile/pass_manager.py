@@ -325,8 +325,8 @@ def clear_stale_dumps(root: str, ranks: Iterable[int]) -> None:
         if os.path.isfile(path):
             with open(path, "rb") as f:
                 if f.read(len(first)) != first.encode():  # a user's own file of that name: a dump would write over it
-                    raise ConfigError(f"--dump-graphs {root} holds {name}, which no dump wrote; give an empty folder or "
-                                      f"one a dump wrote, or move the file")
+                    raise ConfigError(f"--dump-graphs {root} holds {name}, which no dump wrote; give an empty folder "
+                                      f"or one a dump wrote, or move the file")
             ours.append(path)
     for name in os.listdir(root):  # only once refusing is ruled out: a refusal leaves the folder as it was
         match = RANK_FOLDER.fullmatch(name)
