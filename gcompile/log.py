@@ -53,7 +53,7 @@ class MetricsLog:
         self.tensorboard = SummaryWriter(tensorboard_dir or os.path.join(run_dir, "tensorboard"))
 
     def step(self, *, iteration: int, consumed_samples: int, elapsed_ms: float, tokens: int, flops: float,
-             lr: float, loss: float, grad_norm: float, batch_size: int, loss_scale: float | None,
+             lr: float, loss: float, grad_norm: float | None, batch_size: int, loss_scale: float | None,
              skipped_iterations: int, print_line: bool, memory: dict[str, int] | None = None,
              reports: dict | None = None) -> None:
         """`memory`: the logging rank's measured peak (gcompile.memory.StepPeak.metrics), on a run's first step.
@@ -73,8 +73,9 @@ class MetricsLog:
         tb.add_scalar("batch-size", batch_size, iteration)
         tb.add_scalar("lm loss", loss, iteration)
         tb.add_scalar("lm loss vs samples", loss, consumed_samples)
-        tb.add_scalar("grad-norm", grad_norm, iteration)
-        tb.add_scalar("grad-norm vs samples", grad_norm, consumed_samples)
+        if grad_norm is not None:  # None on a step fp16's loss scaling skipped, as Megatron logs none
+            tb.add_scalar("grad-norm", grad_norm, iteration)
+            tb.add_scalar("grad-norm vs samples", grad_norm, consumed_samples)
         tb.add_scalar("iteration-time", elapsed_ms / 1e3, iteration)
         tb.add_scalar("throughput", tflops, iteration)
         for key, value in (memory or {}).items():
@@ -92,8 +93,8 @@ class MetricsLog:
                   f" global batch size: {batch_size:5d} |"
                   f" lm loss: {loss:.6E} |"
                   + (f" loss scale: {loss_scale:.1f} |" if loss_scale is not None else "")
-                  + f" grad norm: {grad_norm:.3f} |"
-                  f" number of skipped iterations: {skipped_iterations:3d} |" + summary,
+                  + (f" grad norm: {grad_norm:.3f} |" if grad_norm is not None else "")
+                  + f" number of skipped iterations: {skipped_iterations:3d} |" + summary,
                   flush=True)
 
     def _reports(self, reports: dict, iteration: int, record: dict) -> str:

@@ -143,7 +143,8 @@ def train(config: RunConfig, coords: Coords, device: str = "cpu", log=print) -> 
         result = train_step(batch)
         peak = runtime.stop_measuring() if first else None
         loss = _mean_over_dp(result.loss, coords, recorder)
-        skipped += int(result.skipped.item())
+        step_skipped = int(result.skipped.item())
+        skipped += step_skipped
         elapsed_ms = (time.perf_counter() - start) * 1e3
         if peak:
             estimate = estimate_memory(program)
@@ -159,7 +160,8 @@ def train(config: RunConfig, coords: Coords, device: str = "cpu", log=print) -> 
         if metrics:
             record = dict(iteration=iteration, consumed_samples=consumed,
                           elapsed_ms=elapsed_ms, tokens=t.global_batch_size * t.seq_length, flops=flops, lr=lr,
-                          loss=loss.item(), grad_norm=result.grad_norm.item(), batch_size=t.global_batch_size,
+                          loss=loss.item(), grad_norm=None if step_skipped else result.grad_norm.item(),
+                          batch_size=t.global_batch_size,
                           loss_scale=None if state.loss_scale is None else state.loss_scale.item(),
                           skipped_iterations=skipped)
             metrics.step(**record, print_line=iteration % config.log.log_interval == 0,

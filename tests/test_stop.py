@@ -61,8 +61,12 @@ def test_check_off_trains_on_and_validation_prints_nan(tmp_path, capsys):
 def test_fp16_skipped_steps_are_not_faults(tmp_path, capsys):
     """The default initial scale 2**32 overflows: the first steps are skipped, the run goes on."""
     run_dir = tmp_path / "run"
-    assert run_gpt.main(SMALL + ["--fp16", "--train-iters", "3", "--run-dir", str(run_dir)]) == 0
+    assert run_gpt.main(SMALL + ["--fp16", "--train-iters", "3", "--log-interval", "1", "--run-dir", str(run_dir)]) == 0
     assert records(run_dir)[-1]["skipped_iterations"] > 0
+    first = records(run_dir)[0]  # skipped: no grad norm, as Megatron logs none (was: 0.0, as if it vanished)
+    assert first["skipped_iterations"] == 1 and first["grad_norm"] is None, first
+    lines = [line for line in capsys.readouterr().out.splitlines() if " iteration " in line]
+    assert "grad norm" not in lines[0] and "number of skipped iterations:   1" in lines[0], lines[0]
 
 
 def test_a_resume_counts_skipped_steps_on_from_the_saved_run(tmp_path):
