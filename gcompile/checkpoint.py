@@ -62,7 +62,6 @@ from gcompile.checkpoint_files import (CHECKSUMS, GCOMPILE_JSON, CheckpointError
 from gcompile.config import MAX_LAYERS, RunConfig
 from gcompile.flat import Span
 from gcompile import paths
-from gcompile.paths import temp_name
 from gcompile.layout import Param, Shard, first_holder, full_value, local_value
 from gcompile.machine import ram_bytes
 from gcompile.axes import ACROSS, AXES, FOLDED, Coords
@@ -533,14 +532,9 @@ def export(path: str, output: str) -> str:
     # every state-dict key, a tied alias included, as the same tensor as its parameter
     state_dict = {key: weights[names[id(p)]] for key, p in model.state_dict(keep_vars=True).items()}
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-    partial = temp_name(output)  # renamed into place whole: a stop meanwhile leaves no half file
-    try:
+    with paths.replacing(output) as partial:  # renamed into place whole: a stop meanwhile leaves no half file
         torch.save(dict(model=state_dict, model_args=checkpoint.model_spec.export_args(config),
                         iter_num=checkpoint.meta["iteration"]), partial)
-        os.replace(partial, output)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(partial)
     return checkpoint.folder
 
 

@@ -22,7 +22,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 
 import torch
 
-from gcompile.paths import cache_home, temp_name, write_replacing
+from gcompile.paths import cache_home, file_in_the_way, temp_name, write_replacing
 
 FORMAT = 5
 """Bumped when the file's fields change; an older file is measured again."""
@@ -407,12 +407,9 @@ def cannot_write(path: str) -> str | None:
         return f"that is a folder; give a file name, e.g. {os.path.join(path, 'machine.json')}"
     if os.path.exists(path) and not os.path.isfile(path):
         return "that is not a regular file (a device or a pipe); give a file name"
+    if blocker := file_in_the_way(path, folder=False):
+        return f"{blocker} is a file where a folder should be; give a path whose folders are folders"
     folder = os.path.dirname(os.path.abspath(path))
-    existing = folder
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        return f"{existing} is a file where a folder should be; give a path whose folders are folders"
     try:
         os.makedirs(folder, exist_ok=True)
         with open(trial := temp_name(path), "w"):

@@ -92,14 +92,21 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def write_replacing(path: str, text: str) -> None:
-    """`path` holds `text` or what it held before: a temporary file beside it, renamed into place."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+@contextlib.contextmanager
+def replacing(path: str):
+    """A temporary file name beside `path` to write; renamed into place when the block ends, removed where it
+    raises: `path` holds the whole new file or what it held before."""
     temporary = temp_name(path)
     try:
-        with open(temporary, "w") as f:
-            f.write(text)
+        yield temporary
         os.replace(temporary, path)
     finally:
         if os.path.exists(temporary):
             os.remove(temporary)
+
+
+def write_replacing(path: str, text: str) -> None:
+    """`path` holds `text` or what it held before (`replacing`), its folder made if need be."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with replacing(path) as temporary, open(temporary, "w") as f:
+        f.write(text)
