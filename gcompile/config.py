@@ -49,6 +49,8 @@ CP_COMM_TYPES = ("all_gather", "p2p", "a2a")
 """Values of parallel.cp_comm_type."""
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 """Megatron-FSDP's --data-parallel-sharding-strategy values."""
+FP16_ONLY = ("initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis")
+"""[train] fields only fp16's loss scaling reads."""
 
 POINTS = ("capture", "tensor_parallel", "sequence_parallel", "context_parallel", "expert_parallel",
           "pipeline_split", "fully_sharded", "lower",
@@ -668,6 +670,14 @@ def idle_flags(config: RunConfig) -> list[str]:
     if p.pipeline_schedule != "1f1b" and p.pp == 1:
         idle.append(f"--pipeline-schedule {p.pipeline_schedule} does nothing at pp 1 (it orders a pipeline's "
                     f"micro-batches over its stages)")
+    if p.sharding in ("optim", "optim_grads") and p.dp * p.cp == 1:
+        mixed = config.train.bf16 or config.train.fp16  # which keep fp32 main weights apart anyway
+        idle.append(f"data-parallel sharding {p.sharding} shards nothing at dp 1 (it cuts the optimizer's states "
+                    f"over dp ranks){'' if mixed else ', and keeps fp32 main weights apart from the model weights'}")
+    if not config.train.fp16:
+        defaults = TrainConfig()
+        idle += [f"--{_flag(name)} does nothing without --fp16 (only fp16 scales the loss)"
+                 for name in FP16_ONLY if getattr(config.train, name) != getattr(defaults, name)]
     return idle
 
 

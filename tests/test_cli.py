@@ -107,6 +107,10 @@ def test_exit_interval_without_save_says_nothing_was_saved(tmp_path, capfd):
     (["--sequence-parallel"], "note: --sequence-parallel does nothing at tp 1"),
     (["--pipeline-schedule", "zb1f1b"], "note: --pipeline-schedule zb1f1b does nothing at pp 1"),  # was: silent
     (["--pipeline-schedule", "gpipe", "--pp", "2"], None),
+    (["--use-distributed-optimizer"], "note: data-parallel sharding optim shards nothing at dp 1"),
+    (["--use-distributed-optimizer", "--dp", "2"], None),
+    (["--bf16", "--initial-loss-scale", "1024"], "note: --initial-loss-scale does nothing without --fp16"),
+    (["--fp16", "--initial-loss-scale", "1024"], None),
 ])
 def test_a_setting_that_does_nothing_in_the_layout_is_said(flags, note, capsys):
     assert run_gpt.main(["--config", "configs/tiny.toml", "--n-layer", "2", *flags, "--check-plan"]) == 0
