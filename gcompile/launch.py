@@ -278,6 +278,9 @@ def join_world(mesh_sizes: dict[str, int], tp_comm_backend: str = "auto",
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     sizes = {axis: size for axis, size in mesh_sizes.items() if axis in AXES}  # folded axes add no ranks
     if world != math.prod(sizes.values()):
+        if int(os.environ.get("LOCAL_RANK", 0)):  # every rank finds it: the first of each host says it, and
+            time.sleep(REPORT_AFTER_S)  # exits first (the launcher stops the others once one has exited)
+            raise SystemExit(2)
         factors = " * ".join(f"{axis} {size}" for axis, size in sizes.items() if size > 1) or "1"
         raise ConfigError(f"the launcher started {world} ranks but the layout ({factors}) needs "
                           f"{math.prod(sizes.values())}; start that many (torchrun --nnodes * --nproc-per-node) "
