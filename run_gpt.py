@@ -31,7 +31,7 @@ from gcompile.data import DataError, build_datasets, check_batches, check_token_
 from gcompile.check import PlanError, check_fits_machine, check_plan
 from gcompile.mesh import MeshError, check_shm_room
 from gcompile.log import counted, metrics_error
-from gcompile.launch import join_world, rank_threads, run_ranks, start_rank_server, under_launcher
+from gcompile.launch import join_world, rank_threads, run_ranks, start_rank_server, under_launcher, under_torchrun
 from gcompile.axes import Coords
 from gcompile.pass_manager import PassError, clear_stale_dumps, rank_dump_dir
 from gcompile.cost_model import format_rank_time, pipeline_column, predict, rates_of
@@ -53,12 +53,16 @@ def error(message: str) -> int:
 
 def rank_main(config: RunConfig) -> int:
     try:
-        if under_launcher():
-            p = config.parallel
-            coords, device = join_world(config.mesh_sizes, p.tp_comm_backend, p.distributed_timeout_minutes)
-        else:
-            coords, device = Coords.from_rank(0, {}), "cuda" if torch.cuda.is_available() else "cpu"
-        train(config, coords, device)
+        with contextlib.ExitStack() as held:
+            if under_launcher():
+                if under_torchrun() and os.environ["RANK"] == "0":  # the first rank holds them, as our
+                    os.makedirs(config.log.run_dir, exist_ok=True)  # launcher does for its ranks
+                    hold_folders(config, held)
+                p = config.parallel
+                coords, device = join_world(config.mesh_sizes, p.tp_comm_backend, p.distributed_timeout_minutes)
+            else:
+                coords, device = Coords.from_rank(0, {}), "cuda" if torch.cuda.is_available() else "cpu"
+            train(config, coords, device)
     except USER_ERRORS as e:
         return error(str(e))
     except RunStopped as e:  # every rank stops; one says why
@@ -68,6 +72,17 @@ def rank_main(config: RunConfig) -> int:
     if shutdown.requested.is_set():  # --exit-signal-handler: saved after the iteration SIGTERM ended
         return shutdown.stopped(signal.SIGTERM)
     return 0
+
+
+def hold_folders(config: RunConfig, held: contextlib.ExitStack) -> None:
+    """Hold --save and --run-dir (which must exist) until the run ends: another run that would save or log
+    there is refused while this one lives."""
+    if config.checkpoint.save:
+        held.enter_context(claimed(config.checkpoint.save))
+    if not paths.same_folder(config.log.run_dir, config.checkpoint.save):  # else held as --save
+        held.enter_context(paths.claimed(config.log.run_dir, ConfigError(
+            f"--run-dir {config.log.run_dir} is in use: another run logs there (its metrics, its watchdog's "
+            f"records); wait for it to end, or give another --run-dir")))
 
 
 def plan_only(config: RunConfig, dump_only: bool, machine_path: str | None) -> int:
@@ -225,12 +240,7 @@ def _run(argv: list[str], held: contextlib.ExitStack) -> int:
             if config.world_size > 1:
                 start_rank_server()
             load_passes(config)
-            if config.checkpoint.save:
-                held.enter_context(claimed(config.checkpoint.save))  # until the run ends: no other run saves there
-            if not paths.same_folder(config.log.run_dir, config.checkpoint.save):  # else held as --save
-                held.enter_context(paths.claimed(config.log.run_dir, ConfigError(
-                    f"--run-dir {config.log.run_dir} is in use: another run logs there (its metrics, its watchdog's "
-                    f"records); wait for it to end, or give another --run-dir")))
+            hold_folders(config, held)
             if problem := metrics_error(config.log.run_dir):
                 raise ConfigError(problem)
             check(config)  # the checkpoint to --load is whole and fits

@@ -49,6 +49,11 @@ def under_launcher() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def under_torchrun() -> bool:
+    """Started by a launcher not ours (torchrun): nothing holds the run's folders for its ranks."""
+    return under_launcher() and checked_plan.LAUNCHED_BY not in os.environ
+
+
 def rank_threads(world_size: int, cores: int | None = None) -> int:
     """CPU threads per locally spawned rank: this host's cores (or `cores`) shared evenly (OMP_NUM_THREADS wins
     if set)."""

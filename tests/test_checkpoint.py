@@ -246,6 +246,21 @@ def test_a_second_run_logging_into_a_run_dir_in_use_is_refused(tmp_path, capsys)
     assert run_gpt.main(SMALL + ["--train-iters", "1", "--run-dir", str(run_dir), "--save", str(run_dir)]) == 0
 
 
+@pytest.mark.parametrize("flag", ["--save", "--run-dir"])
+def test_under_torchrun_a_folder_in_use_is_refused_too(flag, tmp_path):
+    """Under torchrun no launcher of ours holds the folders: its first rank does, or a second job saved and
+    logged over a live one's."""
+    folder = tmp_path / "in_use"
+    folder.mkdir()
+    with paths.claimed(str(folder), RuntimeError("the test's hold")):  # the first run, still going
+        result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                                 "1", os.path.join(ROOT, "run_gpt.py"), *SMALL, "--run-dir", str(tmp_path / "run"),
+                                 flag, str(folder)], capture_output=True, text=True, timeout=600,
+                                env=dict(os.environ, PYTHONPATH=ROOT))
+    assert result.returncode != 0 and f"run_gpt.py: error: {flag} {folder} is in use" in result.stderr, result.stderr
+    assert os.listdir(folder) == [] and not os.path.exists(tmp_path / "run" / "metrics.jsonl"), "it trained"
+
+
 @pytest.mark.parametrize("runs", ["dp2", pytest.param("model_parallel", marks=pytest.mark.slow)])
 def test_export_gives_the_distributed_loss(runs, request, tmp_path):
     dirs, output = request.getfixturevalue(runs), tmp_path / "model.pt"
