@@ -9,7 +9,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from gcompile.axes import GROUP_ROLES
+from gcompile.axes import GROUP_ROLES, REPLICAS, world_axes_of
 from gcompile.layout import Param, local_value, replicas
 from gcompile.models import spec_of
 from gcompile.rank_program import RankProgram
@@ -121,9 +121,13 @@ class TrainState:
 
 def norm_copies(param: Param, program: RankProgram) -> int:
     """On how many ranks of the norm's group an element of `param` sits: over the group's axes, those
-    that neither cut the parameter, nor separate stages (pp), nor shard the optimizer state."""
+    that neither cut the parameter, nor separate stages (pp), nor shard the optimizer state (of an expert
+    weight: over edp, the ranks across its ep groups, which with ep span every dp and cp rank)."""
     if program.norm_group is None:
         return 1
-    apart = {"pp"} | set(GROUP_ROLES[program.optimizer_shard].axes if program.optimizer_shard else ())
+    apart = {"pp"}
+    if program.optimizer_shard:
+        group = next((REPLICAS[s.axis] for s in param.shards if s.axis in REPLICAS), program.optimizer_shard)
+        apart |= {axis for folded in GROUP_ROLES[group].axes for axis in world_axes_of(folded)}
     return replicas(param, program.coords.axis_sizes, [a for a in GROUP_ROLES[program.norm_group].axes
                                                       if a not in apart])

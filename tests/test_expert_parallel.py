@@ -77,8 +77,10 @@ def test_experts_under_context_parallel_match_eager():
     """cp splits every sample's tokens: each rank routes its own through the experts, and the load-balancing
     loss reads the micro-batch's tokens per expert (summed over cp) against the rank's mean router probabilities,
     which the gradients' average over cp makes the micro-batch's. With ep, the tensor- and pipeline-parallel
-    splits, and the all-gather attention."""
+    splits, the all-gather attention, and the distributed optimizer, whose expert shards span dp and cp (the
+    gradient norm had counted each expert element as held by the cp ranks twice: 4.7e-4 low)."""
     check({"cp2": dict(cp=2), "cp4": dict(cp=4), "cp2 ep2": dict(cp=2, ep=2), "cp2 dp2 ep4": dict(cp=2, dp=2, ep=4),
+           "cp2 dp2 ep2 distributed optimizer": dict(cp=2, dp=2, ep=2, **DIST_OPT),
            "cp2 tp2": dict(cp=2, tp=2), "cp2 pp2 all_gather": dict(cp=2, pp=2, cp_comm_type="all_gather")},
           in_one_process)
 
