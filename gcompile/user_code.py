@@ -25,7 +25,6 @@ def load_object(spec: str, what: str):
     try:
         module = _load_file(module_name) if module_name.endswith(".py") else importlib.import_module(module_name)
         _claim(module)
-        return getattr(module, name)
     except FileNotFoundError:
         raise UserCodeError(f"{what} {spec!r} cannot be loaded: no file {module_name}") from None
     except ModuleNotFoundError as e:
@@ -33,11 +32,12 @@ def load_object(spec: str, what: str):
             raise UserCodeError(f"{what} {spec!r} cannot be loaded: {failure_line(e)}") from None
         raise UserCodeError(f"{what} {spec!r} cannot be loaded: {e}; name a module importable from this folder "
                             f"or PYTHONPATH, or give the file: path/to/file.py:{name}") from None
-    except AttributeError:
-        raise UserCodeError(f"{what} {spec!r} cannot be loaded: {module_name} has no {name!r}"
-                            f"{_did_you_mean(name, dir(module))}") from None
-    except Exception as e:
+    except Exception as e:  # an AttributeError too: raised while the module ran, it has no module to name
         raise UserCodeError(f"{what} {spec!r} cannot be loaded: {failure_line(e)}") from None
+    if not hasattr(module, name):
+        raise UserCodeError(f"{what} {spec!r} cannot be loaded: {module_name} has no {name!r}"
+                            f"{_did_you_mean(name, dir(module))}")
+    return getattr(module, name)
 
 
 def _did_you_mean(name: str, names: list[str]) -> str:
@@ -105,6 +105,10 @@ def _load_file(path: str):
             sys.path.append(folder)
         module_spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(module_spec)
-        module_spec.loader.exec_module(module)
-        sys.modules[name] = module
+        sys.modules[name] = module  # before it runs, as import does: a dataclass of string annotations
+        try:  # (`from __future__ import annotations`) looks its module up there
+            module_spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
     return sys.modules[name]

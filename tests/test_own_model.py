@@ -75,6 +75,31 @@ def test_a_model_that_cannot_be_loaded_is_one_line(arch, message, capsys):
     assert message in err and err.count("\n") == 1, err
 
 
+@pytest.mark.parametrize("source, message", [
+    ("import torch.nn as nn\nBLOCK = nn.Linaer\n", "AttributeError at {path}:2: module 'torch.nn' has no attribute "
+                                                  "'Linaer'"),  # was an UnboundLocalError traceback
+    (open(ARCH.partition(":")[0]).read().replace(
+        "tp_plan=TP_PLAN)", "tp_plan=TP_PLAN)\nSPEC = replace(SPEC, config=ParallelBlockConfig())")
+     .replace("from dataclasses import dataclass", "from dataclasses import dataclass, replace"),
+     "its config is an instance of ParallelBlockConfig; give the class itself"),  # an AttributeError traceback
+    (open(ARCH.partition(":")[0]).read().replace("vocab_size: int = 257", "vocab_size: int"),
+     "its config's vocab_size has no default"),  # a TypeError traceback
+], ids=["attribute-error-on-import", "config-instance", "field-without-default"])
+def test_a_model_file_wrong_in_these_ways_is_one_line(source, message, tmp_path, capsys):
+    (tmp_path / "wrong.py").write_text(source.replace('"parallel_block"', '"wrong"'))
+    assert message.format(path=tmp_path / "wrong.py") in refusal(capsys, f"{tmp_path}/wrong.py:SPEC")
+
+
+def test_a_model_file_of_string_annotations_loads_and_its_fields_are_flags(tmp_path, capsys):
+    """`from __future__ import annotations`: its dataclass looked its module up in sys.modules, which the file was
+    put in only after it ran (an AttributeError, then a traceback); its fields' types, strings, parsed no flag."""
+    source = open(ARCH.partition(":")[0]).read().replace('"parallel_block"', '"annotated"').replace(
+        '    """Hidden size."""\n', '    """Hidden size."""\n    ratio: float = 1.0\n    gated: bool = False\n')
+    (tmp_path / "annotated.py").write_text("from __future__ import annotations\n" + source)
+    assert run_gpt.main(["--arch", f"{tmp_path}/annotated.py:SPEC", "--ratio", "2", "--gated", "--n-layer", "2",
+                         "--check-plan"]) == 0, capsys.readouterr().err
+
+
 def test_a_graph_the_pass_cannot_cut_names_the_node_and_line(capsys):
     """Cutting the embedding's output dim is not a Megatron layout: the pass names the node and its source."""
     assert run_gpt.main(["--arch", ARCH, "--tp", "2", "--tp-plan", "blocks.*.qkv=column", "--check-plan"]) == 2

@@ -8,6 +8,7 @@ its arch is read: importing it runs the user's code, which the user asked for.
 """
 
 import dataclasses
+import typing
 
 from gcompile.user_code import UserCodeError, load_object
 
@@ -48,10 +49,18 @@ def register_user_model(arch: str, reserved: dict[str, str] | None = None) -> st
     if not isinstance(spec, ModelSpec):
         raise UserCodeError(f"model {arch!r} is a {type(spec).__name__}, not a ModelSpec; return one, e.g. "
                             f"gcompile.models.spec.spec_with_defaults(name, Config, build, tp_plan=...)")
+    if dataclasses.is_dataclass(spec.config) and not isinstance(spec.config, type):
+        raise UserCodeError(f"model {arch!r}: its config is an instance of {type(spec.config).__name__}; give the "
+                            f"class itself (its fields become the [model] keys, their defaults the values)")
     if not (dataclasses.is_dataclass(spec.config) and spec.config.__dataclass_params__.frozen):
         raise UserCodeError(f"model {arch!r}: its config {getattr(spec.config, '__name__', spec.config)!r} is not a "
                             f"frozen dataclass; declare it with @dataclass(frozen=True) (its fields become the "
                             f"[model] keys)")
+    if bare := [f.name for f in dataclasses.fields(spec.config)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]:
+        raise UserCodeError(f"model {arch!r}: its config's {', '.join(bare)} {'has' if len(bare) == 1 else 'have'} "
+                            f"no default; give each field one (a [model] key or flag not given takes it)")
+    _resolve_annotations(arch, spec.config)
     roles = tuple(i.role for i in spec.example_batch(1, 1))
     if roles != BATCH_ROLES:
         raise UserCodeError(f"model {arch!r}: its example batch names forward's inputs {', '.join(roles)}; the "
@@ -66,6 +75,18 @@ def register_user_model(arch: str, reserved: dict[str, str] | None = None) -> st
         raise UserCodeError(f"model {arch!r} is named {spec.name!r}, which {MODELS[spec.name]} has; rename it")
     MODELS[spec.name], CONFIGS[spec.name], _USER_SPECS[spec.name] = arch, spec.config, spec
     return spec.name
+
+
+def _resolve_annotations(arch: str, config: type) -> None:
+    """Give each field of `config` its type, not the string `from __future__ import annotations` leaves: the flags
+    and the [model] keys are parsed by it (a string made `--ratio 2` a traceback, `--gated` want a value)."""
+    try:
+        hints = typing.get_type_hints(config)
+    except Exception as e:
+        raise UserCodeError(f"model {arch!r}: its config's annotations cannot be resolved: {type(e).__name__}: "
+                            f"{e}") from None
+    for f in dataclasses.fields(config):
+        f.type = hints[f.name]
 
 
 def spec_of(config):
