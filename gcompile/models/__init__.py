@@ -61,6 +61,9 @@ def register_user_model(arch: str, reserved: dict[str, str] | None = None) -> st
         raise UserCodeError(f"model {arch!r}: its config's {', '.join(bare)} {'has' if len(bare) == 1 else 'have'} "
                             f"no default; give each field one (a [model] key or flag not given takes it)")
     _resolve_annotations(arch, spec.config)
+    if isinstance(spec.tp_plan, str):  # ("blocks.*.qkv=column") without its comma: each letter was an entry
+        raise UserCodeError(f"model {arch!r}: its tp_plan is the string {spec.tp_plan!r}; give a tuple of entries, "
+                            f"(\"blocks.*.qkv=column\",) for one")
     roles = tuple(i.role for i in spec.example_batch(1, 1))
     if roles != BATCH_ROLES:
         raise UserCodeError(f"model {arch!r}: its example batch names forward's inputs {', '.join(roles)}; the "
