@@ -166,8 +166,9 @@ def spec_with_defaults(name: str, config: type, module: Callable[[Any], nn.Modul
     """A ModelSpec for your own model: `module(config)` returns an nn.Module whose forward(idx, targets)
     returns the mean loss (and the logits without targets). Every other fact has a default a keyword
     replaces: GPT-2's initialisation where it knows the parameter, the module's own value elsewhere
-    (`own_init`), no tensor-parallel plan (give `tp_plan` to cut), decay on
-    matrices, the context length `config.block_size`, 6 FLOPs per parameter per token."""
+    (`own_init`), no tensor-parallel plan (give `tp_plan` to cut), decay on every 2-D parameter (embeddings
+    too, which GPT-2's and Llama's `decays` exempt), the context length `config.block_size`, 6 FLOPs per
+    parameter per token."""
 
     def flops(config_value, batch_size: int, seq_length: int) -> float:
         with torch.device("meta"):
