@@ -5,14 +5,14 @@
     python -m tests.sweep --bf16               # against single-device bf16 eager, bf16's tolerances
 
 Each layout draws its model (GPT-2, Llama with or without a tied head, either with experts, the
-examples' own model) and tp, pp, dp, cp and its flavour, the schedule and vpp, uneven
-pipeline layers, sequence parallel, the sharding strategy (HSDP too), overlapped buckets,
-the micro-batch size, recompute and ep; a draw the config refuses is skipped (`--show-refused`
-prints why). It trains 3 steps on random tokens in gcompile.harness and is compared with
-single-device eager autograd + AdamW (tests/reference.py): each line says OK or BAD and the
-layout's flags, which a test case or `python run_gpt.py` takes as they are. Exit status 1
-where any layout is BAD. It found the distributed optimizer's gradient norm 4.7e-4 low at
-cp2 dp2 ep2, which no test combined.
+examples' own model) and tp, pp, dp, cp and its flavour, the schedule and vpp, uneven pipeline
+layers, sequence parallel, the sharding strategy (HSDP too), overlapped buckets, the micro-batch
+size, recompute and ep; a draw the config or a pass refuses (a2a's heads over cp) is skipped
+(`--show-refused` prints why). It trains 3 steps on random tokens in gcompile.harness and is
+compared with single-device eager autograd + AdamW (tests/reference.py): each line says OK or BAD
+and the layout's flags, which a test case or `python run_gpt.py` takes as they are. Exit status 1
+where any layout is BAD. It found the distributed optimizer's gradient norm 4.7e-4 low at cp2 dp2
+ep2, which no test combined.
 """
 
 import argparse
@@ -24,6 +24,7 @@ import torch
 
 from gcompile import harness
 from gcompile.config import ConfigError, parse_args, validate
+from gcompile.pass_manager import PassError
 from gcompile.pipeline import BuildCache
 from tests.reference import ADAM_EPS, random_batches, reference_run, rel_err
 
@@ -33,8 +34,11 @@ FP32_TOL = 1e-5
 FP32_PARAM_TOL = 1e-4
 """Final parameters: a bias whose gradient is near rounding noise moves by lr-sized AdamW steps either way
 (tests/reference.py, ADAM_EPS); with recompute under cp one sat at 1.3e-5. A wrong reduction is off by far more."""
-BF16_TOLS = (1e-3, 1e-2, 1e-2)
-"""Loss, grad norm, 2-D weights under --bf16, as tests/test_data_parallel.py's BF16_*_TOL say why."""
+BF16_TOLS = (1e-3, 1e-2, 3e-2)
+"""Loss, grad norm, matrices (not biases, 2-D experts' ones neither) under --bf16, as tests/test_data_parallel.py's
+BF16_*_TOL say why; the matrices' 3e-2, not 1e-2, for tp: a row-parallel linear's partial sums are rounded to bf16
+before the all-reduce (as Megatron's are), where one device's matmul accumulates them in fp32 (Llama's o_proj at
+tp2 1.8e-2, at dp4 7.9e-3, over 3 steps of 4 layers)."""
 MODELS = {
     "gpt2": [],
     "llama": ["--arch", "llama", "--n-kv-head", "2", "--ffn-hidden-size", "48"],
@@ -93,7 +97,7 @@ def errors(result, expected, bf16: bool) -> tuple[float, float, float, str]:
     norm = max(abs(result.grad_norms[s] - r.grad_norm) / r.grad_norm for s, r in enumerate(expected))
     final = expected[-1].model_params if bf16 else expected[-1].params
     param, name = max((rel_err(result.params[n].float(), v.float()), n) for n, v in final.items()
-                      if not bf16 or v.dim() == 2)
+                      if not bf16 or v.dim() == 2 and not n.endswith("bias"))
     return loss, norm, param, name
 
 
@@ -102,7 +106,7 @@ def main() -> int:
     p.add_argument("--layouts", type=int, default=40, help="layouts to train (refused draws not counted)")
     p.add_argument("--seed", type=int, default=0, help="draws the layouts; the same seed, the same layouts")
     p.add_argument("--bf16", action="store_true", help="train in bf16 against single-device bf16 eager")
-    p.add_argument("--show-refused", action="store_true", help="print each refused draw and why")
+    p.add_argument("--show-refused", action="store_true", help="print each draw the config or a pass refused, and why")
     args = p.parse_args()
     if args.layouts < 1:
         p.error(f"--layouts {args.layouts} must be at least 1")
@@ -120,11 +124,16 @@ def main() -> int:
             if args.show_refused:
                 print(f"refused {' '.join(layout)}: {e}", flush=True)
             continue
-        tried += 1
         one_device, _ = parse_args(model + layout[-4:])
-        batches = random_batches(config, len(LRS), seed=tried)
+        batches = random_batches(config, len(LRS), seed=tried + 1)
         start = time.perf_counter()
-        (result,) = harness.run_layouts([config], batches, LRS, cache=cache)
+        try:
+            (result,) = harness.run_layouts([config], batches, LRS, cache=cache)
+        except PassError as e:  # a pass that cannot cut this model so (a2a's heads over cp): one line in a run
+            if args.show_refused:
+                print(f"refused {' '.join(layout)}: {e}", flush=True)
+            continue
+        tried += 1
         loss, norm, param, name = errors(result, reference_run(one_device, batches, LRS, dtype=dtype), args.bf16)
         ok = loss < loss_tol and norm < norm_tol and param < param_tol
         bad += not ok
