@@ -49,6 +49,9 @@ CP_COMM_TYPES = ("all_gather", "p2p", "a2a")
 """Values of parallel.cp_comm_type."""
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 """Megatron-FSDP's --data-parallel-sharding-strategy values."""
+MAX_TIMEOUT_S = 10 ** 8
+"""The longest timeout a run may be given: the watchdog's faulthandler fallback waits twice it, and past about
+3e9 s the platform's clock overflows (a traceback from every rank's first collective, or from a pass's timer)."""
 FP16_ONLY = ("initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis")
 """[train] fields only fp16's loss scaling reads."""
 
@@ -703,6 +706,10 @@ def validate(config: RunConfig) -> None:
         raise ConfigError(*errors)
     errors += _number_errors(config)
     errors += _path_errors(config)
+    if p.make_vocab_size_divisible_by > m.vocab_size:  # a typo of a huge one overflowed inside torch
+        errors.append(f"make-vocab-size-divisible-by={p.make_vocab_size_divisible_by} is more than the vocabulary's "
+                      f"{m.vocab_size} ids: under tp the vocabulary is padded to a multiple of it times tp; give at "
+                      f"most {m.vocab_size} (Megatron's default is 128)")
     if t.seq_length > m.block_size:
         errors.append(f"seq_length={t.seq_length} is longer than the model's block_size={m.block_size}; "
                       f"raise --block-size or lower --seq-length")
@@ -723,10 +730,12 @@ def validate(config: RunConfig) -> None:
         errors.append(f"save-interval={c.save_interval} needs --save DIR")
     if c.exit_signal_handler and c.save is None:
         errors.append("exit-signal-handler saves a checkpoint on SIGTERM and needs --save DIR")
-    if not p.distributed_timeout_minutes > 0:
-        errors.append(f"distributed-timeout-minutes={p.distributed_timeout_minutes} must be positive")
-    if not p.hang_timeout_s >= 0:
-        errors.append(f"hang-timeout-s={p.hang_timeout_s} must be 0 (no watchdog) or positive")
+    if not 0 < p.distributed_timeout_minutes <= MAX_TIMEOUT_S / 60:
+        errors.append(f"distributed-timeout-minutes={p.distributed_timeout_minutes} must be positive and at most "
+                      f"{MAX_TIMEOUT_S // 60:,} (about {MAX_TIMEOUT_S // 86400} days)")
+    if not 0 <= p.hang_timeout_s <= MAX_TIMEOUT_S:
+        errors.append(f"hang-timeout-s={p.hang_timeout_s} must be 0 (no watchdog) or positive, at most "
+                      f"{MAX_TIMEOUT_S:,} (about {MAX_TIMEOUT_S // 86400} days)")
     elif 0 < p.hang_timeout_s < 1:  # it would call a healthy run hung while it builds
         errors.append(f"hang-timeout-s={p.hang_timeout_s}: the watchdog looks once a second; give 0 (no watchdog) "
                       f"or at least 1")

@@ -539,6 +539,14 @@ CASES = [
      "--run-dir /proc/gcompile-run: cannot make the folder"),  # was: a traceback from every rank
     ("hang timeout under a second", "run_gpt", ["--hang-timeout-s", "0.001"], None,
      "hang-timeout-s=0.001: the watchdog looks once a second"),  # was: a healthy run called hung
+    ("hang timeout past the clock", "run_gpt", ["--hang-timeout-s", "1e30"], None,
+     "hang-timeout-s=1e+30 must be 0 (no watchdog) or positive, at most 100,000,000 (about 1157 days)"),
+    ("vocab padding past the vocab", "run_gpt", ["--make-vocab-size-divisible-by", "99999999999999999999"], None,
+     "make-vocab-size-divisible-by=99999999999999999999 is more than the vocabulary's 257 ids"),  # was: at tp 2 a
+    # stack of torch's C++ frames; at 10^6, 2 million padded rows planned without a word
+    ("collective timeout past the clock", "run_gpt", ["--distributed-timeout-minutes", "1e30"], None,
+     "distributed-timeout-minutes=1e+30 must be positive and at most 1,666,666 (about 1157 days)"),  # was: a
+    # traceback from every rank's init_process_group
     ("inspect index.txt garbled", "inspect", ["{tmp}/dump", "show", "3"], dump_folder(garbled_index),
      "index.txt: cannot read 'rank0: ranks zero to seven'"),
     ("world-size without auto-layout", "run_gpt", ["--world-size", "4"], None,
