@@ -858,7 +858,7 @@ def _number_errors(config: RunConfig) -> list[str]:
     """Numbers out of their range that would otherwise train silently wrong (a NaN lr) or fail late."""
     t, d = config.train, config.data
     errors = [f"{_flag(f.name)}={getattr(section, f.name)} must be a finite number"
-              for section in (config.parallel, t) for f in fields(section)
+              for section in (config.model, config.parallel, t) for f in fields(section)
               if _base_type(f.type) is float and getattr(section, f.name) is not None
               and not math.isfinite(getattr(section, f.name))]
     errors += [f"{_flag(name)}={getattr(t, name)} must not be negative"

@@ -541,6 +541,12 @@ CASES = [
      "hang-timeout-s=0.001: the watchdog looks once a second"),  # was: a healthy run called hung
     ("hang timeout past the clock", "run_gpt", ["--hang-timeout-s", "1e30"], None,
      "hang-timeout-s=1e+30 must be 0 (no watchdog) or positive, at most 100,000,000 (about 1157 days)"),
+    ("rope theta infinite", "run_gpt", ["--arch", "llama", "--n-kv-head", "1", "--rope-theta", "inf"], None,
+     "rope-theta=inf must be a finite number"),  # was: trained, its rotary embedding turned off
+    ("norm eps infinite", "run_gpt", ["--arch", "llama", "--n-kv-head", "1", "--norm-eps", "1e400"], None,
+     "norm-eps=inf must be a finite number"),  # was: trained, every RMSNorm's output 0
+    ("load-balancing loss coefficient infinite", "run_gpt", ["--num-experts", "4", "--moe-aux-loss-coeff", "inf"],
+     None, "moe-aux-loss-coeff=inf must be a finite number"),  # was: planned, and stopped at its first loss
     ("vocab padding past the vocab", "run_gpt", ["--make-vocab-size-divisible-by", "99999999999999999999"], None,
      "make-vocab-size-divisible-by=99999999999999999999 is more than the vocabulary's 257 ids"),  # was: at tp 2 a
     # stack of torch's C++ frames; at 10^6, 2 million padded rows planned without a word
