@@ -35,7 +35,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from gcompile import shm_group
 from gcompile.compile import Compiler, compile_rank_program
 from gcompile.config import build_config, load_toml
-from gcompile.launch import join_world, run_ranks
+from gcompile.launch import join_world, spawn_local, under_launcher
 from gcompile.layout import Param, Shard, local_value
 from gcompile.mesh import group, register_group
 from gcompile.models.gpt2 import GPT2, MEGATRON_PLAN
@@ -66,7 +66,7 @@ def dtensor_model(config, mesh: DeviceMesh, compiled: bool):
         attn = block.attn
         with torch.no_grad():  # ColwiseParallel cuts rows contiguously: order them rank by rank, q k v within
             for p in (attn.c_attn.weight, attn.c_attn.bias):
-                param = Param("qkv", tuple(p.shape), (Shard("tp", 0, blocks=3),))
+                param = Param("qkv", tuple(p.shape), (Shard("tp", 0, parts=(p.shape[0] // 3,) * 3),))
                 p.copy_(torch.cat([local_value(p, param, {"tp": r}, {"tp": TP}) for r in range(TP)]))
         attn.n_head //= TP
         attn.forward = types.MethodType(local_attention, attn)
@@ -188,7 +188,9 @@ def main():
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     args = p.parse_args()
-    return run_ranks(TP, [os.path.abspath(__file__), *sys.argv[1:]], lambda: rank_main(args))
+    if not under_launcher():
+        return spawn_local(TP, [os.path.abspath(__file__), *sys.argv[1:]])
+    return rank_main(args)
 
 
 if __name__ == "__main__":

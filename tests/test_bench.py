@@ -1,0 +1,25 @@
+"""The benchmarks under bench/ as a user runs them: the README's commands end with their table, bad input with one
+line and status 2."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def bench(script: str, *argv: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, os.path.join(ROOT, "bench", script), *argv], cwd=ROOT, text=True,
+                          capture_output=True, timeout=timeout, env=dict(os.environ, PYTHONPATH=ROOT))
+
+
+@pytest.mark.slow
+def test_tensor_parallel_runs():
+    """Its launcher and the DTensor model's qkv reordering call gcompile's own API, which has moved under it."""
+    done = bench("tensor_parallel.py", "--config", "configs/tiny.toml", "--iters", "1", "--warmup", "0")
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("(")]
+    assert len(rows) == 7, done.stdout
+    assert len({round(float(row.split()[-1]), 4) for row in rows}) == 1, done.stdout  # one model, seven ways
