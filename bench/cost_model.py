@@ -203,7 +203,7 @@ def layout_numbers(only: str | None) -> list[int]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])  # its first line ends mid-sentence
     add_model_flags(p)
     p.add_argument("--warmup", type=int, default=3, help="steps of each layout before timing (default: 3)")
     p.add_argument("--iters", type=int, default=15, help="timed steps of each layout, their median reported "

@@ -16,14 +16,15 @@ import torch.distributed as dist
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--n-layer", type=int, default=4, help="transformer layers (default: 4)")
-    p.add_argument("--n-embd", type=int, default=256, help="hidden width (default: 256)")
-    p.add_argument("--n-head", type=int, default=8, help="attention heads (default: 8)")
+    """The model's flags; --help shows the defaults the bench runs with (its set_defaults may change them)."""
+    p.add_argument("--n-layer", type=int, default=4, help="transformer layers (default: %(default)s)")
+    p.add_argument("--n-embd", type=int, default=256, help="hidden width (default: %(default)s)")
+    p.add_argument("--n-head", type=int, default=8, help="attention heads (default: %(default)s)")
     p.add_argument("--seq-length", type=int, default=256, help="tokens per sample, and the model's positions "
-                                                              "(default: 256)")
+                                                              "(default: %(default)s)")
     p.add_argument("--arch", choices=("gpt2", "llama"), default="gpt2",
                    help="llama: the same sizes with n_head/2 kv heads and a SwiGLU of 8/3 * n_embd (rounded to 64) "
-                        "(default: gpt2)")
+                        "(default: %(default)s)")
 
 
 def model_section(args: argparse.Namespace) -> dict:

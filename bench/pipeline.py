@@ -201,7 +201,7 @@ def bubble(runner: Gcompile, iters: int) -> tuple[float, float, list[tuple[float
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])  # its first line ends mid-sentence
     add_model_flags(p)
     p.add_argument("--micro-batch-size", type=int, default=2)
     p.add_argument("--num-microbatches", type=int, default=4)

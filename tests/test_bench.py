@@ -23,3 +23,19 @@ def test_tensor_parallel_runs():
     rows = [line for line in done.stdout.splitlines() if line.startswith("(")]
     assert len(rows) == 7, done.stdout
     assert len({round(float(row.split()[-1]), 4) for row in rows}) == 1, done.stdout  # one model, seven ways
+
+
+def test_help_shows_the_defaults_run():
+    """bench/context_parallel.py runs T = 16384 by default; its --help said 256, bench/flags.py's default."""
+    done = bench("context_parallel.py", "--help")
+    assert done.returncode == 0
+    assert "(default: 16384)" in " ".join(done.stdout.split()), done.stdout
+    assert "(default: 256)" not in " ".join(done.stdout.split()), done.stdout
+
+
+@pytest.mark.parametrize("script", ["pipeline.py", "cost_model.py"])
+def test_help_describes_in_sentences(script):
+    """Their docstring's first sentence runs over two lines: --help printed the first, cut mid-sentence."""
+    done = bench(script, "--help")
+    description = " ".join(done.stdout.split("\n\n")[1].split())
+    assert description.endswith("."), description
