@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from gcompile.check import estimate_memory
 from gcompile.config import ConfigError, build_config
 from gcompile.train import split_microbatches
-from flags import (add_model_flags, add_worker_flags, gcompile_runtime, join_gloo,  # bench/, first on sys.path
+from flags import (add_model_flags, add_worker_flags, count, gcompile_runtime, join_gloo,  # bench/, first on sys.path
                    median_step, model_section, spawn_ranks, torch_step)
 
 COMM_TYPES = ("all_gather", "p2p", "a2a")
@@ -191,9 +191,9 @@ def main():
     add_model_flags(p)
     p.set_defaults(n_layer=2, n_embd=64, n_head=4, seq_length=TARGET_SEQ)  # cp 1: about 5 s a step on 2 cores
     p.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4], help="cp sizes; cp 1 always runs, as the base")
-    p.add_argument("--steps", type=int, default=3, help="timed steps per launch")
+    p.add_argument("--steps", type=count, default=3, help="timed steps per launch")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps after the measured one")
-    p.add_argument("--repeats", type=int, default=3, help="rounds of all variants; the spread column is across them")
+    p.add_argument("--repeats", type=count, default=3, help="rounds of all variants; the spread column is across them")
     p.add_argument("--compile", action="store_true", help="gcompile's graphs through Inductor")
     add_worker_flags(p)
     args = p.parse_args()

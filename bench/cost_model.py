@@ -52,7 +52,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from flags import add_model_flags, add_worker_flags, join_gloo, model_section, spawn_ranks  # bench/
+from flags import add_model_flags, add_worker_flags, count, join_gloo, model_section, spawn_ranks  # bench/
 from pipeline import StageTimes
 from gcompile import machine as machine_file
 from gcompile.axes import Coords
@@ -205,8 +205,9 @@ def layout_numbers(only: str | None) -> list[int]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])  # its first line ends mid-sentence
     add_model_flags(p)
-    p.add_argument("--warmup", type=int, default=3, help="steps of each layout before timing (default: 3)")
-    p.add_argument("--iters", type=int, default=15, help="timed steps of each layout, their median reported "
+    p.add_argument("--warmup", type=count, default=3, help="steps of each layout before timing, the last one's peak "
+                                                          "memory measured (default: 3)")
+    p.add_argument("--iters", type=count, default=15, help="timed steps of each layout, their median reported "
                                                           "(default: 15)")
     p.add_argument("--only", help=f"comma-separated layout numbers, 0 to {len(LAYOUTS) - 1} (default: all, and "
                                   f"then the planner's choice too)")

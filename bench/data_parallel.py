@@ -27,8 +27,8 @@ import torch.distributed as dist
 
 from gcompile.config import ConfigError, build_config, load_toml
 from gcompile.axes import Coords
-from flags import (add_worker_flags, gcompile_runtime, join_gloo, median_step, spawn_ranks,  # bench/, first on sys.path
-                   torch_step)
+from flags import (add_worker_flags, count, gcompile_runtime, join_gloo, median_step,  # bench/, first on sys.path
+                   spawn_ranks, torch_step)
 
 COMPILE = dict(compile=True)
 VARIANTS = {  # name -> the step's kind and the [train] / [parallel] keys it runs with
@@ -184,9 +184,9 @@ def main():
     p.add_argument("--n-head", type=int, default=8)
     p.add_argument("--seq-length", type=int, default=256)
     p.add_argument("--micro-batch-size", type=int, default=8)
-    p.add_argument("--iters", type=int, default=6)
+    p.add_argument("--iters", type=count, default=6)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=2, help="rounds of all variants; the spread column is across them")
+    p.add_argument("--repeats", type=count, default=2, help="rounds of all variants; the spread column is across them")
     p.add_argument("--only", nargs="+", default=[], metavar="WORD",
                    help="run the baselines and the variants whose name holds one of these words (e.g. ZeRO-3)")
     p.add_argument("--bucket-size", type=int, default=1_000_000, help="--ddp-bucket-size for gcompile")

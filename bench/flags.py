@@ -15,6 +15,14 @@ import torch
 import torch.distributed as dist
 
 
+def count(text: str) -> int:
+    """argparse type of --iters, --repeats and the like: at least 1 (with none there is no median to report)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
 def add_model_flags(p: argparse.ArgumentParser) -> None:
     """The model's flags; --help shows the defaults the bench runs with (its set_defaults may change them)."""
     p.add_argument("--n-layer", type=int, default=4, help="transformer layers (default: %(default)s)")

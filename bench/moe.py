@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from flags import add_worker_flags, gcompile_runtime, join_gloo, median_step, spawn_ranks, torch_step  # bench/
+from flags import add_worker_flags, count, gcompile_runtime, join_gloo, median_step, spawn_ranks, torch_step  # bench/
 from gcompile.config import build_config
 from gcompile.models.moe import MoE
 from gcompile.train import split_microbatches
@@ -133,9 +133,9 @@ def main():
     p.add_argument("--num-experts", type=int, default=4)
     p.add_argument("--moe-router-topk", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=8, help="samples per step, one microbatch")
-    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--iters", type=count, default=20)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=count, default=5)
     p.add_argument("--ep", type=int, default=2, help="ranks of rows (d) (ep N) and (e) (dp N); 1: neither row")
     add_worker_flags(p)
     args = p.parse_args()

@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from flags import add_model_flags, model_section  # bench/, first on sys.path when run as a script
+from flags import add_model_flags, count, model_section  # bench/, first on sys.path when run as a script
 from single_rank import matmul_peak
 from gcompile.compile import Compiler, compile_rank_program
 from gcompile.config import build_config
@@ -205,8 +205,8 @@ def main():
     add_model_flags(p)
     p.add_argument("--micro-batch-size", type=int, default=2)
     p.add_argument("--num-microbatches", type=int, default=4)
-    p.add_argument("--iters", type=int, default=1, help="timed steps per contender per round")
-    p.add_argument("--rounds", type=int, default=12)
+    p.add_argument("--iters", type=count, default=1, help="timed steps per contender per round")
+    p.add_argument("--rounds", type=count, default=12)
     p.add_argument("--warmup", type=int, default=2)
     args = p.parse_args()
     if not under_launcher():

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from flags import adamw_groups, add_model_flags, model_section  # bench/, first on sys.path when run as a script
+from flags import adamw_groups, add_model_flags, count, model_section  # bench/, first on sys.path when run as a script
 from gcompile.compile import Compiler, compile_rank_program
 from gcompile.config import build_config
 from gcompile.axes import Coords
@@ -91,7 +91,7 @@ def main():
     add_model_flags(p)
     p.add_argument("--micro-batch-size", type=int, default=8)
     p.add_argument("--global-batch-size", type=int, default=8)
-    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--iters", type=count, default=20)
     p.add_argument("--warmup", type=int, default=3)
     args = p.parse_args()
     config = build_config({

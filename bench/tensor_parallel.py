@@ -32,6 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from flags import count  # bench/, first on sys.path when run as a script
 from gcompile import shm_group
 from gcompile.compile import Compiler, compile_rank_program
 from gcompile.config import build_config, load_toml
@@ -185,7 +186,7 @@ def rank_main(args) -> int:
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", help="TOML preset for model and batch (default: 4 layers, 256 wide, T=256)")
-    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--iters", type=count, default=20)
     p.add_argument("--warmup", type=int, default=3)
     args = p.parse_args()
     if not under_launcher():

@@ -39,3 +39,21 @@ def test_help_describes_in_sentences(script):
     done = bench(script, "--help")
     description = " ".join(done.stdout.split("\n\n")[1].split())
     assert description.endswith("."), description
+
+
+@pytest.mark.parametrize("script, argv", [
+    ("single_rank.py", ["--iters", "0"]),
+    ("tensor_parallel.py", ["--iters", "0"]),
+    ("context_parallel.py", ["--repeats", "0"]),
+    ("data_parallel.py", ["--repeats", "0"]),
+    ("moe.py", ["--repeats", "0"]),
+    ("pipeline.py", ["--rounds", "0"]),
+    ("cost_model.py", ["--warmup", "0", "--machine", "no-such-machine.json"]),
+])
+def test_no_rounds_refused(script, argv):
+    """No timed step (or, for cost_model.py, no warm-up step to measure the peak on) failed with a traceback,
+    after minutes of building and compiling."""
+    done = bench(script, *argv)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.splitlines()[-1].endswith(f"argument {argv[0]}: must be at least 1, not 0"), done.stderr
+    assert "Traceback" not in done.stderr
