@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from flags import add_worker_flags, count, gcompile_runtime, join_gloo, median_step, spawn_ranks, torch_step  # bench/
-from gcompile.config import build_config
+from gcompile.config import ConfigError, build_config
 from gcompile.models.moe import MoE
 from gcompile.train import split_microbatches
 from single_rank import one_rank_runtime, time_round_robin
@@ -141,9 +141,12 @@ def main():
     args = p.parse_args()
     if args.worker:
         return ep_worker(args)
-    config = make_config(args)
-    if args.ep > 1:
-        make_config(args, args.ep, args.ep)  # a layout the config refuses stops here, before any timing
+    try:
+        config = make_config(args)
+        if args.ep > 1:
+            make_config(args, args.ep, args.ep)  # a layout the config refuses stops here, before any timing
+    except ConfigError as e:
+        p.error(str(e))
     tokens = batch(args, config)
     print(f"config: gpt2, {args.n_layer} layers, {args.n_embd} wide, {args.n_head} heads, {args.num_experts} "
           f"experts, top-{args.moe_router_topk}, T={args.seq_length}, {args.batch_size} samples/step, "

@@ -57,3 +57,18 @@ def test_no_rounds_refused(script, argv):
     assert done.returncode == 2, done.stderr[-2000:]
     assert done.stderr.splitlines()[-1].endswith(f"argument {argv[0]}: must be at least 1, not 0"), done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("script, argv, message", [
+    ("single_rank.py", ["--n-head", "3"], "n_embd=256 is not divisible by n_head=3"),
+    ("moe.py", ["--num-experts", "3"], "ep=2 does not divide num_experts=3"),
+    ("tensor_parallel.py", ["--config", "no-such.toml"], "--config no-such.toml: no such file"),
+    ("compile.py", ["--n-embd", "7"], "n_embd=7 is not divisible by n_head=8"),
+])
+def test_config_refused_in_one_line(script, argv, message):
+    """A config gcompile refuses was a traceback (tensor_parallel.py: one per rank; compile.py: a child's exit
+    status, without the reason)."""
+    done = bench(script, *argv)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert message in done.stderr.splitlines()[-1], done.stderr
+    assert "Traceback" not in done.stderr
