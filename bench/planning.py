@@ -49,10 +49,14 @@ def main() -> int:
     p.add_argument("--machine", default=machine_file.default_path(),
                    help="machine file (default: this machine's, from python -m gcompile.calibrate)")
     args = p.parse_args()
-    if not os.path.isfile(args.machine):
-        sys.exit(f"bench/planning.py: no machine file {args.machine}; {machine_file.missing()}")
+    if args.machine == machine_file.default_path() and not os.path.exists(args.machine):
+        p.error(machine_file.missing())
+    try:
+        machine = machine_file.load(args.machine)
+    except machine_file.MachineError as e:  # a file given, not this machine's: its own message
+        p.error(str(e))
     print(f"python -m gcompile.plan --config {args.config} --world-size {args.world_size}; "
-          f"machine {machine_file.load(args.machine).description}", flush=True)
+          f"machine {machine.description}", flush=True)
     print(f"{'run':<26} {'wall s':>8} {'planning s':>11} {'layouts':>8} {'reused':>7}")
     with tempfile.TemporaryDirectory() as cache:
         runs = []

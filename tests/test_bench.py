@@ -72,3 +72,12 @@ def test_config_refused_in_one_line(script, argv, message):
     assert done.returncode == 2, done.stderr[-2000:]
     assert message in done.stderr.splitlines()[-1], done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_planning_names_the_missing_machine_file():
+    """A --machine FILE that is not there was status 1 and said this machine had no machine file, whether or not
+    it had one."""
+    done = bench("planning.py", "--machine", "no-such-machine.json")
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines()[-1].endswith("no machine file no-such-machine.json; make one with: "
+                                                 "python -m gcompile.calibrate --out no-such-machine.json")
