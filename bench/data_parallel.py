@@ -195,11 +195,15 @@ def main():
     args = p.parse_args()
     if args.worker:
         return worker(args)
+    try:
+        memory = optimizer_bytes_table(args.memory_config)  # seconds: a config it refuses stops before the runs
+    except ConfigError as e:
+        p.error(f"--memory-config: {e}")
     print(f"dp={args.dp}: {args.n_layer} layers, {args.n_embd} wide, T={args.seq_length}, "
           f"{args.micro_batch_size} samples per rank per step, gloo, {os.cpu_count()} cores, "
           f"{args.repeats} rounds of {args.iters} timed steps", flush=True)
     print(throughput_table(measure(args)))
-    print(optimizer_bytes_table(args.memory_config))
+    print(memory)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import os
 import sys
 import time
 
+from flags import count  # bench/, first on sys.path when run as a script
 from gcompile.axes import Coords
 from gcompile.check import MeasuredMemory, estimate_memory
 from gcompile.collectives import collective_nodes
@@ -82,7 +83,7 @@ def cell(est: int, meas: int | None, between: int, unit: int) -> str:
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--configs", nargs="+", default=["configs/gpt2-small.toml", "configs/llama3-8b.toml"])
-    p.add_argument("--dp", type=int, nargs="+", default=[2, 4, 8, 64])
+    p.add_argument("--dp", type=count, nargs="+", default=[2, 4, 8, 64])
     p.add_argument("--measure-gib", type=float, default=4.0,
                    help="measure (allocate) a config's states only if its no_shard states at dp 1 are below this")
     p.add_argument("--measure-up-to", type=int, default=8, help="measure at dp up to this")
@@ -91,7 +92,10 @@ def main():
     rows, refused, checks = [], {}, []
     for path in args.configs:
         name, cache = os.path.splitext(os.path.basename(path))[0], BuildCache()
-        full = estimated(build(path, 1, "no_shard", cache))
+        try:
+            full = estimated(build(path, 1, "no_shard", cache))
+        except ConfigError as e:  # not a strategy's refusal: the config cannot run at all
+            p.error(str(e))
         measures = full < args.measure_gib * GIB
         unit, unit_name = (GIB, "GiB") if full > 10 * GIB else (MIB, "MiB")
         for dp in args.dp:

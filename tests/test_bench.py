@@ -81,3 +81,19 @@ def test_planning_names_the_missing_machine_file():
     assert done.returncode == 2, done.stderr
     assert done.stderr.splitlines()[-1].endswith("no machine file no-such-machine.json; make one with: "
                                                  "python -m gcompile.calibrate --out no-such-machine.json")
+
+
+@pytest.mark.parametrize("script, argv, message", [
+    ("data_parallel.py", ["--memory-config", "no-such.toml", "--only", "none", "--n-layer", "1", "--n-embd", "32",
+                          "--seq-length", "16", "--iters", "1", "--warmup", "0", "--repeats", "1"],
+     "error: --memory-config: --config no-such.toml: no such file"),
+    ("memory.py", ["--configs", "no-such.toml"], "error: --config no-such.toml: no such file"),
+    ("memory.py", ["--configs", "configs/tiny.toml", "--dp", "0"], "argument --dp: must be at least 1, not 0"),
+])
+def test_memory_configs_refused_first(script, argv, message):
+    """data_parallel.py read --memory-config only after every timed run, then failed with a traceback; memory.py's
+    missing file was a traceback, its dp 0 a table of "not built" and status 0."""
+    done = bench(script, *argv)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.splitlines()[-1].endswith(message), done.stderr
+    assert "Traceback" not in done.stderr and not done.stdout
