@@ -86,7 +86,10 @@ def test_a_model_that_cannot_be_loaded_is_one_line(arch, message, capsys):
      "its config's vocab_size has no default"),  # a TypeError traceback
     (open(ARCH.partition(":")[0]).read().replace("tp_plan=TP_PLAN)", 'tp_plan=("blocks.*.qkv=column"))'),
      "its tp_plan is the string 'blocks.*.qkv=column'; give a tuple"),  # "tp_plan entry 'b' must be pattern=..."
-], ids=["attribute-error-on-import", "config-instance", "field-without-default", "tp-plan-a-string"])
+    (open(ARCH.partition(":")[0]).read().replace("vocab_size: int = 257",
+                                                 "vocab_size: int = 257\n    dims: tuple = (1, 2)"),
+     "its config's dims: tuple cannot be read from a flag or a [model] key"),  # --dims 3,4 was an IndexError
+], ids=["attribute-error-on-import", "config-instance", "field-without-default", "tp-plan-a-string", "bare-tuple"])
 def test_a_model_file_wrong_in_these_ways_is_one_line(source, message, tmp_path, capsys):
     (tmp_path / "wrong.py").write_text(source.replace('"parallel_block"', '"wrong"'))
     assert message.format(path=tmp_path / "wrong.py") in refusal(capsys, f"{tmp_path}/wrong.py:SPEC")
