@@ -199,6 +199,10 @@ def main():
     args = p.parse_args()
     if args.worker:
         return worker(args)
+    try:  # the base every row is read against: without it no row means anything
+        make_config(args, *variants([])["gcompile cp 1"])
+    except ConfigError as e:
+        p.error(str(e))
     print(f"{args.n_layer} layers, {args.n_embd} wide, {args.n_head} heads, {args.arch}, T={args.seq_length}, "
           f"1 sample per step, gloo, {os.cpu_count()} cores, {args.repeats} rounds of {args.steps} timed steps"
           f"{', --compile' if args.compile else ''}\n", flush=True)
