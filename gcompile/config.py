@@ -706,10 +706,11 @@ def validate(config: RunConfig) -> None:
         raise ConfigError(*errors)
     errors += _number_errors(config)
     errors += _path_errors(config)
-    if p.make_vocab_size_divisible_by > m.vocab_size:  # a typo of a huge one overflowed inside torch
+    most = max(m.vocab_size, ParallelConfig.make_vocab_size_divisible_by)  # the default serves a vocab of 65 too
+    if p.make_vocab_size_divisible_by > most:  # a typo of a huge one overflowed inside torch
         errors.append(f"make-vocab-size-divisible-by={p.make_vocab_size_divisible_by} is more than the vocabulary's "
                       f"{m.vocab_size} ids: under tp the vocabulary is padded to a multiple of it times tp; give at "
-                      f"most {m.vocab_size} (Megatron's default is 128)")
+                      f"most {most} (Megatron's default is 128)")
     if t.seq_length > m.block_size:
         errors.append(f"seq_length={t.seq_length} is longer than the model's block_size={m.block_size}; "
                       f"raise --block-size or lower --seq-length")

@@ -39,6 +39,9 @@ BF16_TOLS = (1e-3, 1e-2, 3e-2)
 BF16_*_TOL say why; the matrices' 3e-2, not 1e-2, for tp: a row-parallel linear's partial sums are rounded to bf16
 before the all-reduce (as Megatron's are), where one device's matmul accumulates them in fp32 (Llama's o_proj at
 tp2 1.8e-2, at dp4 7.9e-3, over 3 steps of 4 layers)."""
+REFUSED_AT_MOST = 200
+"""Refused draws per trained layout past which the sweep stops: a config or check that refuses every draw
+(vocab padding larger than its vocab did) would otherwise keep it drawing, silent, for ever."""
 MODELS = {
     "gpt2": [],
     "llama": ["--arch", "llama", "--n-kv-head", "2", "--ffn-hidden-size", "48"],
@@ -110,10 +113,12 @@ def main() -> int:
     args = p.parse_args()
     if args.layouts < 1:
         p.error(f"--layouts {args.layouts} must be at least 1")
-    rng, cache, bad, draws, tried = random.Random(args.seed), BuildCache(), 0, 0, 0
+    rng, cache, bad, draws, tried, last_refusal = random.Random(args.seed), BuildCache(), 0, 0, 0, None
     loss_tol, norm_tol, param_tol = BF16_TOLS if args.bf16 else (FP32_TOL, FP32_TOL, FP32_PARAM_TOL)
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     while tried < args.layouts:
+        if draws - tried >= REFUSED_AT_MOST * (tried + 1):  # a config every draw breaks
+            sys.exit(f"tests/sweep.py: {draws - tried} draws refused, {tried} trained; the last: {last_refusal}")
         draws += 1
         model = draw_model(rng) + (["--bf16"] if args.bf16 else [])
         layout = draw_layout(rng, "--num-experts" in model)
@@ -121,6 +126,7 @@ def main() -> int:
             config, _ = parse_args(model + layout)
             validate(config)
         except ConfigError as e:
+            last_refusal = e
             if args.show_refused:
                 print(f"refused {' '.join(layout)}: {e}", flush=True)
             continue
@@ -130,6 +136,7 @@ def main() -> int:
         try:
             (result,) = harness.run_layouts([config], batches, LRS, cache=cache)
         except PassError as e:  # a pass that cannot cut this model so (a2a's heads over cp): one line in a run
+            last_refusal = e
             if args.show_refused:
                 print(f"refused {' '.join(layout)}: {e}", flush=True)
             continue

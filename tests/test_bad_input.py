@@ -550,6 +550,9 @@ CASES = [
     ("vocab padding past the vocab", "run_gpt", ["--make-vocab-size-divisible-by", "99999999999999999999"], None,
      "make-vocab-size-divisible-by=99999999999999999999 is more than the vocabulary's 257 ids"),  # was: at tp 2 a
     # stack of torch's C++ frames; at 10^6, 2 million padded rows planned without a word
+    ("vocab padding past a small vocab", "run_gpt", ["--vocab-size", "65", "--make-vocab-size-divisible-by", "256"],
+     None, "make-vocab-size-divisible-by=256 is more than the vocabulary's 65 ids: under tp the vocabulary is padded "
+           "to a multiple of it times tp; give at most 128"),  # the default, 128, serves a vocab of 65
     ("collective timeout past the clock", "run_gpt", ["--distributed-timeout-minutes", "1e30"], None,
      "distributed-timeout-minutes=1e+30 must be positive and at most 1,666,666 (about 1157 days)"),  # was: a
     # traceback from every rank's init_process_group
