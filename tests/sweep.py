@@ -31,9 +31,12 @@ from tests.reference import ADAM_EPS, random_batches, reference_run, rel_err
 LRS = [1e-3, 8e-4, 6e-4]
 FP32_TOL = 1e-5
 """Losses and grad norms, as the suite's numerics tests."""
-FP32_PARAM_TOL = 1e-4
-"""Final parameters: a bias whose gradient is near rounding noise moves by lr-sized AdamW steps either way
-(tests/reference.py, ADAM_EPS); with recompute under cp one sat at 1.3e-5. A wrong reduction is off by far more."""
+FP32_PARAM_TOL = 1e-3
+"""Final parameters, looser than the suite's 1e-5, whose cases are picked: on random tokens an element of a
+bias's gradient can be a near-total cancellation (4e-6 from terms of 0.3: the examples' model at tp2, seed 24),
+whose rounding differs by summation order by a part in 400, and AdamW's step, lr * g / (|g| + eps), carries that
+into the bias (1.3e-4 there; 8.6e-7 at tp1, one order). AdamW's steps hardly see a gradient's scale, so a wrong
+reduction shows in the loss and the grad norm (1e-5) first, where the sweep's one find did (4.7e-4)."""
 BF16_TOLS = (1e-3, 1e-2, 3e-2)
 """Loss, grad norm, matrices (not biases, 2-D experts' ones neither) under --bf16, as tests/test_data_parallel.py's
 BF16_*_TOL say why; the matrices' 3e-2, not 1e-2, for tp: a row-parallel linear's partial sums are rounded to bf16
