@@ -393,6 +393,18 @@ TOML_TYPES = {bool: "true or false", int: "an integer", float: "a number", str: 
 """What a key of each field type takes, in TOML's words."""
 
 
+def _parses(annotation) -> bool:
+    """Whether `_coerce` reads a value of this field type: a bare `tuple` has no item type to parse "3,4" into
+    (an IndexError), a `list` made "3,4" its characters."""
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        others = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return len(others) == 1 and _parses(others[0])
+    if typing.get_origin(annotation) is tuple:
+        items = typing.get_args(annotation)
+        return len(items) == 2 and items[1] is Ellipsis and _parses(items[0])
+    return annotation in TOML_TYPES and annotation is not tuple
+
+
 def _coerce(value, annotation, key: str):
     """A TOML or CLI value as the field's type; strings from the CLI are parsed."""
     kind = _base_type(annotation)
@@ -498,9 +510,15 @@ def _family(arch: str) -> str:
     if ":" in arch:
         taken = {n: section for section in SECTIONS if section != "model" for n in section_fields(section)}
         try:
-            return register_user_model(arch, reserved={**taken, **dict.fromkeys(RUN_FLAGS, "run_gpt.py")})
+            name = register_user_model(arch, reserved={**taken, **dict.fromkeys(RUN_FLAGS, "run_gpt.py")})
         except UserCodeError as e:
             raise ConfigError(str(e)) from None
+        if unread := [f"{f.name}: {getattr(f.type, '__name__', f.type)}" for f in fields(CONFIGS[name])
+                      if not _parses(f.type)]:
+            raise ConfigError(f"model {arch!r}: its config's {', '.join(unread)} cannot be read from a flag or a "
+                              f"[model] key, which take bool, int, float, str, tuple[int, ...] (or of those), or "
+                              f"X | None of them; write it as one")
+        return name
     raise ConfigError(f"arch={arch!r} is not a model family here; known: {', '.join(CONFIGS)}, or your own "
                       f"model as pkg.module:spec or path/to/file.py:spec")
 

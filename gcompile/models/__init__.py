@@ -8,7 +8,6 @@ its arch is read: importing it runs the user's code, which the user asked for.
 """
 
 import dataclasses
-import types
 import typing
 
 from gcompile.user_code import UserCodeError, load_object
@@ -91,27 +90,6 @@ def _resolve_annotations(arch: str, config: type) -> None:
                             f"{e}") from None
     for f in dataclasses.fields(config):
         f.type = hints[f.name]
-    if unread := [f"{f.name}: {getattr(f.type, '__name__', f.type)}" for f in dataclasses.fields(config)
-                  if not _readable(f.type)]:
-        raise UserCodeError(f"model {arch!r}: its config's {', '.join(unread)} cannot be read from a flag or a "
-                            f"[model] key, which take bool, int, float, str, tuple[int, ...] (or of those), or "
-                            f"X | None of them; write it as one")
-
-
-FIELD_TYPES = (bool, int, float, str)
-"""The field types flags and [model] keys are parsed into (gcompile.config._coerce), and tuples of them."""
-
-
-def _readable(annotation) -> bool:
-    """Whether a config field of this type can be given as a flag or a [model] key: a bare `tuple` has no item type
-    to parse "3,4" into (a traceback), a `list` made "3,4" its characters."""
-    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
-        others = [a for a in typing.get_args(annotation) if a is not type(None)]
-        return len(others) == 1 and _readable(others[0])
-    if typing.get_origin(annotation) is tuple:
-        items = typing.get_args(annotation)
-        return len(items) == 2 and items[1] is Ellipsis and items[0] in FIELD_TYPES
-    return annotation in FIELD_TYPES
 
 
 def spec_of(config):
