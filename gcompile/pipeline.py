@@ -225,8 +225,9 @@ def _forward_program(captured: Program, forward_passes: list[str], ctx: PassCont
                      captured_key: tuple, log: Callable[[str], None]) -> tuple[Program, list[str]]:
     """The rank's stages after the forward passes, what the model reports (gcompile.report) as extra outputs,
     and the names of those reports. Builds that differ only in what no forward pass reads (UNREAD_BY_FORWARD)
-    share it: the planner's candidates do, many times over."""
-    key = (captured_key, ctx.config.without(UNREAD_BY_FORWARD), ctx.coords, tuple(forward_passes))
+    share it: the planner's candidates do, many times over; so do ranks that differ only in their dp position,
+    which no built-in forward pass reads (world.representatives; tests/test_plan.py checks it)."""
+    key = (captured_key, ctx.config.without(UNREAD_BY_FORWARD), ctx.coords.moved(dp=0), tuple(forward_passes))
     shared = ctx.dump_dir is None and not ctx.config.parallel.passes  # a user pass may read anything
     if shared and key in cache.forward:
         return cache.forward[key]
