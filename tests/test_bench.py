@@ -1,6 +1,8 @@
 """The benchmarks under bench/ as a user runs them: the README's commands end with their table, bad input with one
-line and status 2."""
+line and status 2. The quick cases (help, refusals) run in one process (tests/bench_runs.py), each as
+`python bench/SCRIPT ARGS` runs it."""
 
+import json
 import os
 import subprocess
 import sys
@@ -15,6 +17,26 @@ def bench(script: str, *argv: str, timeout: int = 600) -> subprocess.CompletedPr
                           capture_output=True, timeout=timeout, env=dict(os.environ, PYTHONPATH=ROOT))
 
 
+QUICK_RUNS = []  # (script, argv) of every case below but the slow one: run together, once
+
+
+def quick(*cases):
+    QUICK_RUNS.extend((case[0], case[1]) for case in cases)
+    return cases
+
+
+@pytest.fixture(scope="module")
+def ran():
+    """(script, argv) -> its exit status, stdout and stderr."""
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "bench_runs.py"), json.dumps(QUICK_RUNS)],
+                          cwd=ROOT, text=True, capture_output=True, timeout=600,
+                          env=dict(os.environ, PYTHONPATH=ROOT))
+    assert done.returncode == 0, done.stderr[-2000:]
+    results = [json.loads(line) for line in done.stdout.splitlines()]
+    assert len(results) == len(QUICK_RUNS), done.stdout[-2000:]
+    return {(script, tuple(argv)): result for (script, argv), result in zip(QUICK_RUNS, results)}
+
+
 @pytest.mark.slow
 def test_tensor_parallel_runs():
     """Its launcher and the DTensor model's qkv reordering call gcompile's own API, which has moved under it."""
@@ -25,23 +47,24 @@ def test_tensor_parallel_runs():
     assert len({round(float(row.split()[-1]), 4) for row in rows}) == 1, done.stdout  # one model, seven ways
 
 
-def test_help_shows_the_defaults_run():
+@pytest.mark.parametrize("script, argv", quick(("context_parallel.py", ["--help"])))
+def test_help_shows_the_defaults_run(ran, script, argv):
     """bench/context_parallel.py runs T = 16384 by default; its --help said 256, bench/flags.py's default."""
-    done = bench("context_parallel.py", "--help")
-    assert done.returncode == 0
-    assert "(default: 16384)" in " ".join(done.stdout.split()), done.stdout
-    assert "(default: 256)" not in " ".join(done.stdout.split()), done.stdout
+    done = ran[script, tuple(argv)]
+    assert done["status"] == 0
+    assert "(default: 16384)" in " ".join(done["stdout"].split()), done["stdout"]
+    assert "(default: 256)" not in " ".join(done["stdout"].split()), done["stdout"]
 
 
-@pytest.mark.parametrize("script", ["pipeline.py", "cost_model.py"])
-def test_help_describes_in_sentences(script):
+@pytest.mark.parametrize("script, argv", quick(("pipeline.py", ["--help"]), ("cost_model.py", ["--help"])))
+def test_help_describes_in_sentences(ran, script, argv):
     """Their docstring's first sentence runs over two lines: --help printed the first, cut mid-sentence."""
-    done = bench(script, "--help")
-    description = " ".join(done.stdout.split("\n\n")[1].split())
+    done = ran[script, tuple(argv)]
+    description = " ".join(done["stdout"].split("\n\n")[1].split())
     assert description.endswith("."), description
 
 
-@pytest.mark.parametrize("script, argv", [
+@pytest.mark.parametrize("script, argv", quick(
     ("single_rank.py", ["--iters", "0"]),
     ("tensor_parallel.py", ["--iters", "0"]),
     ("context_parallel.py", ["--repeats", "0"]),
@@ -49,53 +72,54 @@ def test_help_describes_in_sentences(script):
     ("moe.py", ["--repeats", "0"]),
     ("pipeline.py", ["--rounds", "0"]),
     ("cost_model.py", ["--warmup", "0", "--machine", "no-such-machine.json"]),
-])
-def test_no_rounds_refused(script, argv):
+))
+def test_no_rounds_refused(ran, script, argv):
     """No timed step (or, for cost_model.py, no warm-up step to measure the peak on) failed with a traceback,
     after minutes of building and compiling."""
-    done = bench(script, *argv)
-    assert done.returncode == 2, done.stderr[-2000:]
-    assert done.stderr.splitlines()[-1].endswith(f"argument {argv[0]}: must be at least 1, not 0"), done.stderr
-    assert "Traceback" not in done.stderr
+    done = ran[script, tuple(argv)]
+    assert done["status"] == 2, done["stderr"][-2000:]
+    assert done["stderr"].splitlines()[-1].endswith(f"argument {argv[0]}: must be at least 1, not 0"), done["stderr"]
+    assert "Traceback" not in done["stderr"]
 
 
-@pytest.mark.parametrize("script, argv, message", [
+@pytest.mark.parametrize("script, argv, message", quick(
     ("single_rank.py", ["--n-head", "3"], "n_embd=256 is not divisible by n_head=3"),
     ("moe.py", ["--num-experts", "3"], "ep=2 does not divide num_experts=3"),
     ("tensor_parallel.py", ["--config", "no-such.toml"], "--config no-such.toml: no such file"),
     ("compile.py", ["--n-embd", "7"], "n_embd=7 is not divisible by n_head=8"),
     ("context_parallel.py", ["--n-head", "3"], "n_embd=64 is not divisible by n_head=3"),  # was: every row "not
     # built", status 0
-])
-def test_config_refused_in_one_line(script, argv, message):
+))
+def test_config_refused_in_one_line(ran, script, argv, message):
     """A config gcompile refuses was a traceback (tensor_parallel.py: one per rank; compile.py: a child's exit
     status, without the reason)."""
-    done = bench(script, *argv)
-    assert done.returncode == 2, done.stderr[-2000:]
-    assert message in done.stderr.splitlines()[-1], done.stderr
-    assert "Traceback" not in done.stderr
+    done = ran[script, tuple(argv)]
+    assert done["status"] == 2, done["stderr"][-2000:]
+    assert message in done["stderr"].splitlines()[-1], done["stderr"]
+    assert "Traceback" not in done["stderr"]
 
 
-def test_planning_names_the_missing_machine_file():
+@pytest.mark.parametrize("script, argv", quick(("planning.py", ["--machine", "no-such-machine.json"])))
+def test_planning_names_the_missing_machine_file(ran, script, argv):
     """A --machine FILE that is not there was status 1 and said this machine had no machine file, whether or not
     it had one."""
-    done = bench("planning.py", "--machine", "no-such-machine.json")
-    assert done.returncode == 2, done.stderr
-    assert done.stderr.splitlines()[-1].endswith("no machine file no-such-machine.json; make one with: "
+    done = ran[script, tuple(argv)]
+    assert done["status"] == 2, done["stderr"]
+    assert done["stderr"].splitlines()[-1].endswith("no machine file no-such-machine.json; make one with: "
                                                  "python -m gcompile.calibrate --out no-such-machine.json")
 
 
-@pytest.mark.parametrize("script, argv, message", [
+@pytest.mark.parametrize("script, argv, message", quick(
     ("data_parallel.py", ["--memory-config", "no-such.toml", "--only", "none", "--n-layer", "1", "--n-embd", "32",
                           "--seq-length", "16", "--iters", "1", "--warmup", "0", "--repeats", "1"],
      "error: --memory-config: --config no-such.toml: no such file"),
     ("memory.py", ["--configs", "no-such.toml"], "error: --config no-such.toml: no such file"),
     ("memory.py", ["--configs", "configs/tiny.toml", "--dp", "0"], "argument --dp: must be at least 1, not 0"),
-])
-def test_memory_configs_refused_first(script, argv, message):
+))
+def test_memory_configs_refused_first(ran, script, argv, message):
     """data_parallel.py read --memory-config only after every timed run, then failed with a traceback; memory.py's
     missing file was a traceback, its dp 0 a table of "not built" and status 0."""
-    done = bench(script, *argv)
-    assert done.returncode == 2, done.stderr[-2000:]
-    assert done.stderr.splitlines()[-1].endswith(message), done.stderr
-    assert "Traceback" not in done.stderr and not done.stdout
+    done = ran[script, tuple(argv)]
+    assert done["status"] == 2, done["stderr"][-2000:]
+    assert done["stderr"].splitlines()[-1].endswith(message), done["stderr"]
+    assert "Traceback" not in done["stderr"] and not done["stdout"]
