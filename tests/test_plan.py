@@ -179,13 +179,14 @@ def test_layouts_that_differ_in_pp_dp_and_vpp_share_the_whole_model_passes_as_if
     layouts = [["--pp", "2"], ["--pp", "4"], ["--pp", "2", "--dp", "2"],
                ["--pp", "2", "--virtual-pipeline-size", "2", "--pipeline-schedule", "interleaved"],
                ["--dp", "2", *fsdp], ["--dp", "4", *fsdp], ["--dp", "1", *fsdp]]
-    shared = BuildCache()
+    shared, alone_ones = BuildCache(), BuildCache()
     for layout in layouts:
         cfg, _ = parse_args(["--config", "configs/tiny.toml", "--n-layer", "4", "--micro-batch-size", "1",
                              "--global-batch-size", "4", "--tp", "2", *layout])
         for rank in (0, cfg.world_size - 1):  # the first rank (tp 0, pp 0), and the last (tp 1, pp last)
             coords = Coords.from_rank(rank, cfg.mesh_sizes)
-            alone = build_rank_program(cfg, coords, log=lambda _: None)
+            alone = build_rank_program(cfg, coords, log=lambda _: None,  # shares captures and lowerings only
+                                       cache=BuildCache(captured=alone_ones.captured, lowered=alone_ones.lowered))
             assert program_up_to_coords(build_rank_program(cfg, coords, log=lambda _: None, cache=shared)) == \
                 program_up_to_coords(alone), (layout, rank)
     assert len(shared.whole_model) == 2  # one per tp rank
