@@ -302,13 +302,13 @@ def test_sigterm_to_the_launchers_process_group_still_saves(tmp_path):
 
 @pytest.mark.slow
 def test_stalled_rank_is_named_within_the_hang_timeout(tmp_path):
-    proc = start(tmp_path, "--dp", 2, *FOREVER, "--hang-timeout-s", 20)
+    proc = start(tmp_path, "--dp", 2, *FOREVER, "--hang-timeout-s", 8)  # a tiny step takes well under a second
     wait_for_iteration(tmp_path, proc, 2, rank=1)
     processes = run_processes(proc)
     os.kill(rank_pid(proc, 1), signal.SIGSTOP)
     assert proc.wait(timeout=300) == 1
     stdout, stderr = output(tmp_path)
-    assert "no rank made progress for 20 s" in stderr and "the stalled rank: 1 (process stopped)" in stderr, stderr
+    assert "no rank made progress for 8 s" in stderr and "the stalled rank: 1 (process stopped)" in stderr, stderr
     rank1 = next(line for line in stderr.splitlines() if line.strip().startswith("rank 1 "))
     assert "instruction started @" in rank1 and "[process stopped]" in rank1, rank1
     assert "Traceback" not in stdout + stderr
