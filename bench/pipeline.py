@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from flags import add_model_flags, count, model_section  # bench/, first on sys.path when run as a script
 from single_rank import matmul_peak
 from gcompile.compile import Compiler, compile_rank_program
-from gcompile.config import build_config
+from gcompile.config import ConfigError, build_config
 from gcompile.launch import join_world, spawn_local, under_launcher
 from gcompile.models.gpt2 import GPT2
 from gcompile.pipeline import build_rank_program
@@ -200,6 +200,15 @@ def bubble(runner: Gcompile, iters: int) -> tuple[float, float, list[tuple[float
     return measured, predicted, costs, [r.tolist() for r in ranks]
 
 
+def bench_config(args: argparse.Namespace, schedule: str, compile: bool, vpp: int = 1):
+    return build_config({
+        "model": model_section(args),
+        "parallel": dict(pp=PP, pipeline_schedule=schedule, virtual_pipeline_size=vpp),
+        "train": dict(micro_batch_size=args.micro_batch_size, seq_length=args.seq_length, compile=compile,
+                      global_batch_size=args.micro_batch_size * args.num_microbatches),
+    })
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])  # its first line ends mid-sentence
     add_model_flags(p)
@@ -210,6 +219,10 @@ def main():
     p.add_argument("--warmup", type=int, default=2)
     args = p.parse_args()
     if not under_launcher():
+        try:
+            bench_config(args, "1f1b", False)  # a config that cannot run is one line here, not one traceback per rank
+        except ConfigError as e:
+            p.error(str(e))
         sys.exit(spawn_local(PP, [os.path.abspath(__file__), *sys.argv[1:]]))
 
     coords, _ = join_world({"pp": PP})
@@ -218,12 +231,7 @@ def main():
     dist.all_reduce(peak, op=dist.ReduceOp.MIN)
 
     def config(schedule: str, compile: bool, vpp: int = 1):
-        return build_config({
-            "model": model_section(args),
-            "parallel": dict(pp=PP, pipeline_schedule=schedule, virtual_pipeline_size=vpp),
-            "train": dict(micro_batch_size=args.micro_batch_size, seq_length=args.seq_length, compile=compile,
-                          global_batch_size=args.micro_batch_size * args.num_microbatches),
-        })
+        return bench_config(args, schedule, compile, vpp)
 
     base = config("1f1b", False)
     t = base.train

@@ -87,12 +87,13 @@ def test_no_rounds_refused(ran, script, argv):
     ("moe.py", ["--num-experts", "3"], "ep=2 does not divide num_experts=3"),
     ("tensor_parallel.py", ["--config", "no-such.toml"], "--config no-such.toml: no such file"),
     ("compile.py", ["--n-embd", "7"], "n_embd=7 is not divisible by n_head=8"),
+    ("pipeline.py", ["--n-head", "3"], "n_embd=256 is not divisible by n_head=3"),
     ("context_parallel.py", ["--n-head", "3"], "n_embd=64 is not divisible by n_head=3"),  # was: every row "not
     # built", status 0
 ))
 def test_config_refused_in_one_line(ran, script, argv, message):
-    """A config gcompile refuses was a traceback (tensor_parallel.py: one per rank; compile.py: a child's exit
-    status, without the reason)."""
+    """A config gcompile refuses was a traceback (tensor_parallel.py, pipeline.py: one per rank; compile.py: a
+    child's exit status, without the reason)."""
     done = ran[script, tuple(argv)]
     assert done["status"] == 2, done["stderr"][-2000:]
     assert message in done["stderr"].splitlines()[-1], done["stderr"]
