@@ -33,7 +33,9 @@ class MetricsLog:
     as metrics.N.jsonl (the first free N) and a fresh one is started."""
 
     def __init__(self, run_dir: str, tensorboard_dir: str | None, train_iters: int, world_size: int,
-                 start_iteration: int, log: Callable[[str], None]):
+                 start_iteration: int, log: Callable[[str], None], skipped_before: int = 0):
+        """`skipped_before`: the steps fp16's loss scaling skipped before `start_iteration` (a resumed run's)."""
+        self.skipped_at_last_line = skipped_before
         os.makedirs(run_dir, exist_ok=True)
         path = metrics_path(run_dir)
         last = last_iteration(path)
@@ -94,8 +96,9 @@ class MetricsLog:
                   f" lm loss: {loss:.6E} |"
                   + (f" loss scale: {loss_scale:.1f} |" if loss_scale is not None else "")
                   + (f" grad norm: {grad_norm:.3f} |" if grad_norm is not None else "")
-                  + f" number of skipped iterations: {skipped_iterations:3d} |" + summary,
-                  flush=True)
+                  + f" number of skipped iterations: {skipped_iterations - self.skipped_at_last_line:3d} |"
+                  + summary, flush=True)  # since the last line, as Megatron counts them; metrics.jsonl has the total
+            self.skipped_at_last_line = skipped_iterations
 
     def _reports(self, reports: dict, iteration: int, record: dict) -> str:
         """Log what the model reported: each value per report (a model reports once per layer) into the record

@@ -126,7 +126,7 @@ def train(config: RunConfig, coords: Coords, device: str = "cpu", log=print) -> 
             train_step = GraphedTrainStep(runtime)
 
     metrics = MetricsLog(config.log.run_dir, config.log.tensorboard_dir, t.train_iters, coords.world_size,
-                         progress.iteration, log) if logging else None
+                         progress.iteration, log, progress.skipped_iterations) if logging else None
     flops = config.model_spec.flops(config.model, t.global_batch_size, t.seq_length)
     records, skipped, consumed = [], progress.skipped_iterations, progress.consumed_samples
     reported = Interval(program, config.num_microbatches, device)  # since the last log line

@@ -80,6 +80,22 @@ def test_a_resume_counts_skipped_steps_on_from_the_saved_run(tmp_path):
     assert skipped[0] == skipped[1] and skipped[0][-1] > 2, skipped
 
 
+def test_the_console_counts_skipped_steps_since_its_last_line(tmp_path, capsys):
+    """As Megatron's does; it printed the run's total (4 at iteration 4 where 2 were skipped since the line at 2),
+    which metrics.jsonl keeps. A resumed run's first line counts from the resume, not from 0."""
+    def printed(*flags) -> list[int]:
+        assert run_gpt.main(SMALL + ["--fp16", "--initial-loss-scale", "1e30", "--train-iters", "4",
+                                     "--log-interval", "2", *flags]) == 0
+        return [int(line.split("number of skipped iterations:")[1].split("|")[0])
+                for line in capsys.readouterr().out.splitlines() if "number of skipped iterations:" in line]
+
+    assert printed("--run-dir", str(tmp_path / "straight")) == [2, 2]
+    assert [r["skipped_iterations"] for r in records(tmp_path / "straight") if "lm_loss" in r] == [1, 2, 3, 4]
+    save = str(tmp_path / "save")
+    assert printed("--save", save, "--exit-interval", "2", "--run-dir", str(tmp_path / "cut")) == [2]
+    assert printed("--load", save, "--run-dir", str(tmp_path / "cut")) == [2]
+
+
 def test_non_finite_state_is_not_saved():
     def state(value):
         ones = torch.ones(4)
