@@ -25,7 +25,7 @@ from gcompile.arguments import UNRECOGNIZED, ArgumentParser
 from gcompile.data import DataConfig, DataError, parse_split
 from gcompile.log import counted
 from gcompile.models import CONFIGS, DEFAULT_MODEL, is_users, register_user_model, spec_of
-from gcompile.models.moe_config import MoEConfig
+from gcompile.models.moe_config import MoEConfig, idle_settings
 from gcompile.paths import path_error
 from gcompile.user_code import UserCodeError
 from gcompile.schedule import SCHEDULES, SPLIT_BACKWARD, ScheduleError, check_sizes
@@ -699,6 +699,8 @@ def idle_flags(config: RunConfig) -> list[str]:
         defaults = TrainConfig()
         idle += [f"--{_flag(name)} does nothing without --fp16 (only fp16 scales the loss)"
                  for name in FP16_ONLY if getattr(config.train, name) != getattr(defaults, name)]
+    if isinstance(config.model, MoEConfig):
+        idle += idle_settings(config.model)
     return idle
 
 

@@ -111,6 +111,10 @@ def test_exit_interval_without_save_says_nothing_was_saved(tmp_path, capfd):
     (["--use-distributed-optimizer", "--dp", "2"], None),
     (["--bf16", "--initial-loss-scale", "1024"], "note: --initial-loss-scale does nothing without --fp16"),
     (["--fp16", "--initial-loss-scale", "1024"], None),
+    (["--moe-router-topk", "3"], "note: --moe-router-topk does nothing without --num-experts"),  # was: silent
+    (["--num-experts", "0", "--moe-aux-loss-coeff", "0.01"], "note: --moe-aux-loss-coeff does nothing without "
+                                                              "--num-experts"),
+    (["--num-experts", "4", "--moe-router-topk", "3", "--moe-aux-loss-coeff", "0.01"], None),
 ])
 def test_a_setting_that_does_nothing_in_the_layout_is_said(flags, note, capsys):
     assert run_gpt.main(["--config", "configs/tiny.toml", "--n-layer", "2", *flags, "--check-plan"]) == 0

@@ -1,7 +1,7 @@
 """The `[model]` keys of a mixture of experts, shared by every model family that offers one (no torch here,
 so that reading flags needs none); gcompile/models/moe.py is the layer."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
@@ -48,3 +48,13 @@ def moe_errors(config: MoEConfig) -> list[str]:
         errors.append(f"moe_aux_loss_coeff={config.moe_aux_loss_coeff} must be 0 or more (a negative weight "
                       f"rewards imbalance)")
     return errors
+
+
+def idle_settings(config: MoEConfig) -> list[str]:
+    """A line for each expert setting that a model without experts ignores (gcompile.config.idle_flags)."""
+    if config.num_experts:
+        return []
+    defaults = MoEConfig()
+    return [f"--{f.name.replace('_', '-')} does nothing without --num-experts (a model of dense MLPs has no experts "
+            f"to route to)" for f in fields(MoEConfig)
+            if f.name != "num_experts" and getattr(config, f.name) != getattr(defaults, f.name)]
