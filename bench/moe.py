@@ -130,17 +130,21 @@ def main():
     p.add_argument("--n-embd", type=int, default=64)
     p.add_argument("--n-head", type=int, default=4)
     p.add_argument("--seq-length", type=int, default=64)
-    p.add_argument("--num-experts", type=int, default=4)
+    p.add_argument("--num-experts", type=count, default=4, help="experts per layer (default: %(default)s)")
     p.add_argument("--moe-router-topk", type=int, default=2)
-    p.add_argument("--batch-size", type=int, default=8, help="samples per step, one microbatch")
+    p.add_argument("--batch-size", type=count, default=8, help="samples per step, one microbatch (default: %(default)s)")
     p.add_argument("--iters", type=count, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=count, default=5)
-    p.add_argument("--ep", type=int, default=2, help="ranks of rows (d) (ep N) and (e) (dp N); 1: neither row")
+    p.add_argument("--ep", type=count, default=2, help="ranks of rows (d) (ep N) and (e) (dp N); 1: neither row "
+                                                      "(default: %(default)s)")
     add_worker_flags(p)
     args = p.parse_args()
     if args.worker:
         return ep_worker(args)
+    if args.batch_size % args.ep:  # its config would name --global-batch-size, which the bench does not take
+        p.error(f"--batch-size {args.batch_size} must be a multiple of --ep {args.ep}: rows (d) and (e) split it "
+                f"over the ep ranks")
     try:
         config = make_config(args)
         if args.ep > 1:

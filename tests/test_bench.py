@@ -70,6 +70,8 @@ def test_help_describes_in_sentences(ran, script, argv):
     ("context_parallel.py", ["--repeats", "0"]),
     ("data_parallel.py", ["--repeats", "0"]),
     ("moe.py", ["--repeats", "0"]),
+    ("moe.py", ["--num-experts", "0"]),  # was: a line that named --ep, which was not given
+    ("moe.py", ["--ep", "0"]),  # was: ran without rows (d) and (e)
     ("pipeline.py", ["--rounds", "0"]),
     ("cost_model.py", ["--warmup", "0", "--machine", "no-such-machine.json"]),
 ))
@@ -85,6 +87,7 @@ def test_no_rounds_refused(ran, script, argv):
 @pytest.mark.parametrize("script, argv, message", quick(
     ("single_rank.py", ["--n-head", "3"], "n_embd=256 is not divisible by n_head=3"),
     ("moe.py", ["--num-experts", "3"], "ep=2 does not divide num_experts=3"),
+    ("moe.py", ["--ep", "3"], "--batch-size 8 must be a multiple of --ep 3"),  # was: named --global-batch-size
     ("tensor_parallel.py", ["--config", "no-such.toml"], "--config no-such.toml: no such file"),
     ("compile.py", ["--n-embd", "7"], "n_embd=7 is not divisible by n_head=8"),
     ("pipeline.py", ["--n-head", "3"], "n_embd=256 is not divisible by n_head=3"),
