@@ -132,7 +132,8 @@ def main():
     p.add_argument("--seq-length", type=int, default=64)
     p.add_argument("--num-experts", type=count, default=4, help="experts per layer (default: %(default)s)")
     p.add_argument("--moe-router-topk", type=int, default=2)
-    p.add_argument("--batch-size", type=count, default=8, help="samples per step, one microbatch (default: %(default)s)")
+    p.add_argument("--batch-size", type=count, default=8,
+                   help="samples per step, one microbatch (default: %(default)s)")
     p.add_argument("--iters", type=count, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=count, default=5)
