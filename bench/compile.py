@@ -16,6 +16,7 @@ import sys
 import tempfile
 import time
 
+from flags import count  # bench/, first on sys.path when run as a script
 from gcompile.config import ConfigError, build_config
 from gcompile.world import build_world, precompile, rank_graphs
 
@@ -55,7 +56,7 @@ def main():
     p.add_argument("--n-layer", type=int, default=2)
     p.add_argument("--n-embd", type=int, default=64)
     p.add_argument("--seq-length", type=int, default=64)
-    p.add_argument("--threads", type=int, default=1, help="threads per rank (part of the cache key)")
+    p.add_argument("--threads", type=count, default=1, help="threads per rank (part of the cache key)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--layout", help=argparse.SUPPRESS)
     args = p.parse_args()

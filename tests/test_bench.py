@@ -73,6 +73,7 @@ def test_help_describes_in_sentences(ran, script, argv):
     ("moe.py", ["--num-experts", "0"]),  # was: a line that named --ep, which was not given
     ("moe.py", ["--ep", "0"]),  # was: ran without rows (d) and (e)
     ("pipeline.py", ["--rounds", "0"]),
+    ("compile.py", ["--threads", "0"]),  # was: a traceback, after building 16 ranks
     ("cost_model.py", ["--warmup", "0", "--machine", "no-such-machine.json"]),
 ))
 def test_no_rounds_refused(ran, script, argv):
