@@ -575,13 +575,24 @@ RUN_FLAGS = ("config", "dump_only", "check_plan", "auto_layout", "world_size", "
 """run_gpt.py's flags that are no config key (`parser`)."""
 
 
+class _GivenOnce(argparse.Action):
+    """A flag whose second value would replace the first whole, unseen: a second --config dropped the first
+    file's model and layout without a word."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        if hasattr(namespace, self.dest):
+            parser.error(f"{option_string} given twice ({getattr(namespace, self.dest)}, then {value}): one file "
+                         f"holds a run's settings; put them in one, or give the second's keys as flags")
+        setattr(namespace, self.dest, value)
+
+
 def parser() -> argparse.ArgumentParser:
     p = _ArgumentParser(
         prog="run_gpt.py",
         description="Train a GPT: one single-device program compiled into one program per rank.",
         argument_default=argparse.SUPPRESS,
     )
-    p.add_argument("--config", help="TOML preset (configs/*.toml); flags override its keys")
+    p.add_argument("--config", action=_GivenOnce, help="TOML preset (configs/*.toml); flags override its keys")
     p.add_argument("--dump-only", action="store_true",
                    help="build and dump each distinct program in this one process (ranks that differ only in dp "
                         "share one; DIR/index.txt names them), without training (needs --dump-graphs)")

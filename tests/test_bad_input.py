@@ -237,6 +237,8 @@ NOT_A_MODULE = LOGITS.replace('spec_with_defaults("logits", MaskedConfig, Masked
 # `saved()` is the `saved_run` fixture's folder, made when a case first asks for it
 CASES = [
     ("log-interval 0", "run_gpt", ["--log-interval", "0"], None, "log-interval=0 must be at least 1"),
+    ("config twice", "run_gpt", ["--config", f"{ROOT}/configs/tiny.toml", "--config", f"{ROOT}/configs/moe-tiny.toml"],
+     None, "--config given twice"),  # was: the first file's model and layout dropped without a word
     ("abbreviated flag", "run_gpt", ["--pipeline-sched", "1f1b"], None, "unrecognized arguments: --pipeline-sched"),
     ("eval-iters 0", "run_gpt", ["--eval-interval", "1", "--eval-iters", "0"], None,
      "eval-iters=0 must be at least 1 while evaluation is on"),
