@@ -62,11 +62,24 @@ def cache_home() -> str:
 
 
 def temp_name(path: str) -> str:
-    """Unique per writer, so two processes preparing the same files never share one. Those a writer that
-    died left (killed, or stopped by a signal, which ends the process without unwinding) go with the next
+    """Unique per writer, so two processes preparing the same files never share one. A signal's exit, which
+    does not unwind, removes this process's (`remove_own_temps`); those a killed writer left go with the next
     writer of the path (`remove_leftovers`)."""
     remove_leftovers(path)
-    return f"{path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    name = f"{path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    _OWN_TEMPS.add(os.path.abspath(name))
+    return name
+
+
+_OWN_TEMPS: set[str] = set()
+"""Every temporary name this process made; those moved into place are no longer there."""
+
+
+def remove_own_temps() -> None:
+    """Remove what this process's writers have not finished (gcompile.shutdown.exit_now, before it exits)."""
+    for name in list(_OWN_TEMPS):
+        with contextlib.suppress(OSError):
+            shutil.rmtree(name) if os.path.isdir(name) else os.remove(name)
 
 
 def remove_leftovers(path: str) -> None:

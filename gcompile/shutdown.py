@@ -32,6 +32,8 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 
+from gcompile import paths
+
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 LAUNCHER = "GCOMPILE_LAUNCHER_FD"
 """Environment of a rank started by gcompile.launch.spawn_local: the read end of the launcher's pipe."""
@@ -100,6 +102,7 @@ def exit_now(signum: int, quiet: bool = False) -> None:
             stream.flush()
         except (OSError, ValueError, RuntimeError):  # closed, or the main thread is inside a write
             pass
+    paths.remove_own_temps()  # what the main thread was writing, half-written
     if not quiet:
         os.write(2, _line(signum).encode())
     os._exit(exit_status(signum))

@@ -9,6 +9,7 @@ import dataclasses
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -264,6 +265,35 @@ def test_a_dead_writers_temporary_files_go_with_the_next_writer_and_a_live_ones_
     with IndexedDatasetWriter(str(tmp_path / "corpus"), np.uint16) as writer:
         writer.add_document([1, 2])
     assert sorted(os.listdir(tmp_path)) == ["corpus.bin", "corpus.idx", alive.name]
+
+
+WRITER_STOPPED_MIDWAY = """
+import sys
+import time
+from gcompile import paths, shutdown
+from gcompile.prepare import write_replacing
+shutdown.install(shutdown.stopper(exit_signal_handler=False), "python -m gcompile.data")
+write_replacing(sys.argv[1] + ".meta.json", "{}")  # done: in place, kept
+with open(paths.temp_name(sys.argv[1] + ".bin"), "w") as half:
+    half.write("half")
+    half.flush()
+    print("writing", flush=True)
+    time.sleep(120)  # until the test's signal
+"""
+
+
+def test_a_writer_stopped_by_a_signal_leaves_no_temporary_file(tmp_path):
+    """A SIGINT or SIGTERM to `python -m gcompile.data prepare` left PREFIX.bin.tmp-PID-... (5 MB in a walk of the
+    README, which said none is left): the signal's exit does not unwind, so no `finally` removed it."""
+    writer = subprocess.Popen([sys.executable, "-c", WRITER_STOPPED_MIDWAY, str(tmp_path / "corpus")],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(__file__))))
+    assert writer.stdout.readline() == "writing\n"
+    assert any(".tmp-" in name for name in os.listdir(tmp_path))
+    writer.send_signal(signal.SIGINT)
+    _, err = writer.communicate(timeout=60)
+    assert writer.returncode == 130 and err == "python -m gcompile.data: stopped by SIGINT\n", err
+    assert os.listdir(tmp_path) == ["corpus.meta.json"]
 
 
 def test_generate_from_a_model_of_a_trained_tokenizer(corpus, tmp_path, capsys):
