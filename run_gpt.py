@@ -27,7 +27,7 @@ import torch
 
 from gcompile import paths
 from gcompile.checkpoint import CheckpointError, check, claimed
-from gcompile.data import DataError, build_datasets, check_batches, check_token_ids
+from gcompile.data import DataError, build_datasets, check_batches, check_token_ids, unknown_tokenizers
 from gcompile.check import PlanError, check_fits_machine, check_plan
 from gcompile.mesh import MeshError, check_shm_room
 from gcompile.log import counted, metrics_error
@@ -158,6 +158,8 @@ def check_data(config: RunConfig) -> None:
     train_data, valid_data = build_datasets(config.data, t.seq_length, t.seed)
     check_token_ids(config.data, train_data, valid_data, config.model.vocab_size)
     check_batches(config.data, train_data, valid_data, t.global_batch_size, evaluates=t.eval_interval > 0)
+    for unknown in unknown_tokenizers(config.data, train_data, valid_data):
+        print(f"note: {unknown}", file=sys.stderr)
 
 
 def auto_layout(config: RunConfig, flags, argv: list[str]) -> list[str]:

@@ -263,6 +263,24 @@ def check_token_ids(config: DataConfig, train, valid, vocab_size: int) -> None:
                                 f"--vocab-size to at least {at_least} or use data made with this model's tokenizer")
 
 
+def unknown_tokenizers(config: DataConfig, train, valid) -> list[str]:
+    """A line for each stream whose PREFIX.meta.json is there but not believed (damaged, or of other tokens),
+    and, in a blend, for each that has none: what their tokenizers are is unknown, so a blend of two cannot be
+    refused (_check_one_tokenizer), and was not said."""
+    streams, lines = _streams(config, train, valid), []
+    for name, path, _ in streams:
+        meta = path.removesuffix(".bin") + META_SUFFIX
+        if prepared_record(path) is not None:
+            continue
+        if os.path.exists(meta):
+            lines.append(f"{name}: {meta} is damaged or not of these tokens, so their tokenizer is unknown; "
+                         f"prepare the data again to restore it")
+        elif len(streams) > 1:
+            lines.append(f"{name} has no {meta} (not made by prepare), so the blend cannot check that its "
+                         f"streams share one tokenizer")
+    return lines
+
+
 def _check_one_tokenizer(records: dict[str, dict | None]) -> None:
     """A blend of streams prepare made with different tokenizers mixes two meanings of each id: refused, where
     their records say so: their vocabularies' digests (tokenizer.vocab_digest; two BPEs of one size trained on

@@ -17,7 +17,8 @@ import run_gpt
 from gcompile import prepare
 from gcompile.blend import BlendedDataset, blend_index, parse_blend
 from gcompile.config import parse_args
-from gcompile.data import DataConfig, DataError, GPTDataset, build_datasets, check_batches, check_token_ids
+from gcompile.data import (DataConfig, DataError, GPTDataset, build_datasets, check_batches, check_token_ids,
+                           unknown_tokenizers)
 from gcompile.indexed_dataset import IndexedDatasetWriter
 
 L = 8
@@ -181,6 +182,30 @@ def test_a_blend_of_data_from_two_tokenizers_is_refused(tmp_path):
         check_token_ids(config, train, valid, 300)
     same = DataConfig(f"0.5 {prefixes[1]} 0.5 {prefixes[1]}", split="1,1")
     check_token_ids(same, *build_datasets(same, seq_length=L, seed=0), 300)
+
+
+def test_a_stream_whose_tokenizer_is_unknown_is_said(tmp_path):
+    """A damaged PREFIX.meta.json was ignored without a word, and then a blend of byte-level and BPE data
+    trained (a walk of the README): where a record is missing or not believed, a note says so."""
+    (tmp_path / "text.py").write_text("def add(x, y):\n    return x + y\n" * 200)
+    prefixes = [str(tmp_path / "bytes"), str(tmp_path / "bpe"), str(tmp_path / "raw")]
+    prepare.main(["prepare", "--input", str(tmp_path / "text.py"), "--output", prefixes[0]])
+    prepare.main(["prepare", "--input", str(tmp_path / "text.py"), "--output", prefixes[1], "--train-tokenizer",
+                  "--vocab-size", "300"])
+    write(tmp_path / "raw", np.arange(600) % 257)  # Megatron's files: no record
+    with open(prefixes[0] + ".meta.json", "w") as f:
+        f.write('{"vocab_size": "x"')
+
+    def notes(data_path: str) -> list[str]:
+        config = DataConfig(data_path, split="1,1")
+        return unknown_tokenizers(config, *build_datasets(config, seq_length=L, seed=0))
+
+    assert notes(prefixes[0]) == [f"--data-path {prefixes[0]}: {prefixes[0]}.meta.json is damaged or not of these "
+                                  f"tokens, so their tokenizer is unknown; prepare the data again to restore it"]
+    assert notes(f"0.5 {prefixes[1]} 0.5 {prefixes[2]}") == [
+        f"--data-path {prefixes[2]} has no {prefixes[2]}.meta.json (not made by prepare), so the blend cannot "
+        f"check that its streams share one tokenizer"]
+    assert notes(prefixes[2]) == notes(prefixes[1]) == notes(f"0.5 {prefixes[1]} 0.5 {prefixes[1]}") == []
 
 
 def test_a_blend_tells_tokenizers_apart_by_what_their_ids_mean(tmp_path):
