@@ -229,7 +229,7 @@ def resume(config: RunConfig, program: RankProgram, state: TrainState, log) -> P
     saved = checkpoint.Checkpoint(folder).meta["config"]
     if progress.iteration:  # at iteration 0 (import-hf's checkpoint) no step followed a schedule or read data
         for change in (lr_schedule_change(saved["train"], config.train, progress.iteration),
-                       data_change(saved, config)):
+                       data_change(saved, config), batch_change(saved["train"], config.train)):
             if change:
                 log(change)
     return progress
@@ -257,6 +257,16 @@ def data_change(saved: dict, config: RunConfig) -> str | None:
                if _meaning(name, saved.get(section, {}).get(name)) != _meaning(name, now[section][name])]
     return f"the batches differ from the saved run's ({'; '.join(changed)}): training goes on from its consumed " \
            f"samples, in another order or of other data" if changed else None
+
+
+def batch_change(saved_train: dict, t: TrainConfig) -> str | None:
+    """A line when this run's global batch is not the saved run's: a step reads another number of samples, so
+    --train-iters ends at another sample than the saved run's would have; None when it is the same."""
+    saved = saved_train.get("global_batch_size", t.global_batch_size)
+    if saved == t.global_batch_size:
+        return None
+    return (f"the global batch differs from the saved run's ({saved} -> {t.global_batch_size} samples): each step "
+            f"from here reads {t.global_batch_size}, going on from its consumed samples")
 
 
 def lr_schedule_change(saved_train: dict, t: TrainConfig, iteration: int) -> str | None:

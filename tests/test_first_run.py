@@ -21,7 +21,7 @@ from gcompile.axes import Coords
 from gcompile.log import MetricsLog, rank_ranges
 from gcompile.schedule import build_schedule
 from gcompile.schedule_render import render_svg
-from gcompile.train import data_change, lr_schedule_change, train
+from gcompile.train import batch_change, data_change, lr_schedule_change, train
 from gcompile.world import prepare_launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -216,6 +216,20 @@ def test_a_resume_with_another_train_iters_says_so(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "the learning-rate schedule differs from the saved run's (train_iters 2 -> 4): iteration 3" in out, out
     assert "the batches differ" not in out, out
+
+
+def test_a_resume_with_another_global_batch_says_so(tmp_path, capsys):
+    """8 -> 16 samples a step went on without a word, where a changed seed or split was named."""
+    t = TrainConfig(global_batch_size=8)
+    assert batch_change(dataclasses.asdict(t), dataclasses.replace(t, micro_batch_size=2, train_iters=9)) is None
+    save = str(tmp_path / "save")
+    assert run_gpt.main(SMALL + ["--train-iters", "2", "--save", save, "--run-dir", str(tmp_path / "a")]) == 0
+    capsys.readouterr()
+    doubled = str(2 * parse_args(SMALL)[0].train.global_batch_size)
+    assert run_gpt.main(SMALL + ["--train-iters", "3", "--global-batch-size", doubled, "--load", save,
+                                 "--run-dir", str(tmp_path / "b")]) == 0
+    assert (f"the global batch differs from the saved run's ({parse_args(SMALL)[0].train.global_batch_size} -> "
+            f"{doubled} samples)") in capsys.readouterr().out
 
 
 def test_a_resume_with_nothing_left_to_train_says_so(tmp_path, capsys):
