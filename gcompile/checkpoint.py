@@ -98,6 +98,10 @@ def iteration_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
+EARLIER = f"load an earlier checkpoint: write its N (of a folder iter_N beside this one) into {TRACKER}"
+"""The fix for a checkpoint whose files cannot be read."""
+
+
 def latest(root: str) -> str | None:
     """The last committed checkpoint folder under `root`; None when there is none yet (CheckpointError where
     the folder holds one that cannot be found so: see `unfound`)."""
@@ -113,7 +117,10 @@ def latest(root: str) -> str | None:
                               f"write the N of a folder iter_N beside it, or remove the file")
     folder = iteration_dir(root, int(text))
     if not os.path.isdir(folder):
-        raise CheckpointError(f"{tracker} names iteration {text} but {folder} does not exist")
+        there = sorted(n for n in os.listdir(root) if re.fullmatch(r"iter_\d+", n))
+        fix = f"write {int(there[-1].removeprefix('iter_'))} (its last, {there[-1]}) into it" if there else \
+            "restore that folder"
+        raise CheckpointError(f"{tracker} names iteration {text} but {folder} does not exist; {fix}")
     return folder
 
 
@@ -385,11 +392,11 @@ class Checkpoint:
             self._load(tensors)
         except (Exception, dcp.CheckpointException) as e:  # a bad file fails as whatever its reader raised
             raise CheckpointError(f"{self.folder}: cannot read {self._failing_file(tensors)} "
-                                  f"(truncated or damaged?): {first_line(e)}") from None
+                                  f"(truncated or damaged?): {first_line(e)}; {EARLIER}") from None
         for key, value in tensors.items():
             if _crc32(value) != records[key]["crc32"]:
                 raise CheckpointError(f"{self.folder}: {key} in {self._file_of(key)} does not match its "
-                                      f"checksum; the file is corrupted")
+                                      f"checksum; the file is corrupted: {EARLIER}")
         return tensors
 
     def verify(self) -> None:

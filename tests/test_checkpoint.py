@@ -330,7 +330,7 @@ def truncate_shards(folder, names=None) -> None:
     (None, ["--n-layer", "3"], "holds a different model: n_layer=2 (this run: 3)"),
     (lambda folder: os.remove(os.path.join(folder, "gcompile.json")), [], "not a gcompile checkpoint"),
     (lambda folder: open(os.path.join(os.path.dirname(folder), TRACKER), "w").write("99\n"), [],
-     "names iteration 99 but"),
+     "does not exist; write "),  # was: no fix named
 ])
 def test_bad_checkpoint_is_one_line(dp2, tmp_path, capsys, damage, flags, message):
     save = tmp_path / "save"
