@@ -91,6 +91,9 @@ def load_tokens(data_path: str) -> np.ndarray:
     if os.path.isfile(prefix + ".bin"):  # a prefix whose .idx is gone
         raise DataError(f"--data-path {data_path}: {prefix}.bin has no {prefix}.idx beside it; restore the .idx, "
                         f"or give --data-path {prefix}.bin to read it as nanoGPT's raw uint16 tokens")
+    if folders := [path for path in (prefix + ".bin", prefix + ".idx") if os.path.isdir(path)]:
+        raise DataError(f"--data-path {data_path}: {folders[0]} is a folder, not a file; give the PREFIX of a pair "
+                        f"made by `python -m gcompile.data prepare` or a nanoGPT .bin file")
     raise DataError(f"--data-path {data_path}: no {prefix}.bin / {prefix}.idx found; give the PREFIX "
                     "of a pair made by `python -m gcompile.data prepare` or a nanoGPT .bin file")
 

@@ -270,6 +270,8 @@ CASES = [
     ("lr-decay-iters within the warmup", "run_gpt", ["--lr-warmup-iters", "10", "--lr-decay-iters", "5"], None,
      "lr-decay-iters=5 must be above lr-warmup-iters=10"),  # was: warmup to lr, then a drop to min_lr
     ("data-path empty", "run_gpt", ["--data-path", ""], None, "--data-path is empty"),
+    ("data-path a folder", "run_gpt", ["--data-path", "{tmp}/corpus.bin"], lambda tmp, _: (tmp / "corpus.bin").mkdir(),
+     "{tmp}/corpus.bin is a folder, not a file"),  # was: "no {tmp}/corpus.bin / ... found", though it is there
     ("sharding strategy unknown", "run_gpt", ["--dp", "2", "--data-parallel-sharding-strategy", "zero3"], None,
      "must be no_shard, optim, optim_grads or optim_grads_params"),
     ("shard size not dividing dp", "run_gpt", ["--dp", "4", "--global-batch-size", "32",
