@@ -565,7 +565,8 @@ def load_exported(path: str, spec: ModelSpec) -> tuple[torch.nn.Module, object]:
         raise CheckpointError(f"{not_ours}: it holds Python objects beyond tensors and numbers, and loading them "
                               f"could run code; refused") from None
     except Exception as e:  # anything else torch.load refuses: not a torch file, truncated
-        raise CheckpointError(f"{not_ours} ({first_line(e)})") from None
+        raise CheckpointError(f"{not_ours} (torch.load: {first_line(e)}); give a file `export` wrote "
+                              f"(python -m gcompile.checkpoint export SAVE --output FILE)") from None
     if not isinstance(exported, dict) or not {"model", "model_args"} <= exported.keys():
         raise CheckpointError(f"{not_ours}: it holds no model and model_args, which export writes (a folder "
                               f"export-hf wrote loads with transformers' from_pretrained)")

@@ -500,6 +500,9 @@ CASES = [
      lambda tmp, saved: torch.save({"weights": torch.zeros(2)}, tmp / "other.pt"),
      "other.pt: not a gpt2 model exported by gcompile.checkpoint: it holds no model and model_args"),  # was: "its
     # model_args are not a gpt2 config's ('model_args'); is --model-name right?"
+    ("generate a text file", "checkpoint", ["generate", "{tmp}/text.pt"],
+     lambda tmp, saved: (tmp / "text.pt").write_text("hello\n"),
+     "give a file `export` wrote (python -m gcompile.checkpoint export SAVE --output FILE)"),  # was: no fix
     ("generate a folder", "checkpoint", ["generate", "{tmp}"], None,
      "{tmp} is a folder; give the file export wrote"),
     ("generate from NaN weights", "checkpoint", ["generate", "{tmp}/nan.pt"], nan_export,
