@@ -144,7 +144,8 @@ def test_ranks_that_differ_only_in_dp_run_one_program(layout):
     """What --dump-only and --check-plan build one program per class for: every rank of a whole world
     holds its representative's program up to its coordinates (ep folds into dp: experts differ by
     coordinates alone too); the checker over the representatives speaks for every rank."""
-    cfg, _ = parse_args(["--config", "configs/tiny.toml", "--micro-batch-size", "1", *layout.split()])
+    preset = [] if "--config" in layout else ["--config", "configs/tiny.toml"]  # one preset a run
+    cfg, _ = parse_args([*preset, "--micro-batch-size", "1", *layout.split()])
     programs = build_world(cfg, log=lambda _: None)
     shared_by = representatives(cfg)
     representative = {rank: rep for rep, ranks in shared_by.items() for rank in ranks}
