@@ -76,10 +76,12 @@ _OWN_TEMPS: set[str] = set()
 
 
 def remove_own_temps() -> None:
-    """Remove what this process's writers have not finished (gcompile.shutdown.exit_now, before it exits)."""
+    """Remove what this process's writers have not finished (gcompile.shutdown.exit_now, before it exits); a
+    forked child holds its parent's names too, which are its parent's to remove."""
     for name in list(_OWN_TEMPS):
-        with contextlib.suppress(OSError):
-            shutil.rmtree(name) if os.path.isdir(name) else os.remove(name)
+        if f".tmp-{os.getpid()}-" in os.path.basename(name):
+            with contextlib.suppress(OSError):
+                shutil.rmtree(name) if os.path.isdir(name) else os.remove(name)
 
 
 def remove_leftovers(path: str) -> None:
