@@ -16,8 +16,8 @@ import sys
 import tempfile
 import time
 
-from flags import count  # bench/, first on sys.path when run as a script
-from gcompile.config import ConfigError, build_config
+from flags import count, refused_in_one_line  # bench/, first on sys.path when run as a script
+from gcompile.config import build_config
 from gcompile.world import build_world, precompile, rank_graphs
 
 LAYOUTS = {"tp8 pp2": dict(tp=8, pp=2), "tp1 pp1": dict(tp=1, pp=1)}
@@ -62,11 +62,9 @@ def main():
     args = p.parse_args()
     if args.child:
         return measure(args)
-    try:
-        for parallel in LAYOUTS.values():  # here: a child's failure shows only its status
+    with refused_in_one_line(p):  # here: a child's failure shows only its status
+        for parallel in LAYOUTS.values():
             make_config(args, parallel)
-    except ConfigError as e:
-        p.error(str(e))
     print(f"{'layout':8s} {'ranks':>5s} {'graphs':>7s} {'distinct':>8s} {'build s':>8s} {'cold s':>7s} "
           f"{'warm s':>7s} {'misses':>6s} {'hits':>5s}")
     for layout in LAYOUTS:

@@ -40,7 +40,7 @@ from gcompile.check import estimate_memory
 from gcompile.config import ConfigError, build_config
 from gcompile.train import split_microbatches
 from flags import (add_model_flags, add_worker_flags, count, gcompile_runtime, join_gloo,  # bench/, first on sys.path
-                   median_step, model_section, spawn_ranks, torch_step)
+                   median_step, model_section, refused_in_one_line, spawn_ranks, torch_step)
 
 COMM_TYPES = ("all_gather", "p2p", "a2a")
 TORCH = "torch"
@@ -199,10 +199,8 @@ def main():
     args = p.parse_args()
     if args.worker:
         return worker(args)
-    try:  # the base every row is read against: without it no row means anything
+    with refused_in_one_line(p):  # the base every row is read against: without it no row means anything
         make_config(args, *variants([])["gcompile cp 1"])
-    except ConfigError as e:
-        p.error(str(e))
     print(f"{args.n_layer} layers, {args.n_embd} wide, {args.n_head} heads, {args.arch}, T={args.seq_length}, "
           f"1 sample per step, gloo, {os.cpu_count()} cores, {args.repeats} rounds of {args.steps} timed steps"
           f"{', --compile' if args.compile else ''}\n", flush=True)

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from gcompile.config import ConfigError, build_config, load_toml
 from gcompile.axes import Coords
 from flags import (add_worker_flags, count, gcompile_runtime, join_gloo, median_step,  # bench/, first on sys.path
-                   spawn_ranks, torch_step)
+                   refused_in_one_line, spawn_ranks, torch_step)
 
 COMPILE = dict(compile=True)
 VARIANTS = {  # name -> the step's kind and the [train] / [parallel] keys it runs with
@@ -195,10 +195,8 @@ def main():
     args = p.parse_args()
     if args.worker:
         return worker(args)
-    try:
-        memory = optimizer_bytes_table(args.memory_config)  # seconds: a config it refuses stops before the runs
-    except ConfigError as e:
-        p.error(f"--memory-config: {e}")
+    with refused_in_one_line(p, "--memory-config: "):  # seconds: a config it refuses stops before the runs
+        memory = optimizer_bytes_table(args.memory_config)
     print(f"dp={args.dp}: {args.n_layer} layers, {args.n_embd} wide, T={args.seq_length}, "
           f"{args.micro_batch_size} samples per rank per step, gloo, {os.cpu_count()} cores, "
           f"{args.repeats} rounds of {args.iters} timed steps", flush=True)

@@ -14,6 +14,18 @@ import time
 import torch
 import torch.distributed as dist
 
+from gcompile.config import ConfigError
+
+
+@contextlib.contextmanager
+def refused_in_one_line(p: argparse.ArgumentParser, what: str = ""):
+    """A config gcompile refuses (ConfigError) inside the block: argparse's one line and status 2, before any rank
+    starts or any timing; `what` names where the config came from."""
+    try:
+        yield
+    except ConfigError as e:
+        p.error(f"{what}{e}")
+
 
 def count(text: str) -> int:
     """argparse type of --iters, --repeats and the like: at least 1 (with none there is no median to report)."""

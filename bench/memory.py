@@ -24,7 +24,7 @@ import os
 import sys
 import time
 
-from flags import count  # bench/, first on sys.path when run as a script
+from flags import count, refused_in_one_line  # bench/, first on sys.path when run as a script
 from gcompile.axes import Coords
 from gcompile.check import MeasuredMemory, estimate_memory
 from gcompile.collectives import collective_nodes
@@ -92,10 +92,8 @@ def main():
     rows, refused, checks = [], {}, []
     for path in args.configs:
         name, cache = os.path.splitext(os.path.basename(path))[0], BuildCache()
-        try:
+        with refused_in_one_line(p):  # not a strategy's refusal: the config cannot run at all
             full = estimated(build(path, 1, "no_shard", cache))
-        except ConfigError as e:  # not a strategy's refusal: the config cannot run at all
-            p.error(str(e))
         measures = full < args.measure_gib * GIB
         unit, unit_name = (GIB, "GiB") if full > 10 * GIB else (MIB, "MiB")
         for dp in args.dp:

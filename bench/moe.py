@@ -30,8 +30,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from flags import add_worker_flags, count, gcompile_runtime, join_gloo, median_step, spawn_ranks, torch_step  # bench/
-from gcompile.config import ConfigError, build_config
+from flags import (add_worker_flags, count, gcompile_runtime, join_gloo, median_step, refused_in_one_line,  # bench/
+                   spawn_ranks, torch_step)
+from gcompile.config import build_config
 from gcompile.models.moe import MoE
 from gcompile.train import split_microbatches
 from single_rank import one_rank_runtime, time_round_robin
@@ -146,12 +147,10 @@ def main():
     if args.batch_size % args.ep:  # its config would name --global-batch-size, which the bench does not take
         p.error(f"--batch-size {args.batch_size} must be a multiple of --ep {args.ep}: rows (d) and (e) split it "
                 f"over the ep ranks")
-    try:
+    with refused_in_one_line(p):
         config = make_config(args)
         if args.ep > 1:
             make_config(args, args.ep, args.ep)  # a layout the config refuses stops here, before any timing
-    except ConfigError as e:
-        p.error(str(e))
     tokens = batch(args, config)
     print(f"config: gpt2, {args.n_layer} layers, {args.n_embd} wide, {args.n_head} heads, {args.num_experts} "
           f"experts, top-{args.moe_router_topk}, T={args.seq_length}, {args.batch_size} samples/step, "

@@ -48,10 +48,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from flags import add_model_flags, count, model_section  # bench/, first on sys.path when run as a script
+from flags import add_model_flags, count, model_section, refused_in_one_line  # bench/, first on sys.path
 from single_rank import matmul_peak
 from gcompile.compile import Compiler, compile_rank_program
-from gcompile.config import ConfigError, build_config
+from gcompile.config import build_config
 from gcompile.launch import join_world, spawn_local, under_launcher
 from gcompile.models.gpt2 import GPT2
 from gcompile.pipeline import build_rank_program
@@ -219,10 +219,8 @@ def main():
     p.add_argument("--warmup", type=int, default=2)
     args = p.parse_args()
     if not under_launcher():
-        try:
-            bench_config(args, "1f1b", False)  # a config that cannot run is one line here, not one traceback per rank
-        except ConfigError as e:
-            p.error(str(e))
+        with refused_in_one_line(p):  # here, not as one traceback per rank
+            bench_config(args, "1f1b", False)
         sys.exit(spawn_local(PP, [os.path.abspath(__file__), *sys.argv[1:]]))
 
     coords, _ = join_world({"pp": PP})

@@ -18,9 +18,9 @@ import time
 
 import torch
 
-from flags import adamw_groups, add_model_flags, count, model_section  # bench/, first on sys.path when run as a script
+from flags import adamw_groups, add_model_flags, count, model_section, refused_in_one_line  # bench/, on sys.path
 from gcompile.compile import Compiler, compile_rank_program
-from gcompile.config import ConfigError, build_config
+from gcompile.config import build_config
 from gcompile.axes import Coords
 from gcompile.pipeline import build_rank_program
 from gcompile.runtime import Runtime
@@ -94,14 +94,12 @@ def main():
     p.add_argument("--iters", type=count, default=20)
     p.add_argument("--warmup", type=int, default=3)
     args = p.parse_args()
-    try:
+    with refused_in_one_line(p):
         config = build_config({
             "model": model_section(args),
             "train": dict(micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
                           seq_length=args.seq_length),
         })
-    except ConfigError as e:
-        p.error(str(e))
     t = config.train
     tokens = torch.randint(0, config.model.vocab_size, (t.global_batch_size, t.seq_length + 1),
                            generator=torch.Generator().manual_seed(0))

@@ -32,10 +32,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from flags import count  # bench/, first on sys.path when run as a script
+from flags import count, refused_in_one_line  # bench/, first on sys.path when run as a script
 from gcompile import shm_group
 from gcompile.compile import Compiler, compile_rank_program
-from gcompile.config import ConfigError, build_config, load_toml
+from gcompile.config import build_config, load_toml
 from gcompile.launch import join_world, spawn_local, under_launcher
 from gcompile.layout import Param, Shard, local_value
 from gcompile.mesh import group, register_group
@@ -190,10 +190,8 @@ def main():
     p.add_argument("--warmup", type=int, default=3)
     args = p.parse_args()
     if not under_launcher():
-        try:
-            bench_config(args)  # a config that cannot run is one line here, not one traceback per rank
-        except ConfigError as e:
-            p.error(str(e))
+        with refused_in_one_line(p):  # here, not as one traceback per rank
+            bench_config(args)
         return spawn_local(TP, [os.path.abspath(__file__), *sys.argv[1:]])
     return rank_main(args)
 
