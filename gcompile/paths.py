@@ -67,21 +67,20 @@ def temp_name(path: str) -> str:
     writer of the path (`remove_leftovers`)."""
     remove_leftovers(path)
     name = f"{path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    _OWN_TEMPS.add(os.path.abspath(name))
+    _TEMPS.setdefault(os.getpid(), set()).add(os.path.abspath(name))
     return name
 
 
-_OWN_TEMPS: set[str] = set()
-"""Every temporary name this process made; those moved into place are no longer there."""
+_TEMPS: dict[int, set[str]] = {}
+"""The temporary names each process made, by its pid (a forked child holds its parent's too, which are its
+parent's to remove); those moved into place are no longer there."""
 
 
 def remove_own_temps() -> None:
-    """Remove what this process's writers have not finished (gcompile.shutdown.exit_now, before it exits); a
-    forked child holds its parent's names too, which are its parent's to remove."""
-    for name in list(_OWN_TEMPS):
-        if f".tmp-{os.getpid()}-" in os.path.basename(name):
-            with contextlib.suppress(OSError):
-                shutil.rmtree(name) if os.path.isdir(name) else os.remove(name)
+    """Remove what this process's writers have not finished (gcompile.shutdown.exit_now, before it exits)."""
+    for name in list(_TEMPS.get(os.getpid(), ())):
+        with contextlib.suppress(OSError):
+            shutil.rmtree(name) if os.path.isdir(name) else os.remove(name)
 
 
 def remove_leftovers(path: str) -> None:
